@@ -1,0 +1,53 @@
+# stk: make install | demo | test | lint | bench
+#
+# MPI=pip  (default) installs MPICH from PyPI next to mpi4py: works on any machine.
+# MPI=site builds mpi4py against the site's MPI (the mpicc on PATH, or MPICC=/path/mpicc),
+#          which is what a cluster wants for its interconnect.
+
+PYTHON ?= python3
+VENV ?= .venv
+MPI ?= pip
+MPICC ?= mpicc
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-$(MPI)
+export DS_BUILD_OPS := 0
+
+.PHONY: install demo test test-unit test-integration lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg constraints.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+ifeq ($(MPI),site)
+	MPICC=$(MPICC) $(PIP) install -q --no-binary=mpi4py --no-cache-dir -c constraints.txt mpi4py
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+else
+	$(PIP) install -q -c constraints.txt -e '.[dev,mpich]'
+endif
+	touch $@
+
+demo: install
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m stk.demo
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+test-unit: install
+	$(PY) -m pytest -q -m "not integration" tests
+
+test-integration: install
+	$(PY) -m pytest -q -m integration tests
+
+lint: install
+	$(VENV)/bin/ruff check stk tests bench
+	$(VENV)/bin/ruff format --check stk tests bench
+	$(VENV)/bin/mypy stk
+
+bench: install
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/scan.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""stk: fine-tune diffusion models across a Slurm cluster."""

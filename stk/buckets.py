@@ -1,0 +1,178 @@
+"""Aspect buckets and the effective-batch check.
+
+A bucket is a (width, height) pair, both multiples of the alignment. The table is derived from
+a resolution, either the short edge in pixels (`pixel`) or an area in megapixels (`area`), and
+spans the allowed aspect ratios; an image goes to the bucket nearest its aspect ratio (in log
+space, so 2:1 and 1:2 are equally far from 1:1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from dataclasses import dataclass, field
+
+__all__ = [
+    "BatchCheck",
+    "Bucket",
+    "BucketIndex",
+    "BucketSpec",
+    "ResolutionType",
+    "ShortBucket",
+    "check_batches",
+    "effective_batch_size",
+    "make_buckets",
+]
+
+
+class ResolutionType(str, enum.Enum):
+    PIXEL = "pixel"  # resolution = short edge in pixels
+    AREA = "area"  # resolution = megapixels
+
+
+@dataclass(frozen=True)
+class Bucket:
+    id: int
+    width: int
+    height: int
+
+    @property
+    def aspect(self) -> float:
+        return self.width / self.height
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    resolution: float = 1024
+    resolution_type: ResolutionType = ResolutionType.PIXEL
+    alignment: int = 64
+    min_aspect: float = 0.5
+    max_aspect: float = 2.0
+
+    def validate(self) -> None:
+        if self.alignment <= 0:
+            raise ValueError("alignment must be positive")
+        if not 0 < self.min_aspect <= 1 <= self.max_aspect:
+            raise ValueError("aspect range must satisfy 0 < min-aspect <= 1 <= max-aspect")
+        side = self.resolution if self.resolution_type is ResolutionType.PIXEL else math.sqrt(self.resolution * 1e6)
+        if side < self.alignment:
+            raise ValueError(
+                f"resolution {self.resolution} ({self.resolution_type.value}) is below the alignment {self.alignment}"
+            )
+
+
+def _align(value: float, alignment: int) -> int:
+    return max(alignment, round(value / alignment) * alignment)
+
+
+def make_buckets(spec: BucketSpec) -> list[Bucket]:
+    """All buckets for `spec`, ordered by aspect ratio (tallest first), ids 0..n-1."""
+    spec.validate()
+    a = spec.alignment
+    sizes: set[tuple[int, int]] = set()
+    if spec.resolution_type is ResolutionType.PIXEL:
+        short = _align(spec.resolution, a)
+        for long in range(short, int(short * max(spec.max_aspect, 1 / spec.min_aspect)) + 1, a):
+            if long / short <= spec.max_aspect + 1e-9:
+                sizes.add((long, short))
+            if short / long >= spec.min_aspect - 1e-9:
+                sizes.add((short, long))
+    else:
+        area = spec.resolution * 1e6
+        max_side = math.sqrt(area * max(spec.max_aspect, 1 / spec.min_aspect))
+        for width in range(a, int(max_side) + a + 1, a):
+            height = _align(area / width, a)
+            if spec.min_aspect - 1e-9 <= width / height <= spec.max_aspect + 1e-9:
+                sizes.add((width, height))
+    ordered = sorted(sizes, key=lambda wh: (wh[0] / wh[1], wh[0]))
+    # keep one bucket per aspect ratio (the area rounding can give two sizes for one ratio)
+    unique: list[tuple[int, int]] = []
+    for wh in ordered:
+        if unique and abs(unique[-1][0] / unique[-1][1] - wh[0] / wh[1]) < 1e-12:
+            continue
+        unique.append(wh)
+    return [Bucket(i, w, h) for i, (w, h) in enumerate(unique)]
+
+
+class BucketIndex:
+    """Nearest-bucket lookup by aspect ratio (ties go to the lower id)."""
+
+    def __init__(self, buckets: list[Bucket]) -> None:
+        if not buckets:
+            raise ValueError("no buckets")
+        self.buckets = buckets
+        self._logs = [math.log(b.aspect) for b in buckets]
+
+    def nearest(self, width: int, height: int) -> Bucket:
+        target = math.log(width / height)
+        i = bisect.bisect_left(self._logs, target)
+        if i == 0:
+            return self.buckets[0]
+        if i == len(self.buckets):
+            return self.buckets[-1]
+        below, above = self._logs[i - 1], self._logs[i]
+        return self.buckets[i - 1] if target - below <= above - target else self.buckets[i]
+
+
+def effective_batch_size(batch_size: int, gpus: int, grad_accum: int) -> int:
+    """Samples consumed by one optimizer step across the whole job."""
+    if min(batch_size, gpus, grad_accum) < 1:
+        raise ValueError("batch size, GPU count and gradient accumulation must be at least 1")
+    return batch_size * gpus * grad_accum
+
+
+@dataclass(frozen=True)
+class ShortBucket:
+    bucket: Bucket
+    count: int  # images in the bucket
+    samples: int  # images x repeats
+    min_repeats: int  # the smallest repeats that fill one effective batch
+
+
+@dataclass
+class BatchCheck:
+    effective_batch_size: int
+    repeats: int
+    short: list[ShortBucket] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.short
+
+    def repeats_for(self, bucket_id: int, oversubscribe: bool) -> int:
+        """Repeats to record for a bucket: raised to its minimum only when oversubscribing."""
+        if oversubscribe:
+            for s in self.short:
+                if s.bucket.id == bucket_id:
+                    return s.min_repeats
+        return self.repeats
+
+    def message(self) -> str:
+        lines = [
+            f"{len(self.short)} bucket(s) hold fewer samples than the effective batch size "
+            f"{self.effective_batch_size} (batch size x GPUs x gradient accumulation), with --repeats {self.repeats}:"
+        ]
+        for s in self.short:
+            lines.append(
+                f"  bucket {s.bucket.id} ({s.bucket.width}x{s.bucket.height}): {s.count} images, "
+                f"{s.samples} samples; needs --repeats >= {s.min_repeats}"
+            )
+        lines.append(
+            "Ways out: --allow-oversubscription (applies those repeats to the short buckets), a smaller "
+            "--batch-size or --grad-accum, more images, or a wider --alignment / narrower aspect range "
+            "so that fewer, fuller buckets are made."
+        )
+        return "\n".join(lines)
+
+
+def check_batches(counts: dict[int, int], buckets: list[Bucket], effective: int, repeats: int = 1) -> BatchCheck:
+    """Every non-empty bucket must yield at least one effective batch (counting repeats)."""
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    check = BatchCheck(effective, repeats)
+    for bucket in buckets:
+        count = counts.get(bucket.id, 0)
+        if 0 < count * repeats < effective:
+            check.short.append(ShortBucket(bucket, count, count * repeats, math.ceil(effective / count)))
+    return check

@@ -1,0 +1,87 @@
+"""What every stk command shares: --config, verbosity, the S3 endpoint, and the way a command
+ends (one readable line and a documented exit code, never a traceback for expected errors)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from stk import storage
+from stk.config import load_command_config
+from stk.errors import ExitCode, StkError
+from stk.log import get_logger, setup_logging
+from stk.world import World, get_world
+
+__all__ = ["CONTEXT", "common_options", "run_command"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+log = get_logger("cli")
+
+
+def CONTEXT(command: str) -> dict[str, Any]:
+    """click context settings: STK_<COMMAND>_<OPTION> environment variables, -h for help."""
+    return {"auto_envvar_prefix": f"STK_{command.upper()}", "help_option_names": ["-h", "--help"], "show_default": True}
+
+
+def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value:
+        command = ctx.command.name or ""
+        try:
+            ctx.default_map = {**(ctx.default_map or {}), **load_command_config(value, command)}
+        except StkError as exc:
+            raise click.BadParameter(str(exc)) from exc
+    return value
+
+
+def common_options(fn: F) -> F:
+    options = [
+        click.option(
+            "--config",
+            type=click.Path(dir_okay=False),
+            is_eager=True,
+            expose_value=False,
+            callback=_load_config,
+            show_envvar=True,
+            help="TOML file; its table named after the command sets defaults for any option.",
+        ),
+        click.option("-v", "--verbose", count=True, help="More log output (debug)."),
+        click.option("-q", "--quiet", is_flag=True, help="Warnings and errors only."),
+        click.option(
+            "--s3-endpoint-url",
+            default=None,
+            show_envvar=True,
+            help="S3-compatible endpoint (MinIO, R2, SeaweedFS). Credentials come from boto3's usual chain "
+            "(environment, profile, instance role), never from options.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def run_command(
+    name: str, verbose: int, quiet: bool, s3_endpoint_url: str | None, body: Callable[[World], int | None]
+) -> None:
+    """Set up the world and logging, run `body`, and exit with its code or the error's code."""
+    world = get_world()
+    setup_logging(name, world, -1 if quiet else verbose)
+    storage.configure_s3(s3_endpoint_url)
+    try:
+        code = body(world) or ExitCode.OK
+    except StkError as exc:
+        if world.is_root:
+            for line in str(exc).splitlines():
+                log.error("%s", line)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        log.error("interrupted; rerun the same command to continue where it stopped")
+        code = 130
+    except Exception:
+        log.exception("unexpected error (a bug): please report it with this log")
+        world.abort(ExitCode.INTERNAL)
+        code = ExitCode.INTERNAL
+    sys.stdout.flush()
+    sys.exit(int(code))

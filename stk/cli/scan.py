@@ -1,0 +1,240 @@
+"""stk-scan: click wiring only; the work is in stk.scan."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from stk.buckets import BucketSpec, ResolutionType
+from stk.captions import MissingCaption
+from stk.cli.common import CONTEXT, common_options, run_command
+from stk.errors import InputError
+from stk.metadata import to_json_lines
+from stk.scan import ScanOptions, run_scan
+from stk.scan.probe import ProbeOptions
+from stk.world import World, slurm_gpu_count
+
+EPILOG = """\b
+Examples:
+  stk-scan /data/images --out /shared/scan --batch-size 4 --gpus 32
+  stk-scan s3://bucket/images --out /shared/scan --s3-endpoint-url http://minio:9000
+  find /data -name '*.jpg' | stk-scan - --out scan --jsonl | jq -r .caption
+  mpiexec -n 8 stk-scan /data/images --out /shared/scan      # every rank shares the work
+
+\b
+Exit codes: 0 done; 2 bad option; 3 source or output unusable;
+4 more bad files than --max-errors (outputs written, see errors.jsonl);
+5 a bucket cannot fill one effective batch (outputs written; see the message).
+"""
+
+
+def _columns(values: tuple[str, ...]) -> dict[str, str]:
+    mapping = {}
+    for value in values:
+        ours, sep, theirs = value.partition("=")
+        if not sep or ours not in ("path", "caption", "width", "height") or not theirs:
+            raise click.BadParameter(f"{value!r}: expected OURS=THEIRS with OURS one of path, caption, width, height")
+        mapping[ours] = theirs
+    return mapping
+
+
+@click.command("scan", context_settings=CONTEXT("scan"), epilog=EPILOG)
+@click.argument("source")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    show_envvar=True,
+    help="Scan directory for metadata.parquet, buckets.json, errors.jsonl (shared storage under MPI).",
+)
+@click.option(
+    "--root",
+    default=None,
+    show_envvar=True,
+    help="For a table SOURCE: directory or s3:// prefix its paths are relative to [default: the table's folder].",
+)
+@click.option(
+    "--column",
+    "columns",
+    multiple=True,
+    show_envvar=True,
+    help="Map a table column: OURS=THEIRS, e.g. --column path=file_name (repeatable).",
+)
+@click.option("--full", is_flag=True, show_envvar=True, help="Rescan everything instead of reusing unchanged rows.")
+@click.option("--threads", default=8, type=click.IntRange(1, 256), show_envvar=True, help="I/O threads per rank.")
+@click.option(
+    "--commit-every",
+    default=2000,
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Files per rank between journal commits (what a kill can lose).",
+)
+@click.option(
+    "--max-pixels",
+    default=178_956_970,
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Images whose header declares more pixels are errors.",
+)
+@click.option(
+    "--missing-caption",
+    type=click.Choice([m.value for m in MissingCaption]),
+    default="filename",
+    show_envvar=True,
+    help="Caption for an image with no table column and no .txt/.caption sidecar.",
+)
+@click.option(
+    "--resolution",
+    default=1024.0,
+    type=click.FloatRange(min=0, min_open=True),
+    show_envvar=True,
+    help="Short edge in pixels (pixel) or megapixels (area).",
+)
+@click.option(
+    "--resolution-type", type=click.Choice([r.value for r in ResolutionType]), default="pixel", show_envvar=True
+)
+@click.option(
+    "--alignment",
+    default=64,
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Bucket sides are multiples of this (16 for Flux).",
+)
+@click.option(
+    "--min-aspect",
+    default=0.5,
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    show_envvar=True,
+    help="Narrowest width/height kept; narrower images are skipped.",
+)
+@click.option(
+    "--max-aspect",
+    default=2.0,
+    type=click.FloatRange(min=1),
+    show_envvar=True,
+    help="Widest width/height kept; wider images are skipped.",
+)
+@click.option(
+    "--min-size",
+    default=0,
+    type=click.IntRange(0),
+    show_envvar=True,
+    help="Skip images whose shorter side is below this many pixels.",
+)
+@click.option("--batch-size", default=1, type=click.IntRange(1), show_envvar=True, help="Training batch size per GPU.")
+@click.option(
+    "--gpus",
+    default=None,
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="GPUs in the training job [default: the Slurm allocation, else the number of ranks].",
+)
+@click.option("--grad-accum", default=1, type=click.IntRange(1), show_envvar=True, help="Gradient accumulation steps.")
+@click.option(
+    "--repeats", default=1, type=click.IntRange(1), show_envvar=True, help="Times each image is seen per epoch."
+)
+@click.option(
+    "--allow-oversubscription",
+    is_flag=True,
+    show_envvar=True,
+    help="Give short buckets the repeats they need (recorded in buckets.json) instead of failing.",
+)
+@click.option(
+    "--max-errors", default="1%", show_envvar=True, help="Bad files tolerated: a count or a percentage of the files."
+)
+@click.option(
+    "--jsonl",
+    is_flag=True,
+    show_envvar=True,
+    help="Write the rows to stdout as JSON lines (default: one JSON summary).",
+)
+@common_options
+def main(
+    source: str,
+    out_dir: str,
+    root: str | None,
+    columns: tuple[str, ...],
+    full: bool,
+    threads: int,
+    commit_every: int,
+    max_pixels: int,
+    missing_caption: str,
+    resolution: float,
+    resolution_type: str,
+    alignment: int,
+    min_aspect: float,
+    max_aspect: float,
+    min_size: int,
+    batch_size: int,
+    gpus: int | None,
+    grad_accum: int,
+    repeats: int,
+    allow_oversubscription: bool,
+    max_errors: str,
+    jsonl: bool,
+    verbose: int,
+    quiet: bool,
+    s3_endpoint_url: str | None,
+) -> None:
+    """Find every image under SOURCE and write its size, caption and aspect bucket to --out.
+
+    SOURCE is a directory, s3://bucket/prefix, a .parquet/.jsonl table (from stk or another
+    trainer), or - for paths and URLs on stdin. Only image headers are read. Rerunning reuses
+    unchanged rows and finishes an interrupted scan. Run it under mpiexec or srun to use every
+    rank of the job.
+    """
+    mapping = _columns(columns)
+    spec = BucketSpec(resolution, ResolutionType(resolution_type), alignment, min_aspect, max_aspect)
+
+    def body(world: World) -> int:
+        try:
+            spec.validate()
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+        stdin_lines = sys.stdin.read().splitlines() if source == "-" and world.is_root else None
+        opts = ScanOptions(
+            source=source,
+            out_dir=out_dir,
+            stdin_lines=stdin_lines,
+            table_root=root,
+            columns=mapping,
+            full=full,
+            threads=threads,
+            commit_every=commit_every,
+            probe=ProbeOptions(max_pixels, MissingCaption(missing_caption)),
+            buckets=spec,
+            min_size=min_size,
+            batch_size=batch_size,
+            gpus=gpus or slurm_gpu_count() or world.size,
+            grad_accum=grad_accum,
+            repeats=repeats,
+            oversubscribe=allow_oversubscription,
+            max_errors=max_errors,
+        )
+        summary, rows = run_scan(opts, world)
+        if world.is_root:
+            if jsonl:
+                keep = (
+                    "path",
+                    "width",
+                    "height",
+                    "caption",
+                    "bucket",
+                    "bucket_width",
+                    "bucket_height",
+                    "format",
+                    "bytes",
+                    "mtime",
+                )
+                sys.stdout.write(to_json_lines({k: r[k] for k in keep} for r in rows))
+            else:
+                print(json.dumps(summary.__dict__))
+        return 0
+
+    run_command("stk-scan", verbose, quiet, s3_endpoint_url, body)
+
+
+if __name__ == "__main__":
+    main()

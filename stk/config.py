@@ -1,0 +1,38 @@
+"""Settings from a TOML file: one table per command (`[scan]`, `[cache]`, ...) plus `[s3]`.
+
+Precedence, highest first: command line, STK_<COMMAND>_<OPTION> environment variable, the
+file given with --config, the built-in default (click applies it through `default_map`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from stk.errors import InputError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["load_command_config"]
+
+
+def load_command_config(path: str, command: str) -> dict[str, Any]:
+    """The `[command]` table with keys as click parameter names, and the `[s3]` table under 's3'."""
+    try:
+        with open(path, "rb") as f:
+            document = tomllib.load(f)
+    except OSError as exc:
+        raise InputError(f"--config {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"--config {path}: not valid TOML ({exc})") from exc
+    table = document.get(command, {})
+    if not isinstance(table, dict):
+        raise InputError(f"--config {path}: [{command}] must be a table")
+    settings = {key.replace("-", "_"): value for key, value in table.items()}
+    s3 = document.get("s3", {})
+    if isinstance(s3, dict) and "endpoint_url" in s3:
+        settings.setdefault("s3_endpoint_url", s3["endpoint_url"])
+    return settings

@@ -1,0 +1,158 @@
+"""Image size, format and EXIF orientation from the header alone, without decoding pixels.
+
+Pillow's lazy `Image.open` reads only the header. Two details keep it header-only: EXIF is
+parsed from the bytes Pillow already holds (`getexif()` on a PNG would decode the image), and
+a truncated file is caught by looking at its last bytes (an end marker or a declared length)
+instead of decoding it.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from PIL import Image, UnidentifiedImageError
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "SUPPORTED_FORMATS",
+    "ImageError",
+    "ImageHeader",
+    "is_image_name",
+    "read_header",
+]
+
+# Files with these extensions are treated as images; the ones Pillow cannot read or that stk
+# does not train on become error rows instead of being skipped silently.
+IMAGE_EXTENSIONS = frozenset(
+    [
+        ".jpg",
+        ".jpeg",
+        ".jpe",
+        ".jfif",
+        ".png",
+        ".webp",
+        ".gif",
+        ".bmp",
+        ".tif",
+        ".tiff",
+        ".heic",
+        ".heif",
+        ".avif",
+        ".jxl",
+        ".jp2",
+        ".ppm",
+        ".tga",
+    ]
+)
+SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
+_ORIENTATION_TAG = 0x0112
+_SWAPS_AXES = frozenset({5, 6, 7, 8})
+_TAIL_BYTES = 32
+
+# stk enforces its own --max-pixels; Pillow's bomb check would otherwise raise on big headers.
+Image.MAX_IMAGE_PIXELS = None
+
+
+def is_image_name(name: str) -> bool:
+    dot = name.rfind(".")
+    return dot >= 0 and name[dot:].lower() in IMAGE_EXTENSIONS
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    width: int  # after EXIF orientation
+    height: int
+    format: str
+    orientation: int
+
+
+class ImageError(Exception):
+    """A file that cannot be used; `kind` is a short stable name for errors.jsonl."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+def read_header(f: BinaryIO, size: int, max_pixels: int | None = None) -> ImageHeader:
+    """Probe an open, seekable file of `size` bytes. Raises ImageError for any unusable file."""
+    if size == 0:
+        raise ImageError("empty", "empty file (0 bytes)")
+    head = f.read(16)
+    f.seek(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            im = Image.open(f)
+            fmt = str(im.format)
+            width, height = im.size
+            orientation = _orientation(im)
+    except UnidentifiedImageError as exc:
+        raise ImageError("not_image", "not an image: content not recognised by Pillow") from exc
+    except (SyntaxError, ValueError, EOFError, struct.error, OSError, IndexError, KeyError) as exc:
+        raise ImageError("corrupt", f"corrupt or truncated header: {exc}") from exc
+    if fmt not in SUPPORTED_FORMATS:
+        raise ImageError("unsupported_format", f"unsupported format {fmt}")
+    if width <= 0 or height <= 0:
+        raise ImageError("corrupt", f"header declares an empty image ({width}x{height})")
+    if max_pixels is not None and width * height > max_pixels:
+        raise ImageError(
+            "too_many_pixels", f"{width}x{height} = {width * height} pixels exceeds --max-pixels {max_pixels}"
+        )
+    f.seek(max(size - _TAIL_BYTES, 0))
+    tail = f.read(_TAIL_BYTES)
+    problem = _truncation(fmt, head, tail, size)
+    if problem:
+        raise ImageError("truncated", f"truncated {fmt}: {problem}")
+    if orientation in _SWAPS_AXES:
+        width, height = height, width
+    return ImageHeader(width, height, fmt, orientation)
+
+
+def _orientation(im: Image.Image) -> int:
+    if im.format == "TIFF":
+        value = im.tag_v2.get(_ORIENTATION_TAG, 1)  # type: ignore[attr-defined]
+    else:
+        raw = im.info.get("exif")
+        if not raw:
+            return 1
+        exif = Image.Exif()
+        exif.load(raw)
+        value = exif.get(_ORIENTATION_TAG, 1)
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        return 1
+    return value if 1 <= value <= 8 else 1
+
+
+def _truncation(fmt: str, head: bytes, tail: bytes, size: int) -> str | None:
+    """Why the file looks cut short, from its first and last bytes; None if it looks whole.
+
+    TIFF has no end marker and is not checked."""
+    trimmed = tail.rstrip(b"\x00")  # some writers pad after the end marker
+    if fmt in ("JPEG", "MPO") and not trimmed.endswith(b"\xff\xd9"):
+        return "no end-of-image marker (FF D9)"
+    if fmt == "PNG" and b"IEND" not in tail:
+        return "no IEND chunk"
+    if fmt == "GIF" and not trimmed.endswith(b";"):
+        return "no trailer byte (3B)"
+    if fmt == "WEBP" and len(head) >= 8:
+        declared = struct.unpack("<I", head[4:8])[0] + 8
+        if declared > size:
+            return f"RIFF header declares {declared} bytes, file has {size}"
+    if fmt == "BMP" and len(head) >= 6:
+        declared = struct.unpack("<I", head[2:6])[0]
+        if declared > size:
+            return f"header declares {declared} bytes, file has {size}"
+    return None
+
+
+def read_header_bytes(data: bytes, max_pixels: int | None = None) -> ImageHeader:
+    """read_header for bytes already in memory (tests, tables)."""
+    return read_header(io.BytesIO(data), len(data), max_pixels)

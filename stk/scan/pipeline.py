@@ -1,0 +1,279 @@
+"""The scan across ranks: list on rank 0, split by bytes, probe with I/O threads on every
+rank committing to the journal, gather, and write the outputs on rank 0."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stk import metadata, storage
+from stk.buckets import BucketSpec, effective_batch_size, make_buckets
+from stk.errors import BatchCheckFailed, InputError, TooManyErrors
+from stk.log import get_logger
+from stk.progress import Progress
+from stk.scan import candidates as cands
+from stk.scan.journal import Journal
+from stk.scan.outputs import METADATA, Filters, assemble, buckets_document, write_outputs
+from stk.scan.probe import ProbeOptions, probe
+from stk.scan.records import Record
+from stk.world import World
+
+__all__ = ["ScanOptions", "ScanSummary", "parse_max_errors", "run_scan", "split_by_bytes"]
+
+log = get_logger("scan")
+
+
+@dataclass
+class ScanOptions:
+    source: str  # directory, s3://bucket/prefix, a .parquet/.jsonl table, or "-"
+    out_dir: str
+    stdin_lines: list[str] | None = None  # the list read from stdin (rank 0) when source is "-"
+    table_root: str | None = None  # root of a table's relative paths (default: the table's folder)
+    columns: dict[str, str] = field(default_factory=dict)
+    full: bool = False
+    threads: int = 8
+    commit_every: int = 2000
+    probe: ProbeOptions = field(default_factory=ProbeOptions)
+    buckets: BucketSpec = field(default_factory=BucketSpec)
+    min_size: int = 0
+    batch_size: int = 1
+    gpus: int = 1
+    grad_accum: int = 1
+    repeats: int = 1
+    oversubscribe: bool = False
+    max_errors: str = "1%"
+
+
+@dataclass
+class ScanSummary:
+    source: str
+    out_dir: str
+    files: int
+    images: int
+    errors: int
+    skipped: int
+    error_kinds: dict[str, int]
+    reused: int
+    scanned: int
+    buckets: int
+    effective_batch_size: int
+    short_buckets: int
+    ranks: int
+    seconds: float
+    images_per_second: float
+
+    def line(self) -> str:
+        return (
+            f"{self.files} files: {self.images} images, {self.errors} errors, {self.skipped} skipped, "
+            f"{self.buckets} buckets used; {self.scanned} scanned + {self.reused} reused in {self.seconds:.1f} s "
+            f"({self.images_per_second:.0f}/s on {self.ranks} rank(s))"
+        )
+
+
+def split_by_bytes(items: list[cands.Candidate], parts: int) -> list[list[cands.Candidate]]:
+    """Contiguous runs (path order keeps directories together) of about equal total bytes."""
+    weights = [max(c.size, 1) for c in items]
+    total = sum(weights)
+    out: list[list[cands.Candidate]] = [[] for _ in range(parts)]
+    running = 0
+    for cand, weight in zip(items, weights, strict=True):
+        part = min(parts - 1, running * parts // total) if total else 0
+        out[part].append(cand)
+        running += weight
+    return out
+
+
+def parse_max_errors(value: str, files: int) -> int:
+    """'100' -> 100; '1%' -> 1% of the files (at least 0)."""
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            return int(float(text[:-1]) / 100 * files)
+        return int(text)
+    except ValueError as exc:
+        raise InputError(f"--max-errors {value!r}: give a count (100) or a percentage (1%)") from exc
+
+
+def _list(opts: ScanOptions) -> list[cands.Candidate]:
+    if opts.source == "-":
+        found = cands.from_list(opts.stdin_lines or [])
+    elif opts.source.endswith((".parquet", ".jsonl")):
+        root = opts.table_root if opts.table_root is not None else os.path.dirname(opts.source)
+        if not storage.is_s3(opts.source) and not os.path.isfile(opts.source):
+            raise InputError(f"{opts.source}: no such table")
+        found = cands.from_table(metadata.read_rows(opts.source, opts.columns), root)
+    else:
+        found = cands.from_tree(opts.source)
+    cands.stat_unknown(found, opts.threads)
+    return found
+
+
+def _previous(opts: ScanOptions) -> dict[str, Record]:
+    """Records from the last finished scan and from the journal of an interrupted one."""
+    if opts.full:
+        Journal.clear(opts.out_dir)
+        return {}
+    records: list[Record] = []
+    table_path = os.path.join(opts.out_dir, METADATA)
+    if os.path.exists(table_path):
+        table = metadata.read_parquet(table_path)
+        if "fingerprint" in table.column_names:
+            for row in table.to_pylist():
+                row.setdefault("kind", None)
+                row.setdefault("reason", None)
+                row.setdefault("location", None)
+                records.append(row)
+    records.extend(Journal.load(opts.out_dir))
+    return {r["path"]: r for r in records}
+
+
+def _plan(opts: ScanOptions, world: World) -> tuple[list[list[cands.Candidate]], list[Record], int, str]:
+    found = _list(opts)
+    previous = _previous(opts)
+    reused: list[Record] = []
+    todo: list[cands.Candidate] = []
+    for cand in found:
+        old = previous.get(cand.path)
+        if old is not None and old["fingerprint"] == cand.fingerprint and cand.error_kind is None:
+            old = dict(old, location=cand.location)
+            reused.append(
+                {
+                    k: old.get(k)
+                    for k in (
+                        "path",
+                        "location",
+                        "width",
+                        "height",
+                        "format",
+                        "bytes",
+                        "mtime",
+                        "etag",
+                        "caption",
+                        "caption_source",
+                        "fingerprint",
+                        "kind",
+                        "reason",
+                    )
+                }
+            )
+        else:
+            todo.append(cand)
+    log.info(
+        "%s: %d images listed, %d reused from earlier runs, %d to scan on %d rank(s)",
+        opts.source,
+        len(found),
+        len(reused),
+        len(todo),
+        world.size,
+    )
+    return split_by_bytes(todo, world.size), reused, len(found), uuid.uuid4().hex[:8]
+
+
+def _probe_share(
+    share: list[cands.Candidate], opts: ScanOptions, world: World, run_id: str, total: int
+) -> list[Record]:
+    journal = Journal(opts.out_dir, run_id, world.rank)
+    results: list[Record] = []
+    desc = f"scan (rank 0 of {world.size})"
+    with (
+        Progress(world, total=len(share), unit="img", desc=desc) as progress,
+        ThreadPoolExecutor(max_workers=max(opts.threads, 1)) as pool,
+    ):
+        for start in range(0, len(share), opts.commit_every):
+            chunk = share[start : start + opts.commit_every]
+            records = list(pool.map(lambda c: probe(c, opts.probe), chunk))
+            journal.commit(records)
+            results.extend(records)
+            progress.update(len(chunk))
+    return results
+
+
+def _finish(
+    opts: ScanOptions, world: World, records: list[Record], files: int, scanned: int, started: float
+) -> tuple[ScanSummary, list[Record]]:
+    spec = opts.buckets
+    buckets = make_buckets(spec)
+    effective = effective_batch_size(opts.batch_size, opts.gpus, opts.grad_accum)
+    filters = Filters(opts.min_size, spec.min_aspect, spec.max_aspect)
+    assembled = assemble(records, buckets, filters, effective, opts.repeats)
+    settings: dict[str, Any] = {
+        **{k: (v.value if hasattr(v, "value") else v) for k, v in asdict(spec).items()},
+        "min_size": opts.min_size,
+        "batch_size": opts.batch_size,
+        "gpus": opts.gpus,
+        "grad_accum": opts.grad_accum,
+    }
+    seconds = time.monotonic() - started
+    summary = ScanSummary(
+        source=opts.source,
+        out_dir=opts.out_dir,
+        files=files,
+        images=len(assembled.rows),
+        errors=assembled.faults,
+        skipped=assembled.skipped,
+        error_kinds=assembled.error_kinds,
+        reused=files - scanned,
+        scanned=scanned,
+        buckets=len(assembled.counts),
+        effective_batch_size=effective,
+        short_buckets=len(assembled.check.short),
+        ranks=world.size,
+        seconds=round(seconds, 3),
+        images_per_second=round(scanned / seconds, 1) if seconds > 0 else 0.0,
+    )
+    doc = buckets_document(assembled, buckets, settings, opts.oversubscribe)
+    write_outputs(opts.out_dir, assembled, doc, asdict(summary))
+    Journal.clear(opts.out_dir)
+    log.info(summary.line())
+    limit = parse_max_errors(opts.max_errors, files)
+    if assembled.faults > limit:
+        kinds = ", ".join(f"{kind}: {n}" for kind, n in assembled.error_kinds.items())
+        raise TooManyErrors(
+            f"{assembled.faults} bad files exceed --max-errors {opts.max_errors} ({limit}): see "
+            f"{os.path.join(opts.out_dir, 'errors.jsonl')} ({kinds}); the outputs were written"
+        )
+    if not assembled.check.ok:
+        if opts.oversubscribe:
+            log.warning(
+                "oversubscribed %d short bucket(s); repeats recorded in buckets.json", len(assembled.check.short)
+            )
+        else:
+            raise BatchCheckFailed(assembled.check.message())
+    return summary, assembled.rows
+
+
+def run_scan(opts: ScanOptions, world: World) -> tuple[ScanSummary, list[Record]]:
+    """Scan on every rank of `world`; every rank returns the summary, rank 0 also the rows.
+
+    Large data moves only where it must: each rank receives its own share (scatter) and sends
+    its records to rank 0 (gather); errors on rank 0 reach every rank (World.root_call)."""
+    started = time.monotonic()
+    kept: dict[str, Any] = {}
+
+    def plan() -> tuple[int, str]:
+        os.makedirs(opts.out_dir, exist_ok=True)
+        kept["shares"], kept["reused"], files, run_id = _plan(opts, world)
+        return files, run_id
+
+    files, run_id = world.root_call(plan)
+    share = world.scatter(kept.get("shares"))
+    try:
+        mine, failure = _probe_share(share, opts, world, run_id, files), None
+    except Exception as exc:  # reported through the gather so that no rank waits forever
+        mine, failure = [], exc
+    gathered = world.gather((mine, failure))
+
+    def finish() -> ScanSummary:
+        assert gathered is not None
+        for _, exc in gathered:
+            if exc is not None:
+                raise exc
+        new = [r for part, _ in gathered for r in part]
+        summary, kept["rows"] = _finish(opts, world, kept["reused"] + new, files, len(new), started)
+        return summary
+
+    return world.root_call(finish), kept.get("rows", [])

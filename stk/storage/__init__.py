@@ -1,0 +1,72 @@
+"""One small interface over local paths and s3:// URLs.
+
+Everything is addressed by a *location*: a local path or `s3://bucket/key`. Callers never
+branch on the scheme; the backend is picked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from stk.storage.base import Backend, FileInfo
+from stk.storage.local import LocalBackend
+from stk.storage.s3 import S3Backend, configure_s3
+
+__all__ = [
+    "FileInfo",
+    "configure_s3",
+    "exists",
+    "is_s3",
+    "join",
+    "list_files",
+    "open_read",
+    "read_bytes",
+    "stat",
+    "write_atomic",
+]
+
+_LOCAL = LocalBackend()
+_S3 = S3Backend()
+
+
+def is_s3(location: str) -> bool:
+    return location.startswith("s3://")
+
+
+def _backend(location: str) -> Backend:
+    return _S3 if is_s3(location) else _LOCAL
+
+
+def join(root: str, key: str) -> str:
+    """The location of `key` under `root` (a directory or an s3:// prefix)."""
+    if not root:
+        return key
+    return root.rstrip("/") + "/" + key.lstrip("/")
+
+
+def list_files(root: str) -> Iterator[FileInfo]:
+    """Every file under `root`, recursively, with keys relative to it ('/'-separated)."""
+    return _backend(root).list_files(root)
+
+
+def stat(location: str) -> FileInfo:
+    return _backend(location).stat(location)
+
+
+def exists(location: str) -> bool:
+    return _backend(location).exists(location)
+
+
+def open_read(location: str, size: int | None = None) -> BinaryIO:
+    """A seekable binary reader; on S3 it fetches only the byte ranges that are read."""
+    return _backend(location).open_read(location, size)
+
+
+def read_bytes(location: str) -> bytes:
+    return _backend(location).read_bytes(location)
+
+
+def write_atomic(location: str, data: bytes) -> None:
+    """Readers see the old content or the new, never a part (temp + fsync + rename; S3 PUT)."""
+    _backend(location).write_atomic(location, data)

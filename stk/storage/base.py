@@ -1,0 +1,37 @@
+"""What every storage backend provides."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol
+
+__all__ = ["Backend", "FileInfo"]
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A listed file. `error` is set when the entry exists but cannot be read (broken link)."""
+
+    key: str
+    location: str
+    size: int
+    mtime: float
+    etag: str | None = None
+    error: str | None = None
+
+
+class Backend(Protocol):
+    def list_files(self, root: str) -> Iterator[FileInfo]: ...
+
+    def stat(self, location: str) -> FileInfo: ...
+
+    def exists(self, location: str) -> bool: ...
+
+    def open_read(self, location: str, size: int | None) -> BinaryIO: ...
+
+    def read_bytes(self, location: str) -> bytes: ...
+
+    def read_range(self, location: str, start: int, end: int) -> bytes: ...
+
+    def write_atomic(self, location: str, data: bytes) -> None: ...
