@@ -85,6 +85,8 @@ def read_header(f: BinaryIO, size: int, max_pixels: int | None = None) -> ImageH
         raise ImageError("empty", "empty file (0 bytes)")
     head = f.read(16)
     f.seek(0)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return _checked(_webp_header(f, size), head, f, size, max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -98,6 +100,12 @@ def read_header(f: BinaryIO, size: int, max_pixels: int | None = None) -> ImageH
         raise ImageError("corrupt", f"corrupt or truncated header: {exc}") from exc
     if fmt not in SUPPORTED_FORMATS:
         raise ImageError("unsupported_format", f"unsupported format {fmt}")
+    return _checked(ImageHeader(width, height, fmt, orientation), head, f, size, max_pixels)
+
+
+def _checked(header: ImageHeader, head: bytes, f: BinaryIO, size: int, max_pixels: int | None) -> ImageHeader:
+    """Apply the pixel limit and the truncation check; swap axes for a rotated orientation."""
+    width, height, fmt, orientation = header.width, header.height, header.format, header.orientation
     if width <= 0 or height <= 0:
         raise ImageError("corrupt", f"header declares an empty image ({width}x{height})")
     if max_pixels is not None and width * height > max_pixels:
@@ -114,6 +122,62 @@ def read_header(f: BinaryIO, size: int, max_pixels: int | None = None) -> ImageH
     return ImageHeader(width, height, fmt, orientation)
 
 
+def _webp_header(f: BinaryIO, size: int) -> ImageHeader:
+    """Size and orientation from a WebP's RIFF chunks, seeking past the bitstream.
+
+    Pillow's WebP plugin reads the whole file before it reports a size (one full download
+    per image on S3); the header fields are few and fixed (RFC 9649), so they are read here."""
+    width = height = 0
+    orientation, pos, wants_exif = 1, 12, False
+    while pos + 8 <= size:
+        f.seek(pos)
+        chunk = f.read(8)
+        if len(chunk) < 8:
+            break
+        fourcc, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+        if fourcc == b"VP8X":
+            data = f.read(10)
+            if len(data) < 10:
+                break
+            wants_exif = bool(data[0] & 0x08)
+            width = 1 + int.from_bytes(data[4:7], "little")
+            height = 1 + int.from_bytes(data[7:10], "little")
+        elif fourcc == b"VP8 " and not width:
+            data = f.read(10)
+            if len(data) < 10 or data[3:6] != b"\x9d\x01\x2a":
+                raise ImageError("corrupt", "corrupt or truncated header: bad VP8 start code")
+            width = struct.unpack("<H", data[6:8])[0] & 0x3FFF
+            height = struct.unpack("<H", data[8:10])[0] & 0x3FFF
+        elif fourcc == b"VP8L" and not width:
+            data = f.read(5)
+            if len(data) < 5 or data[0] != 0x2F:
+                raise ImageError("corrupt", "corrupt or truncated header: bad VP8L signature")
+            bits = int.from_bytes(data[1:5], "little")
+            width, height = (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+        elif fourcc == b"EXIF":
+            exif = Image.Exif()
+            try:
+                exif.load(f.read(length))
+            except (SyntaxError, ValueError, struct.error, OSError, KeyError, IndexError):
+                break  # unreadable EXIF: no orientation, as with other formats
+            orientation = _valid_orientation(exif.get(_ORIENTATION_TAG, 1))
+            break
+        if width and not wants_exif:
+            break
+        pos += 8 + length + (length & 1)
+    if not width:
+        raise ImageError("corrupt", "corrupt or truncated header: no WebP image chunk")
+    return ImageHeader(width, height, "WEBP", orientation)
+
+
+def _valid_orientation(value: object) -> int:
+    try:
+        number = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 1
+    return number if 1 <= number <= 8 else 1
+
+
 def _orientation(im: Image.Image) -> int:
     if im.format == "TIFF":
         value = im.tag_v2.get(_ORIENTATION_TAG, 1)  # type: ignore[attr-defined]
@@ -124,11 +188,7 @@ def _orientation(im: Image.Image) -> int:
         exif = Image.Exif()
         exif.load(raw)
         value = exif.get(_ORIENTATION_TAG, 1)
-    try:
-        value = int(value)
-    except (TypeError, ValueError):
-        return 1
-    return value if 1 <= value <= 8 else 1
+    return _valid_orientation(value)
 
 
 def _truncation(fmt: str, head: bytes, tail: bytes, size: int) -> str | None:

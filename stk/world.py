@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from stk.errors import InputError
+
 __all__ = ["World", "get_world", "launched_by_mpi", "slurm_gpu_count"]
 
 T = TypeVar("T")
@@ -81,6 +83,13 @@ class World:
 
 def get_world() -> World:
     if not launched_by_mpi():
+        tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+        if tasks.isdigit() and int(tasks) > 1:
+            # srun without a PMI plugin: N processes that would each think they are alone
+            raise InputError(
+                f"started by srun as {tasks} tasks without MPI: use `srun --mpi=pmi2` (MPICH) or "
+                "`srun --mpi=pmix` (OpenMPI) so the tasks can share the work"
+            )
         return World()
     from mpi4py import MPI
 

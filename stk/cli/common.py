@@ -66,7 +66,11 @@ def run_command(
     name: str, verbose: int, quiet: bool, s3_endpoint_url: str | None, body: Callable[[World], int | None]
 ) -> None:
     """Set up the world and logging, run `body`, and exit with its code or the error's code."""
-    world = get_world()
+    try:
+        world = get_world()
+    except StkError as exc:
+        click.echo(f"{name}: error: {exc}", err=True)
+        sys.exit(int(exc.exit_code))
     setup_logging(name, world, -1 if quiet else verbose)
     storage.configure_s3(s3_endpoint_url)
     try:
