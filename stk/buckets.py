@@ -80,10 +80,15 @@ def make_buckets(spec: BucketSpec) -> list[Bucket]:
                 sizes.add((short, long))
     else:
         area = spec.resolution * 1e6
-        max_side = math.sqrt(area * max(spec.max_aspect, 1 / spec.min_aspect))
-        for width in range(a, int(max_side) + a + 1, a):
+        square = _align(math.sqrt(area), a)
+        sizes.add((square, square))
+        for width in range(square + a, int(math.sqrt(area * spec.max_aspect)) + 2 * a, a):
             height = _align(area / width, a)
-            if spec.min_aspect - 1e-9 <= width / height <= spec.max_aspect + 1e-9:
+            if width / height <= spec.max_aspect + 1e-9:
+                sizes.add((width, height))
+        for height in range(square + a, int(math.sqrt(area / spec.min_aspect)) + 2 * a, a):
+            width = _align(area / height, a)
+            if width / height >= spec.min_aspect - 1e-9:
                 sizes.add((width, height))
     ordered = sorted(sizes, key=lambda wh: (wh[0] / wh[1], wh[0]))
     # keep one bucket per aspect ratio (the area rounding can give two sizes for one ratio)

@@ -50,6 +50,7 @@ IMAGE_EXTENSIONS = frozenset(
 )
 SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
 _ORIENTATION_TAG = 0x0112
+_TIFF_WIDTH, _TIFF_LENGTH = 256, 257  # ImageWidth, ImageLength
 _SWAPS_AXES = frozenset({5, 6, 7, 8})
 _TAIL_BYTES = 32
 
@@ -92,7 +93,7 @@ def read_header(f: BinaryIO, size: int, max_pixels: int | None = None) -> ImageH
             warnings.simplefilter("ignore")
             im = Image.open(f)
             fmt = str(im.format)
-            width, height = im.size
+            width, height = _stored_size(im)
             orientation = _orientation(im)
     except UnidentifiedImageError as exc:
         raise ImageError("not_image", "not an image: content not recognised by Pillow") from exc
@@ -115,7 +116,7 @@ def _checked(header: ImageHeader, head: bytes, f: BinaryIO, size: int, max_pixel
     f.seek(max(size - _TAIL_BYTES, 0))
     tail = f.read(_TAIL_BYTES)
     problem = _truncation(fmt, head, tail, size)
-    if problem:
+    if problem and not _decodes(f):
         raise ImageError("truncated", f"truncated {fmt}: {problem}")
     if orientation in _SWAPS_AXES:
         width, height = height, width
@@ -178,6 +179,15 @@ def _valid_orientation(value: object) -> int:
     return number if 1 <= number <= 8 else 1
 
 
+def _stored_size(im: Image.Image) -> tuple[int, int]:
+    """Width and height as stored, before EXIF orientation. Recent Pillow (13.0 here) reports a TIFF's
+    size already turned by its orientation tag; the stored size comes from its IFD instead."""
+    if im.format == "TIFF":
+        tags = im.tag_v2  # type: ignore[attr-defined]
+        return int(tags.get(_TIFF_WIDTH, im.width)), int(tags.get(_TIFF_LENGTH, im.height))
+    return im.size
+
+
 def _orientation(im: Image.Image) -> int:
     if im.format == "TIFF":
         value = im.tag_v2.get(_ORIENTATION_TAG, 1)  # type: ignore[attr-defined]
@@ -191,15 +201,29 @@ def _orientation(im: Image.Image) -> int:
     return _valid_orientation(value)
 
 
+def _decodes(f: BinaryIO) -> bool:
+    """Whether the whole image decodes: the slow check, run only when the tail looks wrong
+    (data after the end marker, as in phone "motion photos", is whole; a cut file is not)."""
+    f.seek(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(f) as im:
+                im.load()
+    except Exception:  # any decoder failure means the pixels are not all there
+        return False
+    return True
+
+
 def _truncation(fmt: str, head: bytes, tail: bytes, size: int) -> str | None:
-    """Why the file looks cut short, from its first and last bytes; None if it looks whole.
+    """Why the file may be cut short, from its first and last bytes; None if it looks whole.
 
     TIFF has no end marker and is not checked."""
     trimmed = tail.rstrip(b"\x00")  # some writers pad after the end marker
     if fmt in ("JPEG", "MPO") and not trimmed.endswith(b"\xff\xd9"):
         return "no end-of-image marker (FF D9)"
-    if fmt == "PNG" and b"IEND" not in tail:
-        return "no IEND chunk"
+    if fmt == "PNG" and not tail.endswith(b"IEND\xaeB`\x82"):
+        return "does not end with an IEND chunk"
     if fmt == "GIF" and not trimmed.endswith(b";"):
         return "no trailer byte (3B)"
     if fmt == "WEBP" and len(head) >= 8:

@@ -111,8 +111,9 @@ def slurm_gpu_count(environ: dict[str, str] | None = None) -> int | None:
     env = os.environ if environ is None else environ
     if "SLURM_JOB_ID" not in env:
         return None
-    if env.get("SLURM_GPUS", "").isdigit():
-        return int(env["SLURM_GPUS"])
+    total = env.get("SLURM_GPUS", "").rsplit(":", 1)[-1]  # "32" or "h100:32"
+    if total.isdigit():
+        return int(total)
     per_node = env.get("SLURM_GPUS_PER_NODE") or env.get("SLURM_GPUS_ON_NODE") or ""
     per_node = per_node.rsplit(":", 1)[-1]  # "h100:8" -> "8"
     nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"

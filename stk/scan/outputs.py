@@ -84,8 +84,12 @@ def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, eff
 
     Pure: the same records give the same result whatever number of ranks produced them."""
     by_path: dict[str, Record] = {}
+    relisted: list[Record] = []
     for rec in records:
-        by_path[rec["path"]] = rec  # later records (this run) win over earlier ones
+        if rec["kind"] == "duplicate":
+            relisted.append(rec)  # a path listed again: reported, never replacing the path's own record
+        else:
+            by_path[rec["path"]] = rec  # later records (this run) win over earlier ones
     index = BucketIndex(buckets)
     rows: list[Record] = []
     errors: list[Record] = []
@@ -101,6 +105,8 @@ def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, eff
         bucket = index.nearest(rec["width"], rec["height"])
         rec.update(filename=path, bucket=bucket.id, bucket_width=bucket.width, bucket_height=bucket.height)
         rows.append(rec)
+    errors.extend({k: rec[k] for k in ("path", "location", "kind", "reason")} for rec in relisted)
+    errors.sort(key=lambda e: e["path"])  # stable: a path's own error stays before its repeats
     counts = Counter(r["bucket"] for r in rows)
     check = check_batches(dict(counts), buckets, effective, repeats)
     kinds = Counter(e["kind"] for e in errors)

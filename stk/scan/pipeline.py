@@ -8,6 +8,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from stk import metadata, storage
@@ -91,11 +92,13 @@ def parse_max_errors(value: str, files: int) -> int:
     """'100' -> 100; '1%' -> 1% of the files (at least 0)."""
     text = str(value).strip()
     try:
-        if text.endswith("%"):
-            return int(float(text[:-1]) / 100 * files)
-        return int(text)
-    except ValueError as exc:
+        # exact arithmetic: with floats, 29% of 100 files came out as 28
+        limit = int(Fraction(text[:-1]) * files / 100) if text.endswith("%") else int(text)
+    except (ValueError, ZeroDivisionError) as exc:
         raise InputError(f"--max-errors {value!r}: give a count (100) or a percentage (1%)") from exc
+    if limit < 0:
+        raise InputError(f"--max-errors {value!r}: must not be negative")
+    return limit
 
 
 def _list(opts: ScanOptions) -> list[cands.Candidate]:
@@ -252,6 +255,7 @@ def run_scan(opts: ScanOptions, world: World) -> tuple[ScanSummary, list[Record]
     Large data moves only where it must: each rank receives its own share (scatter) and sends
     its records to rank 0 (gather); errors on rank 0 reach every rank (World.root_call)."""
     started = time.monotonic()
+    parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the scan
     kept: dict[str, Any] = {}
 
     def plan() -> tuple[int, str]:
