@@ -219,3 +219,20 @@ class TestPrecedence:
         result = run_scan_cli(tiny_dataset, tmp_path / "out", env=clean_env(STK_SCAN_BATCH_SIZE="zero"))
         assert result.exit_code == 2
         assert "batch-size" in result.output
+
+    def test_unknown_key_is_a_usage_error(self, tiny_dataset: Path, tmp_path: Path) -> None:
+        config = write_toml(tmp_path / "stk.toml", "[scan]\nbatch-sise = 3\n")
+        result = run_scan_cli(tiny_dataset, tmp_path / "out", "--config", config)
+        assert result.exit_code == 2
+        assert "unknown key(s) in [scan]: batch-sise" in result.output
+        assert not (tmp_path / "out").exists()
+
+    def test_out_and_column_from_config_and_environment(self, tiny_dataset: Path, tmp_path: Path) -> None:
+        config = write_toml(tmp_path / "stk.toml", f'[scan]\nout = "{tmp_path / "from-config"}"\n')
+        runner = CliRunner()
+        result = runner.invoke(scan_main, [str(tiny_dataset), "--config", str(config), "-q"], env=clean_env())
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / "from-config" / "metadata.parquet").exists()
+        result = runner.invoke(scan_main, [str(tiny_dataset), "-q"], env=clean_env(STK_SCAN_OUT=str(tmp_path / "env")))
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / "env" / "metadata.parquet").exists()

@@ -30,9 +30,15 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
     if value:
         command = ctx.command.name or ""
         try:
-            ctx.default_map = {**(ctx.default_map or {}), **load_command_config(value, command)}
+            settings = load_command_config(value, command)
         except StkError as exc:
             raise click.BadParameter(str(exc)) from exc
+        known = {p.name for p in ctx.command.params if p.name} - {"config"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            names = ", ".join(k.replace("_", "-") for k in unknown)
+            raise click.BadParameter(f"{value}: unknown key(s) in [{command}]: {names}")
+        ctx.default_map = {**(ctx.default_map or {}), **settings}
     return value
 
 

