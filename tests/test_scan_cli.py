@@ -456,3 +456,45 @@ def test_incremental_local_rerun_and_full(tmp_path: Path, run_scan: RunScan):
     full = summary_of(run_scan([*args, "--full"]))
     assert (full["files"], full["scanned"], full["reused"]) == (20, 20, 0)
     assert {r["path"]: r["width"] for r in _rows(out)} == {p: r["width"] for p, r in after.items()}
+
+
+def test_rerun_reuses_bad_and_filtered_files_unless_the_settings_change(
+    corpus: tuple[Path, dict[str, str]], run_scan: RunScan, tmp_path: Path
+):
+    root, expected = corpus
+    _save_png(root / "small.png", 20, 16)  # filtered by --min-size below
+    (root / "small.txt").write_text("small\n")
+    out = tmp_path / "out"
+    args = [root, "--out", out, *BAD_ARGS, "--max-errors", "1000", "--min-size", "32"]
+    first = summary_of(run_scan(args))
+    assert first["skipped"] == 1 and first["errors"] == len(expected)
+
+    again = summary_of(run_scan(args))
+    # only the broken symlink is looked at again: it is caught while listing, not reused
+    assert again["scanned"] == 1 and again["reused"] == first["files"] - 1
+    assert again["error_kinds"] == first["error_kinds"] and again["skipped"] == 1
+    assert (out / "errors.jsonl").read_text() == _errors_text(run_scan, args, tmp_path)
+
+    # another --max-pixels could change every result: nothing is reused
+    looser = summary_of(run_scan([*args, "--max-pixels", "1000000"]))
+    assert looser["reused"] == 0 and looser["scanned"] == first["files"]
+    assert "too_many_pixels" not in looser["error_kinds"]
+
+
+def _errors_text(run_scan: RunScan, args: list[Any], tmp_path: Path) -> str:
+    """errors.jsonl of a clean scan with the same arguments, in a fresh directory."""
+    fresh = tmp_path / "fresh"
+    run_scan([args[0], "--out", fresh, *args[3:]])
+    return (fresh / "errors.jsonl").read_text()
+
+
+def test_a_damaged_state_file_costs_a_rescan_not_the_scan(dataset: tuple[Path, Any], run_scan: RunScan, tmp_path: Path):
+    root, made = dataset
+    out = tmp_path / "out"
+    assert run_scan([root, "--out", out, "--allow-oversubscription"]).returncode == 0
+    rows = (out / "metadata.parquet").read_bytes()
+    (out / ".scan-state.parquet").write_bytes(b"PAR1 not really parquet")
+    proc = run_scan([root, "--out", out, "--allow-oversubscription"])
+    assert proc.returncode == 0, proc.stderr
+    assert summary_of(proc)["scanned"] == len(made)
+    assert pq.read_table(io.BytesIO(rows)).equals(pq.read_table(out / "metadata.parquet"))

@@ -56,6 +56,7 @@ class Assembled:
     counts: dict[int, int]
     check: BatchCheck
     error_kinds: dict[str, int] = field(default_factory=dict)
+    latest: list[Record] = field(default_factory=list)  # one record per path, as probed (for reuse)
 
     @property
     def faults(self) -> int:
@@ -110,7 +111,8 @@ def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, eff
     counts = Counter(r["bucket"] for r in rows)
     check = check_batches(dict(counts), buckets, effective, repeats)
     kinds = Counter(e["kind"] for e in errors)
-    return Assembled(rows, errors, dict(counts), check, dict(sorted(kinds.items())))
+    latest = [by_path[path] for path in sorted(by_path)]
+    return Assembled(rows, errors, dict(counts), check, dict(sorted(kinds.items())), latest)
 
 
 def buckets_document(

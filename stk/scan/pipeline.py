@@ -17,10 +17,10 @@ from stk.errors import BatchCheckFailed, InputError, TooManyErrors
 from stk.log import get_logger
 from stk.progress import Progress
 from stk.scan import candidates as cands
-from stk.scan.journal import Journal
-from stk.scan.outputs import METADATA, Filters, assemble, buckets_document, write_outputs
+from stk.scan.outputs import Filters, assemble, buckets_document, write_outputs
 from stk.scan.probe import ProbeOptions, probe
 from stk.scan.records import Record
+from stk.scan.state import Journal, clear_previous, load_previous, save_state
 from stk.world import World
 
 __all__ = ["ScanOptions", "ScanSummary", "parse_max_errors", "run_scan", "split_by_bytes"]
@@ -118,20 +118,9 @@ def _list(opts: ScanOptions) -> list[cands.Candidate]:
 def _previous(opts: ScanOptions) -> dict[str, Record]:
     """Records from the last finished scan and from the journal of an interrupted one."""
     if opts.full:
-        Journal.clear(opts.out_dir)
+        clear_previous(opts.out_dir)
         return {}
-    records: list[Record] = []
-    table_path = os.path.join(opts.out_dir, METADATA)
-    if os.path.exists(table_path):
-        table = metadata.read_parquet(table_path)
-        if "fingerprint" in table.column_names:
-            for row in table.to_pylist():
-                row.setdefault("kind", None)
-                row.setdefault("reason", None)
-                row.setdefault("location", None)
-                records.append(row)
-    records.extend(Journal.load(opts.out_dir))
-    return {r["path"]: r for r in records}
+    return {r["path"]: r for r in load_previous(opts.out_dir, opts.probe.settings_key())}
 
 
 def _plan(opts: ScanOptions, world: World) -> tuple[list[list[cands.Candidate]], list[Record], int, str]:
@@ -179,7 +168,7 @@ def _plan(opts: ScanOptions, world: World) -> tuple[list[list[cands.Candidate]],
 def _probe_share(
     share: list[cands.Candidate], opts: ScanOptions, world: World, run_id: str, total: int
 ) -> list[Record]:
-    journal = Journal(opts.out_dir, run_id, world.rank)
+    journal = Journal(opts.out_dir, run_id, world.rank, opts.probe.settings_key())
     results: list[Record] = []
     desc = f"scan (rank 0 of {world.size})"
     with (
@@ -230,7 +219,7 @@ def _finish(
     )
     doc = buckets_document(assembled, buckets, settings, opts.oversubscribe)
     write_outputs(opts.out_dir, assembled, doc, asdict(summary))
-    Journal.clear(opts.out_dir)
+    save_state(opts.out_dir, assembled.latest, opts.probe.settings_key())
     log.info(summary.line())
     limit = parse_max_errors(opts.max_errors, files)
     if assembled.faults > limit:

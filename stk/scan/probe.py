@@ -25,6 +25,10 @@ class ProbeOptions:
     max_pixels: int | None = 178_956_970
     missing_caption: MissingCaption = MissingCaption.FILENAME
 
+    def settings_key(self) -> str:
+        """Records made under other settings would differ: they are not reused."""
+        return f"max_pixels={self.max_pixels};missing_caption={self.missing_caption.value}"
+
 
 def _find_sidecar(location: str) -> str | None:
     stem = sidecar_stem(location)
