@@ -52,6 +52,7 @@ class ScanOptions:
 @dataclass
 class ScanSummary:
     source: str
+    root: str  # image location = root + "/" + path ("" for a list on stdin: paths are locations)
     out_dir: str
     files: int
     images: int
@@ -101,14 +102,26 @@ def parse_max_errors(value: str, files: int) -> int:
     return limit
 
 
+def _is_table(source: str) -> bool:
+    return source.endswith((".parquet", ".jsonl"))
+
+
+def source_root(opts: ScanOptions) -> str:
+    """What the table's paths are relative to: the tree, the table's root, or nothing (lists)."""
+    if opts.source == "-":
+        return ""
+    if _is_table(opts.source):
+        return opts.table_root if opts.table_root is not None else os.path.dirname(opts.source)
+    return opts.source
+
+
 def _list(opts: ScanOptions) -> list[cands.Candidate]:
     if opts.source == "-":
         found = cands.from_list(opts.stdin_lines or [])
-    elif opts.source.endswith((".parquet", ".jsonl")):
-        root = opts.table_root if opts.table_root is not None else os.path.dirname(opts.source)
+    elif _is_table(opts.source):
         if not storage.is_s3(opts.source) and not os.path.isfile(opts.source):
             raise InputError(f"{opts.source}: no such table")
-        found = cands.from_table(metadata.read_rows(opts.source, opts.columns), root)
+        found = cands.from_table(metadata.read_rows(opts.source, opts.columns), source_root(opts))
     else:
         found = cands.from_tree(opts.source)
     cands.stat_unknown(found, opts.threads)
@@ -202,6 +215,7 @@ def _finish(
     seconds = time.monotonic() - started
     summary = ScanSummary(
         source=opts.source,
+        root=source_root(opts),
         out_dir=opts.out_dir,
         files=files,
         images=len(assembled.rows),

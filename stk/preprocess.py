@@ -1,0 +1,74 @@
+"""Image -> the pixels a VAE encodes: decode, EXIF orientation, resize to cover the bucket,
+crop to it. The crop offsets and the original size are returned because SDXL conditions on them.
+
+Random crops are drawn from a generator seeded by the image's key, so the same image gets the
+same crop on any rank and in any rerun.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import random
+import warnings
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+from PIL import Image, ImageOps
+
+__all__ = ["CropMode", "Preprocessed", "preprocess", "PreprocessError"]
+
+_ORIENTATION_TAG = 0x0112
+_SWAPS_AXES = frozenset({5, 6, 7, 8})
+
+
+class CropMode(str, enum.Enum):
+    CENTER = "center"
+    RANDOM = "random"
+
+
+class PreprocessError(Exception):
+    """The image cannot be decoded into pixels (corrupt data past the header, say)."""
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    pixels: np.ndarray  # (3, H, W) float32 in [-1, 1], H x W = the bucket
+    original_size: tuple[int, int]  # (height, width) after EXIF orientation
+    crop_top_left: tuple[int, int]  # (top, left) in the resized image
+
+
+def _crop_offsets(excess_h: int, excess_w: int, mode: CropMode, seed: str) -> tuple[int, int]:
+    if mode is CropMode.CENTER:
+        return excess_h // 2, excess_w // 2
+    rng = random.Random(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "big"))
+    return rng.randint(0, excess_h), rng.randint(0, excess_w)
+
+
+def preprocess(f: BinaryIO, bucket_width: int, bucket_height: int, crop: CropMode, seed: str) -> Preprocessed:
+    """Decode `f` and fit it to the bucket. Raises PreprocessError for any undecodable image."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            source = Image.open(f)
+            width, height = source.size
+            if source.getexif().get(_ORIENTATION_TAG, 1) in _SWAPS_AXES:
+                width, height = height, width
+            scale = max(bucket_width / width, bucket_height / height)
+            # JPEG: let libjpeg decode at a reduced scale that still covers the bucket (much faster)
+            source.draft("RGB", (math.ceil(source.width * scale), math.ceil(source.height * scale)))
+            im = ImageOps.exif_transpose(source).convert("RGB")
+    except Exception as exc:  # Pillow raises many types for bad data; all mean "cannot decode"
+        raise PreprocessError(f"cannot decode: {exc}") from exc
+    # sizes come from the full oriented size, so the result does not depend on the draft scale
+    oriented_w, oriented_h = width, height
+    scale = max(bucket_width / oriented_w, bucket_height / oriented_h)
+    resized_w = max(bucket_width, round(oriented_w * scale))
+    resized_h = max(bucket_height, round(oriented_h * scale))
+    im = im.resize((resized_w, resized_h), Image.Resampling.LANCZOS)
+    top, left = _crop_offsets(resized_h - bucket_height, resized_w - bucket_width, crop, seed)
+    im = im.crop((left, top, left + bucket_width, top + bucket_height))
+    pixels = np.asarray(im, dtype=np.float32).transpose(2, 0, 1) / 127.5 - 1.0
+    return Preprocessed(np.ascontiguousarray(pixels), (oriented_h, oriented_w), (top, left))
