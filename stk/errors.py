@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["BatchCheckFailed", "ExitCode", "InputError", "StkError", "TooManyErrors"]
+__all__ = ["ExitCode", "StkError", "InputError", "TooManyErrors", "BatchCheckFailed", "CacheIncomplete"]
 
 
 class ExitCode(enum.IntEnum):
@@ -16,6 +16,7 @@ class ExitCode(enum.IntEnum):
     INPUT = 3  # source, table, bucket or output unusable: nothing was produced
     TOO_MANY_ERRORS = 4  # outputs written, but more bad files than --max-errors allows
     BATCH_CHECK = 5  # outputs written, but some bucket cannot fill one effective batch
+    INCOMPLETE = 6  # stk-cache verify: shards missing or damaged, or scan rows without a cache entry
 
 
 class StkError(Exception):
@@ -36,3 +37,7 @@ class TooManyErrors(StkError):
 
 class BatchCheckFailed(StkError):
     exit_code = ExitCode.BATCH_CHECK
+
+
+class CacheIncomplete(StkError):
+    exit_code = ExitCode.INCOMPLETE

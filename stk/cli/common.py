@@ -28,7 +28,8 @@ def CONTEXT(command: str) -> dict[str, Any]:
 
 def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     if value:
-        command = ctx.command.name or ""
+        # the table is named after the command: STK_CACHE -> [cache], whatever the subcommand
+        command = (ctx.auto_envvar_prefix or "").removeprefix("STK_").lower()
         try:
             settings = load_command_config(value, command)
         except StkError as exc:
