@@ -1,0 +1,96 @@
+"""What every model family provides to stk-cache and stk-train: a VAE and text encoders behind one interface."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+
+from stk.models.components import TextEncoder, vae_config
+from stk.models.detect import Family
+
+__all__ = ["Encoders", "TextEmbedding"]
+
+
+@dataclass
+class TextEmbedding:
+    """One caption's outputs as numpy (stored without torch): sequences (L, D), pooled vectors (D,), float32.
+    `length` counts the real tokens of the longest sequence, so padding can be trimmed or masked."""
+
+    arrays: dict[str, np.ndarray]
+    length: int
+
+
+@dataclass
+class Encoders(abc.ABC):
+    """A model's VAE and text encoders, frozen on one device. Each family subclasses it with its own loading and
+    its diffusers pipeline's encode_prompt, so stk-train conditions on exactly what the pipeline would."""
+
+    family: ClassVar[Family]
+    text_outputs: ClassVar[tuple[str, ...]]  # names of the arrays in each TextEmbedding
+
+    model: str  # local directory or hub id
+    vae: AutoencoderKL = field(repr=False)
+    text: tuple[TextEncoder, ...] = field(repr=False)
+    device: torch.device = field(init=False)
+    dtype: torch.dtype = field(init=False)
+    scaling_factor: float = field(init=False)  # latents for the denoiser: (sample - shift_factor) * scaling_factor
+    shift_factor: float | None = field(init=False)
+    latent_channels: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        config = self.vae.config
+        self.device = self.vae.device
+        self.dtype = self.vae.dtype
+        self.scaling_factor = float(config["scaling_factor"])
+        shift = config.get("shift_factor")
+        self.shift_factor = None if shift is None else float(shift)
+        self.latent_channels = int(config["latent_channels"])
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, model: str, device: torch.device, dtype: torch.dtype) -> Encoders: ...
+
+    @abc.abstractmethod
+    def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Batched outputs named as text_outputs, and the real token count per caption."""
+
+    def encode_images(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 3, H, W) in [-1, 1] on any device -> (mean, logvar) of the latent distribution, unscaled and
+        unshifted, float32 on the CPU. Both, not a sample, so the trainer can draw a fresh sample every epoch."""
+        if pixels.ndim != 4 or pixels.shape[1] != 3:
+            raise ValueError(f"expected pixels shaped (B, 3, H, W), got {tuple(pixels.shape)}")
+        with torch.inference_mode():
+            dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
+            return dist.mean.float().cpu().contiguous(), dist.logvar.float().cpu().contiguous()
+
+    def encode_text(self, captions: list[str]) -> list[TextEmbedding]:
+        """One embedding per caption, in order; the captions are encoded as one batch."""
+        if isinstance(captions, str):
+            raise TypeError("captions must be a list of strings, not one string")
+        if not captions:
+            return []
+        with torch.inference_mode():
+            outputs, lengths = self._encode_text(captions)
+            arrays = {name: outputs[name].float().cpu().numpy() for name in self.text_outputs}
+        counts = lengths.tolist()
+        return [TextEmbedding({n: a[i] for n, a in arrays.items()}, int(counts[i])) for i in range(len(captions))]
+
+    def config(self) -> dict[str, Any]:
+        """JSON-able identity of the encoders: equal configs give interchangeable outputs. `vae` alone identifies
+        the latents and `text` alone the text embeddings, so a cache can key each on its own part."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return {
+            "family": self.family.value,
+            "model": self.model,
+            "vae": {**vae_config(self.vae), "dtype": dtype},
+            "text": {
+                "outputs": list(self.text_outputs),
+                "dtype": dtype,
+                "encoders": [encoder.config() for encoder in self.text],
+            },
+        }

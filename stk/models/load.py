@@ -1,0 +1,35 @@
+"""Loading a model's encoders on a device, with the family's own recipe."""
+
+from __future__ import annotations
+
+import torch
+
+from stk.models.base import Encoders
+from stk.models.detect import Family, detect_family
+from stk.models.flux import FluxEncoders
+from stk.models.sd import SDEncoders
+from stk.models.sdxl import SDXLEncoders
+
+__all__ = ["ENCODERS", "load_encoders"]
+
+ENCODERS: dict[Family, type[Encoders]] = {Family.SD: SDEncoders, Family.SDXL: SDXLEncoders, Family.FLUX: FluxEncoders}
+
+
+def load_encoders(
+    model: str,
+    family: Family | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> Encoders:
+    """The VAE and text encoders of `model` (a local diffusers directory or a hub id), frozen for inference.
+
+    `family` defaults to the one model_index.json names; `device` to the current CUDA device, else the CPU; `dtype`
+    to bfloat16 on CUDA (fp16 overflows in SDXL's VAE) and float32 elsewhere (CPUs lack fast half precision).
+    """
+    family = Family(family) if family is not None else detect_family(model)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return ENCODERS[family].load(model, device, dtype)
