@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ExitCode", "StkError", "InputError", "TooManyErrors", "BatchCheckFailed", "CacheIncomplete"]
+__all__ = ["BatchCheckFailed", "CacheIncomplete", "ExitCode", "InputError", "StkError", "TooManyErrors"]
 
 
 class ExitCode(enum.IntEnum):

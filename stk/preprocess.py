@@ -18,7 +18,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps
 
-__all__ = ["CropMode", "Preprocessed", "preprocess", "PreprocessError"]
+__all__ = ["CropMode", "PreprocessError", "Preprocessed", "preprocess"]
 
 _ORIENTATION_TAG = 0x0112
 _SWAPS_AXES = frozenset({5, 6, 7, 8})

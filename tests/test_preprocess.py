@@ -26,7 +26,7 @@ def test_output_fills_the_bucket_and_reports_the_oriented_size(tmp_path: Path, f
     result = _run(path, 64, 48)
     assert result.pixels.shape == (3, 48, 64)
     assert result.pixels.dtype == np.float32
-    assert -1.0 <= result.pixels.min() and result.pixels.max() <= 1.0
+    assert result.pixels.min() >= -1.0 and result.pixels.max() <= 1.0
     assert result.original_size == (200, 300)
 
 

@@ -13,15 +13,24 @@ from stk.models.detect import Family, detect_family
 
 if TYPE_CHECKING:
     from stk.models.base import Encoders, TextEmbedding
-    from stk.models.load import load_encoders
+    from stk.models.load import load_encoders, quiet_model_libraries
     from stk.models.tiny import build_tiny_model
 
-__all__ = ["Encoders", "Family", "TextEmbedding", "build_tiny_model", "detect_family", "load_encoders"]
+__all__ = [
+    "Encoders",
+    "Family",
+    "TextEmbedding",
+    "build_tiny_model",
+    "detect_family",
+    "load_encoders",
+    "quiet_model_libraries",
+]
 
 _LAZY = {
     "Encoders": "stk.models.base",
     "TextEmbedding": "stk.models.base",
     "load_encoders": "stk.models.load",
+    "quiet_model_libraries": "stk.models.load",
     "build_tiny_model": "stk.models.tiny",
 }
 

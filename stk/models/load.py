@@ -33,3 +33,16 @@ def load_encoders(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return ENCODERS[family].load(model, device, dtype)
+
+
+def quiet_model_libraries() -> None:
+    """Commands report their own progress: silence the model libraries' bars and notices."""
+    import diffusers
+    import huggingface_hub
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()

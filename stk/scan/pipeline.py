@@ -4,6 +4,7 @@ rank committing to the journal, gather, and write the outputs on rank 0."""
 from __future__ import annotations
 
 import os
+import queue
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -178,6 +179,28 @@ def _plan(opts: ScanOptions, world: World) -> tuple[list[list[cands.Candidate]],
     return split_by_bytes(todo, world.size), reused, len(found), uuid.uuid4().hex[:8]
 
 
+def _probe_chunk(pool: ThreadPoolExecutor, chunk: list[cands.Candidate], opts: ScanOptions) -> list[Record]:
+    """The records of `chunk`, in its order, each thread pulling the next file from a shared
+    queue: a pool task per file costs more in futures and thread wake-ups than probing a header
+    in the page cache does, and fixed batches would leave threads idle on slow storage."""
+    records: list[Record] = [{}] * len(chunk)
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for index in range(len(chunk)):
+        todo.put(index)
+
+    def work() -> None:
+        while True:
+            try:
+                index = todo.get_nowait()
+            except queue.Empty:
+                return
+            records[index] = probe(chunk[index], opts.probe)
+
+    for worker in [pool.submit(work) for _ in range(min(max(opts.threads, 1), len(chunk)))]:
+        worker.result()
+    return records
+
+
 def _probe_share(
     share: list[cands.Candidate], opts: ScanOptions, world: World, run_id: str, total: int
 ) -> list[Record]:
@@ -189,11 +212,10 @@ def _probe_share(
         ThreadPoolExecutor(max_workers=max(opts.threads, 1)) as pool,
     ):
         for start in range(0, len(share), opts.commit_every):
-            chunk = share[start : start + opts.commit_every]
-            records = list(pool.map(lambda c: probe(c, opts.probe), chunk))
+            records = _probe_chunk(pool, share[start : start + opts.commit_every], opts)
             journal.commit(records)
             results.extend(records)
-            progress.update(len(chunk))
+            progress.update(len(records))
     return results
 
 

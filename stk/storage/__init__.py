@@ -16,6 +16,8 @@ from stk.storage.s3 import S3Backend, configure_s3
 __all__ = [
     "FileInfo",
     "configure_s3",
+    "delete",
+    "download_file",
     "exists",
     "is_s3",
     "join",
@@ -23,6 +25,7 @@ __all__ = [
     "open_read",
     "read_bytes",
     "stat",
+    "upload_file",
     "write_atomic",
 ]
 
@@ -70,3 +73,18 @@ def read_bytes(location: str) -> bytes:
 def write_atomic(location: str, data: bytes) -> None:
     """Readers see the old content or the new, never a part (temp + fsync + rename; S3 PUT)."""
     _backend(location).write_atomic(location, data)
+
+
+def delete(location: str) -> None:
+    """Remove a file or object; one that is already gone is not an error."""
+    _backend(location).delete(location)
+
+
+def upload_file(local_path: str, location: str) -> None:
+    """Put a copy of a local file at `location`, atomically; large files go to S3 in parts."""
+    _backend(location).upload_file(local_path, location)
+
+
+def download_file(location: str, local_path: str) -> None:
+    """Copy `location` to a local file, atomically: `local_path` is complete or absent."""
+    _backend(location).download_file(location, local_path)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -88,3 +90,32 @@ class LocalBackend:
                 os.unlink(tmp)
             raise
         fsync_dir(directory)
+
+    def delete(self, location: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(location)
+
+    def upload_file(self, local_path: str, location: str) -> None:
+        _copy_atomic(local_path, location)
+
+    def download_file(self, location: str, local_path: str) -> None:
+        _copy_atomic(location, local_path)
+
+
+def _copy_atomic(source: str, destination: str) -> None:
+    """Copy to a temp file beside `destination`, fsync, rename: never a partial file."""
+    directory = os.path.dirname(destination) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
+            shutil.copyfileobj(src, out, 8 * 1024 * 1024)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, destination)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)

@@ -8,6 +8,8 @@ Transient errors are retried by botocore's standard retry mode, with backoff.
 from __future__ import annotations
 
 import io
+import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -198,3 +200,36 @@ class S3Backend:
             client().put_object(Bucket=bucket, Key=key, Body=data)
         except Exception as exc:
             raise _translate(exc, bucket, key) from exc
+
+    def delete(self, location: str) -> None:
+        bucket, key = split_url(location)
+        try:
+            client().delete_object(Bucket=bucket, Key=key)
+        except Exception as exc:
+            raise _translate(exc, bucket, key) from exc
+
+    def upload_file(self, local_path: str, location: str) -> None:
+        """boto3's managed transfer: multipart above 8 MiB, parts in parallel; the object appears
+        only once every part is there."""
+        bucket, key = split_url(location)
+        try:
+            client().upload_file(local_path, bucket, key)
+        except Exception as exc:
+            # boto3 wraps the ClientError of a failed upload in S3UploadFailedError
+            cause = exc.__context__ if type(exc).__name__ == "S3UploadFailedError" else None
+            raise _translate(cause if isinstance(cause, Exception) else exc, bucket, key) from exc
+
+    def download_file(self, location: str, local_path: str) -> None:
+        bucket, key = split_url(location)
+        directory = os.path.dirname(local_path) or "."
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        os.close(fd)
+        try:
+            client().download_file(bucket, key, tmp)
+            os.replace(tmp, local_path)
+        except Exception as exc:
+            raise _translate(exc, bucket, key) from exc
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)

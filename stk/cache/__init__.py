@@ -1,0 +1,1 @@
+"""stk-cache: distributed precompute of VAE latents and text embeddings into HDF5 shards."""

@@ -1,0 +1,129 @@
+"""One rank's encoding: captions first, then images, each batch written to this rank's shards.
+
+Images are decoded and fitted to their bucket on CPU threads a few batches ahead of the
+encoder (a bounded queue), so the GPU does not wait on JPEG decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stk import storage
+from stk.cache.plan import ImageJob
+from stk.models import Encoders
+from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
+from stk.shards import LatentSample, ShardWriter, TextSample
+
+__all__ = ["Counters", "EncodeSettings", "encode_latents", "encode_texts"]
+
+PREFETCH_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    crop: CropMode = CropMode.CENTER
+    store_logvar: bool = False  # --latents params
+    dtype: str = "float16"  # how arrays are stored
+    trim_padding: bool = False
+
+
+@dataclass
+class Counters:
+    images: int = 0
+    captions: int = 0
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+    def error(self, path: str, kind: str, reason: str) -> None:
+        self.errors.append({"path": path, "kind": kind, "reason": reason})
+
+
+def encode_texts(
+    encoders: Encoders,
+    batches: list[list[tuple[str, str]]],
+    writer: ShardWriter,
+    settings: EncodeSettings,
+    counters: Counters,
+    tick: Callable[[int], None],
+) -> None:
+    for batch in batches:
+        embeddings = encoders.encode_text([caption for _, caption in batch])
+        for (key, caption), embedding in zip(batch, embeddings, strict=True):
+            if not all(np.isfinite(a).all() for a in embedding.arrays.values()):
+                counters.error(caption[:200], "nonfinite_embedding", "text embedding has NaN or Inf: not stored")
+                continue
+            arrays = {}
+            for name, array in embedding.arrays.items():
+                if settings.trim_padding and array.ndim == 2:
+                    array = array[: embedding.length]
+                arrays[name] = array.astype(settings.dtype)
+            writer.add_text(TextSample(key, arrays, embedding.length))
+            counters.captions += 1
+        tick(len(batch))
+
+
+def _load(job: ImageJob, crop: CropMode) -> Preprocessed | str:
+    """The preprocessed image, or the reason it cannot be used."""
+    try:
+        with storage.open_read(job.location) as f:
+            return preprocess(f, job.bucket_width, job.bucket_height, crop, job.key)
+    except PreprocessError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"cannot read: {exc.strerror or exc}"
+
+
+def _prefetched(
+    batches: list[list[ImageJob]], crop: CropMode, threads: int
+) -> Iterator[tuple[list[ImageJob], list[Preprocessed | str]]]:
+    with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
+        pending: list[tuple[list[ImageJob], list[Future[Preprocessed | str]]]] = []
+        for batch in batches:
+            pending.append((batch, [pool.submit(_load, job, crop) for job in batch]))
+            if len(pending) > PREFETCH_BATCHES:
+                done, futures = pending.pop(0)
+                yield done, [f.result() for f in futures]
+        for done, futures in pending:
+            yield done, [f.result() for f in futures]
+
+
+def encode_latents(
+    encoders: Encoders,
+    batches: list[list[ImageJob]],
+    writer: ShardWriter,
+    settings: EncodeSettings,
+    threads: int,
+    counters: Counters,
+    tick: Callable[[int], None],
+) -> None:
+    for batch, loaded in _prefetched(batches, settings.crop, threads):
+        good = [(job, item) for job, item in zip(batch, loaded, strict=True) if isinstance(item, Preprocessed)]
+        for job, item in zip(batch, loaded, strict=True):
+            if isinstance(item, str):
+                counters.error(job.path, "decode_failed", item)
+        if good:
+            pixels = torch.from_numpy(np.stack([item.pixels for _, item in good]))
+            mean, logvar = encoders.encode_images(pixels)
+            for i, (job, item) in enumerate(good):
+                m, lv = mean[i].numpy(), logvar[i].numpy()
+                if not (np.isfinite(m).all() and np.isfinite(lv).all()):
+                    counters.error(job.path, "nonfinite_latent", "latent has NaN or Inf: not stored")
+                    continue
+                writer.add_latent(
+                    LatentSample(
+                        key=job.key,
+                        text_key=job.text_key,
+                        mean=m.astype(settings.dtype),
+                        logvar=lv.astype(settings.dtype) if settings.store_logvar else None,
+                        original_size=item.original_size,
+                        crop_top_left=item.crop_top_left,
+                        path=job.path,
+                    )
+                )
+                counters.images += 1
+        tick(len(batch))

@@ -1,0 +1,91 @@
+"""stk-cache verify and info: what a cache holds, and whether it covers a scan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stk import storage
+from stk.cache.pipeline import latent_recipe, text_recipe
+from stk.cache.plan import jobs_for, load_scan
+from stk.errors import CacheIncomplete, InputError
+from stk.shards import CacheReader, Manifest, VerifyReport, shard_location, verify
+
+__all__ = ["cache_info", "verify_cache"]
+
+LISTED = 20  # missing keys named in the error message; the JSON report has them all
+
+
+def _unlist_bad_shards(cache: str, report: VerifyReport) -> list[str]:
+    """Drop missing and damaged shards from the manifest (and delete the damaged files), so that
+    rerunning stk-cache encodes their samples again."""
+    manifest = Manifest.load(cache)
+    assert manifest is not None
+    bad = set(report.missing_shards) | {why.split(":", 1)[0] for why in report.damaged_shards}
+    manifest.shards = [s for s in manifest.shards if s["name"] not in bad]
+    manifest.save(cache)
+    for name in sorted(bad):
+        storage.delete(shard_location(cache, name))
+    return sorted(bad)
+
+
+def verify_cache(cache: str, scan_dir: str | None, repair: bool = False) -> VerifyReport:
+    """Checksums of every shard, and (with a scan) a latent and a caption for every scan row.
+    Raises CacheIncomplete, listing what is missing, when anything is."""
+    manifest = Manifest.load(cache)
+    if manifest is None:
+        raise InputError(f"{cache}: no manifest.json (not an stk cache)")
+    latent_keys = text_keys = None
+    paths: dict[str, str] = {}
+    if scan_dir is not None:
+        jobs = jobs_for(load_scan(scan_dir), latent_recipe(manifest.config), text_recipe(manifest.config))
+        latent_keys = [j.key for j in jobs]
+        text_keys = sorted({j.text_key for j in jobs})
+        paths = {j.key: j.path for j in jobs}
+    report = verify(cache, latent_keys, text_keys)
+    repaired = _unlist_bad_shards(cache, report) if repair else []
+    if not report.ok:
+        lines = [f"{cache} is incomplete:"]
+        lines += [f"  missing shard: {name}" for name in report.missing_shards]
+        lines += [f"  damaged shard: {why}" for why in report.damaged_shards]
+        if report.missing_latent_keys:
+            lines.append(f"  {len(report.missing_latent_keys)} scan rows have no latent:")
+            lines += [f"    {paths.get(k, k)}" for k in report.missing_latent_keys[:LISTED]]
+        if report.missing_text_keys:
+            lines.append(f"  {len(report.missing_text_keys)} captions have no embedding")
+        if repaired:
+            lines.append(f"--repair: unlisted and deleted {len(repaired)} shard(s): {', '.join(repaired)}")
+        elif report.missing_shards or report.damaged_shards:
+            lines.append("Run `stk-cache verify --repair` to unlist the bad shards first.")
+        lines.append("Rerun the same stk-cache command to encode what is missing.")
+        raise CacheIncomplete("\n".join(lines))
+    return report
+
+
+def cache_info(cache: str) -> dict[str, Any]:
+    """A JSON-able summary: samples, buckets, bytes and compression, model."""
+    with CacheReader(cache) as reader:
+        manifest = reader.manifest
+        buckets = reader.buckets()
+        latent_raw = 0
+        for keys in buckets.values():
+            sample = reader.latent(keys[0])
+            per_sample = sample.mean.nbytes + (sample.logvar.nbytes if sample.logvar is not None else 0)
+            latent_raw += per_sample * len(keys)
+        text_keys = reader.text_keys()
+        text_raw = sum(sum(a.nbytes for a in reader.text(k).arrays.values()) for k in text_keys)
+    stored = sum(int(s["bytes"]) for s in manifest.shards)
+    return {
+        "cache": cache,
+        "family": manifest.config.get("family"),
+        "model": manifest.config.get("model", {}).get("model"),
+        "latents": sum(len(k) for k in buckets.values()),
+        "texts": len(text_keys),
+        "buckets": {f"{h}x{w}": len(keys) for (h, w), keys in buckets.items()},  # latent height x width
+        "shards": len(manifest.shards),
+        "bytes": stored,
+        "raw_bytes": latent_raw + text_raw,
+        "compression_ratio": round((latent_raw + text_raw) / stored, 3) if stored else None,
+        "scaling_factor": manifest.scaling_factor,
+        "shift_factor": manifest.config.get("shift_factor"),
+        "settings": {"latents": manifest.config.get("latents"), "text": manifest.config.get("text")},
+    }

@@ -1,0 +1,136 @@
+"""stk-cache: click wiring only; the work is in stk.cache."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from stk.cache.encode import EncodeSettings
+from stk.cache.inspect import cache_info, verify_cache
+from stk.cache.pipeline import CacheOptions, run_cache
+from stk.cli.common import CONTEXT, common_options, run_command
+from stk.models import Family, quiet_model_libraries
+from stk.preprocess import CropMode
+from stk.world import World
+
+EPILOG = """\b
+Examples:
+  stk-cache /shared/run1/scan --model stabilityai/stable-diffusion-xl-base-1.0 --out /shared/run1/cache
+  srun --mpi=pmi2 stk-cache scan --model ./my-flux --out s3://bucket/cache --s3-endpoint-url https://r2...
+  stk-cache verify /shared/run1/cache --scan /shared/run1/scan
+  stk-cache info s3://bucket/cache | jq .samples
+
+\b
+Exit codes: 0 done; 2 bad option; 3 scan, model or cache unusable (another config: --force);
+6 verify found missing or damaged shards or samples.
+"""
+
+
+class _DefaultBuild(click.Group):
+    """`stk-cache SCAN_DIR ...` means `stk-cache build SCAN_DIR ...`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["build", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("cache", cls=_DefaultBuild, context_settings=CONTEXT("cache"), epilog=EPILOG)
+def main() -> None:
+    """Precompute VAE latents and text embeddings for a scanned dataset into HDF5 shards.
+
+    `stk-cache SCAN_DIR --model MODEL --out CACHE` builds (or finishes) a cache; `verify` and
+    `info` inspect one. CACHE is a directory or s3://bucket/prefix.
+    """
+
+
+@main.command("build", context_settings=CONTEXT("cache"), epilog=EPILOG)
+@click.argument("scan_dir")
+@click.option("--model", required=True, show_envvar=True, help="Hub id or local diffusers directory.")
+@click.option("--out", required=True, show_envvar=True, help="Cache directory or s3://bucket/prefix.")
+@click.option("--family", type=click.Choice([f.value for f in Family]), default=None, show_envvar=True,
+              help="Model family [default: from the model's model_index.json].")  # fmt: skip
+@click.option("--device", default=None, show_envvar=True, help="Torch device [default: this rank's GPU, else cpu].")
+@click.option("--batch-size", default=16, type=click.IntRange(1), show_envvar=True, help="Images per VAE batch.")
+@click.option("--text-batch-size", default=64, type=click.IntRange(1), show_envvar=True, help="Captions per batch.")
+@click.option("--shard-size", default=512, type=click.IntRange(1), show_envvar=True, help="Shard size limit, MiB.")
+@click.option("--threads", default=4, type=click.IntRange(1, 256), show_envvar=True, help="Decode threads per rank.")
+@click.option("--crop", type=click.Choice([c.value for c in CropMode]), default="center", show_envvar=True,
+              help="Where to crop an image to its bucket; offsets are stored (SDXL uses them).")  # fmt: skip
+@click.option("--latents", type=click.Choice(["mean", "params"]), default="mean", show_envvar=True,
+              help="Store the latent mean, or mean and log-variance (sampled anew each epoch).")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_envvar=True,
+              help="How latents and embeddings are stored.")  # fmt: skip
+@click.option("--trim-padding", is_flag=True, show_envvar=True,
+              help="Store only the real tokens of sequence embeddings (see README for when it is exact).")  # fmt: skip
+@click.option("--force", is_flag=True, show_envvar=True, help="Replace a cache made with another model or config.")
+@common_options
+def build(scan_dir: str, model: str, out: str, family: str | None, device: str | None, batch_size: int,
+          text_batch_size: int, shard_size: int, threads: int, crop: str, latents: str, dtype: str,
+          trim_padding: bool, force: bool, verbose: int, quiet: bool, s3_endpoint_url: str | None) -> None:  # fmt: skip
+    """Encode every image and caption of SCAN_DIR (an stk-scan output) into the cache at --out.
+
+    Rerunning the same command finishes an interrupted run: finished shards are kept and their
+    samples skipped. Run it under mpiexec or srun to use every rank of the job.
+    """
+    settings = EncodeSettings(CropMode(crop), latents == "params", dtype, trim_padding)
+    opts = CacheOptions(
+        scan_dir=scan_dir,
+        model=model,
+        cache=out,
+        family=Family(family) if family else None,
+        device=device,
+        batch_size=batch_size,
+        text_batch_size=text_batch_size,
+        shard_size=shard_size * 2**20,
+        threads=threads,
+        settings=settings,
+        force=force,
+    )
+
+    def body(world: World) -> int:
+        quiet_model_libraries()
+        summary = run_cache(opts, world)
+        if world.is_root:
+            print(json.dumps(summary.__dict__))
+        return 0
+
+    run_command("stk-cache", verbose, quiet, s3_endpoint_url, body)
+
+
+@main.command("verify", context_settings=CONTEXT("cache"))
+@click.argument("cache")
+@click.option("--scan", "scan_dir", default=None, show_envvar=True, help="Also check that every scan row is cached.")
+@click.option("--repair", is_flag=True, help="Unlist and delete missing or damaged shards, so a rerun redoes them.")
+@click.option("-q", "--quiet", is_flag=True, help="Warnings and errors only.")
+@click.option("--s3-endpoint-url", default=None, show_envvar=True, help="S3-compatible endpoint.")
+def verify_command(cache: str, scan_dir: str | None, repair: bool, quiet: bool, s3_endpoint_url: str | None) -> None:
+    """Check every shard's checksum and, with --scan, that every scan row has its latent and caption.
+
+    Prints a JSON report; exits 6 with the missing or damaged items listed when anything is wrong.
+    """
+
+    def body(world: World) -> int:
+        report = verify_cache(cache, scan_dir, repair)
+        print(json.dumps({"ok": report.ok, "shards": report.shards, "latents": report.latents, "texts": report.texts}))
+        return 0
+
+    run_command("stk-cache", 0, quiet, s3_endpoint_url, body)
+
+
+@main.command("info", context_settings=CONTEXT("cache"))
+@click.argument("cache")
+@click.option("--s3-endpoint-url", default=None, show_envvar=True, help="S3-compatible endpoint.")
+def info_command(cache: str, s3_endpoint_url: str | None) -> None:
+    """Print a JSON summary of CACHE: samples, buckets, bytes, compression ratio, model."""
+
+    def body(world: World) -> int:
+        print(json.dumps(cache_info(cache)))
+        return 0
+
+    run_command("stk-cache", 0, False, s3_endpoint_url, body)
+
+
+if __name__ == "__main__":
+    main()

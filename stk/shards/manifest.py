@@ -1,0 +1,70 @@
+"""CACHE/manifest.json: what a cache was made with and which shards it holds.
+
+A shard is listed only once it is closed, checksummed and renamed (uploaded on S3), so a reader
+never meets a half-written one. The manifest is rewritten whole and atomically, by one process
+(rank 0); shards live under CACHE/shards/.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from stk import storage
+from stk.errors import InputError
+from stk.shards.writer import ShardInfo
+
+__all__ = ["MANIFEST", "MANIFEST_VERSION", "Manifest"]
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+_SHARD_FIELDS = ("name", "latents", "texts", "bytes", "sha256")
+
+
+@dataclass
+class Manifest:
+    """`config`: the model and preprocessing the cache was made with (a cache is never extended
+    under another); `shards`: [{name, latents, texts, bytes, sha256}]; `scaling_factor`: the
+    VAE's, at the top level for trainers; `extra`: any other top-level keys, kept as they are."""
+
+    config: dict[str, Any]
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    scaling_factor: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add_shard(self, info: ShardInfo) -> None:
+        if any(s["name"] == info.name for s in self.shards):
+            raise ValueError(f"shard {info.name} is already listed")
+        self.shards.append({k: getattr(info, k) for k in _SHARD_FIELDS})
+
+    @staticmethod
+    def load(cache: str) -> Manifest | None:
+        """The cache's manifest, or None when there is none yet."""
+        location = storage.join(cache, MANIFEST)
+        try:
+            raw = storage.read_bytes(location)
+        except FileNotFoundError:
+            return None
+        try:
+            data = json.loads(raw)
+            version = data.pop("version")
+            if not isinstance(version, int) or version > MANIFEST_VERSION:
+                raise InputError(f"{location}: manifest version {version!r}; this stk reads up to {MANIFEST_VERSION}")
+            manifest = Manifest(
+                config=data.pop("config"), shards=data.pop("shards"), scaling_factor=data.pop("scaling_factor", None)
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InputError(f"{location}: not a cache manifest ({exc})") from exc
+        manifest.extra = data
+        return manifest
+
+    def save(self, cache: str) -> None:
+        data = {
+            "version": MANIFEST_VERSION,
+            **self.extra,
+            "config": self.config,
+            "scaling_factor": self.scaling_factor,
+            "shards": self.shards,
+        }
+        storage.write_atomic(storage.join(cache, MANIFEST), (json.dumps(data, indent=1) + "\n").encode())

@@ -1,0 +1,269 @@
+"""Random access to a cache by key, for any number of reader ranks and threads.
+
+On open, the reader reads every listed shard's `key` datasets (nothing else) and maps each key
+to its shard, group and row; a key written twice is served from the first shard in manifest
+order. A sample's other metadata is read whole per group on first use, and kept. Payloads are read
+chunk by chunk (read_direct_chunk for latents, a byte range for text) under a lock, and
+decompressed outside it, so reader threads decompress in parallel.
+
+Local caches are read in place. For an s3:// cache the keys are read with ranged GETs, and a
+whole shard is downloaded into `local_dir` the first time a sample from it is read (see
+localcopies.py). h5py files stay open per process (at most `max_open_files`, least recently
+used closed first) and are reopened after a fork (DataLoader workers).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+from stk import storage
+from stk.errors import InputError
+from stk.shards.layout import TEXT, decompress, open_h5, shard_keys, shard_location
+from stk.shards.localcopies import LocalCopies
+from stk.shards.manifest import Manifest
+from stk.shards.samples import LatentSample, TextSample
+
+__all__ = ["CacheReader"]
+
+
+@dataclass
+class _LatentMeta:
+    dtype: np.dtype
+    payloads: tuple[str, ...]  # ("mean",) or ("mean", "logvar")
+    text_key: np.ndarray
+    original_size: np.ndarray
+    crop_top_left: np.ndarray
+    path: np.ndarray
+
+    @staticmethod
+    def read(group: h5py.Group) -> _LatentMeta:
+        return _LatentMeta(
+            dtype=np.dtype(str(group.attrs["dtype"])),
+            payloads=("mean", "logvar") if "logvar" in group else ("mean",),
+            text_key=group["text_key"][()].astype(str),
+            original_size=group["original_size"][()],
+            crop_top_left=group["crop_top_left"][()],
+            path=group["path"].asstr()[()],
+        )
+
+
+@dataclass
+class _TextArray:
+    dtype: np.dtype
+    end: np.ndarray
+    shape: np.ndarray
+
+
+@dataclass
+class _TextMeta:
+    length: np.ndarray
+    arrays: dict[str, _TextArray]
+
+    @staticmethod
+    def read(group: h5py.Group) -> _TextMeta:
+        arrays = {}
+        for name in (str(n) for n in group.attrs["arrays"]):
+            sub = group[name]
+            arrays[name] = _TextArray(np.dtype(str(sub.attrs["dtype"])), sub["end"][()], sub["shape"][()])
+        return _TextMeta(group["length"][()], arrays)
+
+
+@dataclass
+class _Group:
+    """A latent shape of one shard (with its shape), or its /text group; metadata read on first use."""
+
+    shard: int
+    path: str  # "latents/4x64x64" or "text"
+    shape: tuple[int, ...] = ()
+    latent_meta: _LatentMeta | None = None
+    text_meta: _TextMeta | None = None
+
+
+class _Open:
+    """An open shard and the datasets looked up in it (a lookup by path costs more than a read)."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open_h5(path, "r", rdcc_nbytes=0)  # chunks are read whole or by exact range: no cache
+        self._datasets: dict[str, h5py.Dataset] = {}
+
+    def dataset(self, path: str) -> h5py.Dataset:
+        found = self._datasets.get(path)
+        if found is None:
+            found = self._datasets[path] = self.file[path]
+        return found
+
+
+class CacheReader:
+    """Read a cache written by stk-cache. Thread-safe; open one per process."""
+
+    def __init__(
+        self, cache: str, local_dir: str | None = None, max_local_bytes: int | None = None, max_open_files: int = 128
+    ) -> None:
+        manifest = Manifest.load(cache)
+        if manifest is None:
+            raise InputError(f"{cache}: no manifest.json (not a cache, or stk-cache has not finished a shard yet)")
+        self.cache = cache
+        self.manifest = manifest
+        self._max_open = max(max_open_files, 1)
+        self._copies = LocalCopies(local_dir, max_local_bytes) if storage.is_s3(cache) else None
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._open: OrderedDict[int, _Open] = OrderedDict()
+        self._groups: list[_Group] = []
+        self._latents: dict[str, tuple[int, int]] = {}  # key -> (group, row)
+        self._texts: dict[str, tuple[int, int]] = {}
+        try:
+            for shard in range(len(manifest.shards)):
+                self._index(shard)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- public
+
+    def latent(self, key: str) -> LatentSample:
+        try:
+            group_id, row = self._latents[key]
+        except KeyError:
+            raise KeyError(f"latent {key} is not in the cache {self.cache}") from None
+        group = self._groups[group_id]
+        with self._locked():
+            opened = self._opened(group.shard)
+            if group.latent_meta is None:
+                group.latent_meta = _LatentMeta.read(opened.file[group.path])
+            meta = group.latent_meta
+            chunks = []
+            for name in meta.payloads:
+                dataset = opened.dataset(f"{group.path}/{name}")
+                mask, frame = dataset.id.read_direct_chunk((row,) + (0,) * len(group.shape))
+                chunks.append(dataset[row] if mask else frame)  # a filter was skipped: let HDF5 decode it
+        arrays = [c if isinstance(c, np.ndarray) else decompress(c, meta.dtype, group.shape) for c in chunks]
+        return LatentSample(
+            key=key,
+            text_key=str(meta.text_key[row]),
+            mean=arrays[0],
+            logvar=arrays[1] if len(arrays) > 1 else None,
+            original_size=(int(meta.original_size[row, 0]), int(meta.original_size[row, 1])),
+            crop_top_left=(int(meta.crop_top_left[row, 0]), int(meta.crop_top_left[row, 1])),
+            path=str(meta.path[row]),
+        )
+
+    def text(self, key: str) -> TextSample:
+        try:
+            group_id, row = self._texts[key]
+        except KeyError:
+            raise KeyError(f"text embedding {key} is not in the cache {self.cache}") from None
+        group = self._groups[group_id]
+        with self._locked():
+            opened = self._opened(group.shard)
+            if group.text_meta is None:
+                group.text_meta = _TextMeta.read(opened.file[TEXT])
+            meta = group.text_meta
+            frames = {}
+            for name, array in meta.arrays.items():
+                start = int(array.end[row - 1]) if row else 0
+                frames[name] = opened.dataset(f"{TEXT}/{name}/data")[start : int(array.end[row])].data
+        arrays = {
+            name: decompress(frame, meta.arrays[name].dtype, tuple(meta.arrays[name].shape[row].tolist()))
+            for name, frame in frames.items()
+        }
+        return TextSample(key=key, arrays=arrays, length=int(meta.length[row]))
+
+    def latent_keys(self) -> list[str]:
+        return sorted(self._latents)
+
+    def text_keys(self) -> list[str]:
+        return sorted(self._texts)
+
+    def buckets(self) -> dict[tuple[int, int], list[str]]:
+        """Latent (h, w) -> its keys, both sorted: the same on every rank."""
+        out: dict[tuple[int, int], list[str]] = {}
+        for key, (group_id, _) in self._latents.items():
+            shape = self._groups[group_id].shape
+            out.setdefault((shape[1], shape[2]), []).append(key)
+        return {hw: sorted(out[hw]) for hw in sorted(out)}
+
+    def close(self) -> None:
+        with self._locked():
+            for opened in self._open.values():
+                opened.file.close()
+            self._open.clear()
+            if self._copies is not None:
+                self._copies.close()
+
+    def __enter__(self) -> CacheReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- index
+
+    def _index(self, shard: int) -> None:
+        entry = self.manifest.shards[shard]
+        location = shard_location(self.cache, str(entry["name"]))
+        local = self._copies.present(entry) if self._copies is not None else location
+        try:
+            if local is not None:
+                latents, texts = shard_keys(self._opened(shard).file)
+            else:  # S3, not fetched yet: the keys alone, by ranged GETs
+                with storage.open_read(location, int(entry["bytes"])) as raw, open_h5(raw, "r") as file:
+                    latents, texts = shard_keys(file)
+        except FileNotFoundError:
+            raise InputError(f"{location}: listed in {self.cache}/manifest.json but missing") from None
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{location}: cannot read this shard ({exc})") from exc
+        for path, keys in latents.items():
+            group_id = len(self._groups)
+            self._groups.append(_Group(shard, path, tuple(int(n) for n in path.rsplit("/", 1)[1].split("x"))))
+            for row, key in enumerate(keys):
+                self._latents.setdefault(key, (group_id, row))
+        if texts:
+            group_id = len(self._groups)
+            self._groups.append(_Group(shard, TEXT))
+            for row, key in enumerate(texts):
+                self._texts.setdefault(key, (group_id, row))
+
+    # ---------------------------------------------------------------- files
+
+    def _locked(self) -> threading.RLock:
+        """The lock, after forgetting (not closing) files a parent process opened before a fork."""
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            self._lock = threading.RLock()
+            self._open = OrderedDict()
+        return self._lock
+
+    def _opened(self, shard: int) -> _Open:
+        found = self._open.get(shard)
+        if found is not None:
+            self._open.move_to_end(shard)
+            return found
+        entry = self.manifest.shards[shard]
+        location = shard_location(self.cache, str(entry["name"]))
+        if self._copies is None:
+            opened = _Open(location)
+        else:
+            try:
+                opened = _Open(self._copies.get(location, entry, self._forget))
+            except FileNotFoundError:  # another process deleted the shared copy between fetch and open
+                opened = _Open(self._copies.get(location, entry, self._forget))
+        self._open[shard] = opened
+        while len(self._open) > self._max_open:
+            _, oldest = self._open.popitem(last=False)
+            oldest.file.close()
+        return opened
+
+    def _forget(self, path: str) -> None:
+        """Close the shard whose local copy is about to be deleted."""
+        assert self._copies is not None
+        for shard, opened in list(self._open.items()):
+            if self._copies.path(self.manifest.shards[shard]) == path:
+                opened.file.close()
+                del self._open[shard]

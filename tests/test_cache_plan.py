@@ -1,0 +1,63 @@
+"""Keys and work planning for stk-cache: pure functions, no models."""
+
+from __future__ import annotations
+
+from stk.cache.keys import latent_key, text_key
+from stk.cache.plan import ImageJob, ScanInput, assign, jobs_for, latent_batches, text_batches
+
+ROW = {"path": "a/b.jpg", "bytes": 1000, "mtime": 1.5, "bucket_width": 64, "bucket_height": 48, "caption": "a cat"}
+RECIPE = {"model": "abc", "latents": {"crop": "center"}}
+
+
+def test_latent_key_changes_with_identity_bucket_and_recipe() -> None:
+    base = latent_key(ROW, RECIPE)
+    assert base == latent_key(dict(ROW), dict(RECIPE))
+    for change in ({"mtime": 2.0}, {"bytes": 1001}, {"path": "a/c.jpg"}, {"bucket_width": 48}):
+        assert latent_key({**ROW, **change}, RECIPE) != base, change
+    assert latent_key(ROW, {**RECIPE, "model": "abd"}) != base
+
+
+def test_one_text_key_per_caption_and_encoder() -> None:
+    assert text_key("a cat", RECIPE) == text_key("a cat", RECIPE)
+    assert text_key("a cat", RECIPE) != text_key("a dog", RECIPE)
+    assert text_key("a cat", RECIPE) != text_key("a cat", {"model": "other"})
+
+
+def _jobs(n: int) -> list[ImageJob]:
+    rows = [
+        {**ROW, "path": f"img{i:03d}.jpg", "bucket_width": 64 if i % 3 else 48, "caption": f"c{i % 4}"}
+        for i in range(n)
+    ]
+    return jobs_for(ScanInput(rows, "/data"), RECIPE, RECIPE)
+
+
+def test_jobs_locate_images_under_the_scan_root_and_share_caption_keys() -> None:
+    jobs = _jobs(12)
+    assert jobs[0].location == "/data/img000.jpg"
+    assert len({j.text_key for j in jobs}) == 4
+    assert jobs_for(ScanInput([ROW], ""), RECIPE, RECIPE)[0].location == "a/b.jpg"
+
+
+def test_latent_batches_hold_one_bucket_and_do_not_depend_on_input_order() -> None:
+    jobs = _jobs(25)
+    batches = latent_batches(jobs, 4)
+    assert sum(len(b) for b in batches) == 25
+    assert all(len({(j.bucket_width, j.bucket_height) for j in b}) == 1 for b in batches)
+    assert all(len(b) <= 4 for b in batches)
+    reordered = latent_batches(list(reversed(jobs)), 4)
+    assert [[j.key for j in b] for b in reordered] == [[j.key for j in b] for b in batches]
+
+
+def test_text_batches_are_sorted_by_key() -> None:
+    batches = text_batches({"k3": "c", "k1": "a", "k2": "b"}, 2)
+    assert batches == [[("k1", "a"), ("k2", "b")], [("k3", "c")]]
+
+
+def test_assign_balances_cost_and_covers_every_batch_once() -> None:
+    costs = [10, 10, 10, 10, 5, 5, 3, 1]
+    owners = assign(costs, 2)
+    assert sorted(i for o in owners for i in o) == list(range(len(costs)))
+    loads = [sum(costs[i] for i in o) for o in owners]
+    assert abs(loads[0] - loads[1]) <= 2
+    assert assign(costs, 1) == [list(range(len(costs)))]
+    assert assign([], 3) == [[], [], []]
