@@ -1,7 +1,8 @@
 """`make demo`: the main job on a built-in default, so a new user sees stk work in a minute.
 
 Generates a small mixed dataset (every format, rotated photos, captions, one broken file) and
-scans it with 2 MPI ranks, exactly as a cluster job would.
+a tiny random-weight SDXL-like model, then runs the pipeline with 2 MPI ranks exactly as a
+cluster job would: stk-scan, then stk-cache.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import click
 
 from stk.datagen import generate_dataset
+from stk.models import Family, build_tiny_model
 
 
 def _mpiexec() -> str:
@@ -22,30 +25,43 @@ def _mpiexec() -> str:
     return beside if os.path.exists(beside) else shutil.which("mpiexec") or "mpiexec"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--dir", "workdir", default="demo-output", help="Where the dataset and the scan go (replaced).")
-@click.option("--images", default=96, help="Images to generate.")
-@click.option("--ranks", default=2, help="MPI ranks for the scan.")
-def main(workdir: str, images: int, ranks: int) -> None:
-    """Generate a small dataset and scan it with MPI ranks."""
-    shutil.rmtree(workdir, ignore_errors=True)
-    data, scan = os.path.join(workdir, "images"), os.path.join(workdir, "scan")
-    generate_dataset(data, images)
-    with open(os.path.join(data, "broken.jpg"), "wb") as f:
-        f.write(b"not really a jpeg")
-    click.echo(f"generated {images} images (+1 broken file) in {data}", err=True)
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "stk.cli.scan", data, "--out", scan]
-    command += ["--resolution", "64", "--alignment", "16", "--batch-size", "2", "--max-errors", "5"]
-    command += ["--allow-oversubscription"]  # small demo buckets: apply the repeats they need
+def _run(ranks: int, module: str, args: list[str]) -> dict[str, Any]:
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", module, *args]
     click.echo("$ " + " ".join(command), err=True)
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise SystemExit(result.returncode)
-    summary = json.loads(result.stdout)
+    summary: dict[str, Any] = json.loads(result.stdout)
+    return summary
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--dir", "workdir", default="demo-output", help="Where the dataset, model and outputs go (replaced).")
+@click.option("--images", default=96, help="Images to generate.")
+@click.option("--ranks", default=2, help="MPI ranks for each step.")
+def main(workdir: str, images: int, ranks: int) -> None:
+    """Generate a dataset and a tiny model, then scan and cache with MPI ranks."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    data, scan, cache = (os.path.join(workdir, name) for name in ("images", "scan", "cache"))
+    generate_dataset(data, images)
+    with open(os.path.join(data, "broken.jpg"), "wb") as f:
+        f.write(b"not really a jpeg")
+    model = build_tiny_model(Family.SDXL, os.path.join(workdir, "tiny-sdxl"))
+    click.echo(f"generated {images} images (+1 broken file) in {data} and a tiny SDXL model in {model}", err=True)
+
+    scanned = _run(
+        ranks,
+        "stk.cli.scan",
+        [data, "--out", scan, "--resolution", "64", "--alignment", "16", "--batch-size", "2", "--max-errors", "5",
+         "--allow-oversubscription"],  # small demo buckets: apply the repeats they need
+    )  # fmt: skip
+    cached = _run(ranks, "stk.cli.cache", [scan, "--model", model, "--out", cache, "--batch-size", "8"])
     click.echo(
-        f"\nscanned {summary['files']} files on {summary['ranks']} ranks: {summary['images']} images in "
-        f"{summary['buckets']} buckets, {summary['errors']} error(s).\n"
-        f"  table:   {scan}/metadata.parquet\n  buckets: {scan}/buckets.json\n  errors:  {scan}/errors.jsonl",
+        f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images in "
+        f"{scanned['buckets']} buckets, {scanned['errors']} error(s) -> {scan}/metadata.parquet\n"
+        f"cache: {cached['encoded_images']} latents and {cached['encoded_captions']} caption embeddings in "
+        f"{cached['shards_written']} shard(s) -> {cache}/manifest.json\n"
+        f"next:  stk-cache info {cache} | jq .",
         err=True,
     )
 

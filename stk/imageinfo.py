@@ -56,6 +56,9 @@ _TAIL_BYTES = 32
 
 # stk enforces its own --max-pixels; Pillow's bomb check would otherwise raise on big headers.
 Image.MAX_IMAGE_PIXELS = None
+# Pillow warns about odd files (corrupt EXIF...); stk reports bad files itself. One filter for the
+# process: warnings.catch_warnings() per call is not thread-safe and leaks filters across threads.
+warnings.filterwarnings("ignore", module=r"PIL\.")
 
 
 def is_image_name(name: str) -> bool:
@@ -89,12 +92,10 @@ def read_header(f: BinaryIO, size: int, max_pixels: int | None = None) -> ImageH
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return _checked(_webp_header(f, size), head, f, size, max_pixels)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            im = Image.open(f)
-            fmt = str(im.format)
-            width, height = _stored_size(im)
-            orientation = _orientation(im)
+        im = Image.open(f)
+        fmt = str(im.format)
+        width, height = _stored_size(im)
+        orientation = _orientation(im)
     except UnidentifiedImageError as exc:
         raise ImageError("not_image", "not an image: content not recognised by Pillow") from exc
     except (SyntaxError, ValueError, EOFError, struct.error, OSError, IndexError, KeyError) as exc:
@@ -206,10 +207,8 @@ def _decodes(f: BinaryIO) -> bool:
     (data after the end marker, as in phone "motion photos", is whole; a cut file is not)."""
     f.seek(0)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with Image.open(f) as im:
-                im.load()
+        with Image.open(f) as im:
+            im.load()
     except Exception:  # any decoder failure means the pixels are not all there
         return False
     return True

@@ -20,6 +20,7 @@ from PIL import Image, ImageOps
 
 __all__ = ["CropMode", "PreprocessError", "Preprocessed", "preprocess"]
 
+warnings.filterwarnings("ignore", module=r"PIL\.")  # as in imageinfo: stk reports bad files itself
 _ORIENTATION_TAG = 0x0112
 _SWAPS_AXES = frozenset({5, 6, 7, 8})
 
@@ -50,16 +51,14 @@ def _crop_offsets(excess_h: int, excess_w: int, mode: CropMode, seed: str) -> tu
 def preprocess(f: BinaryIO, bucket_width: int, bucket_height: int, crop: CropMode, seed: str) -> Preprocessed:
     """Decode `f` and fit it to the bucket. Raises PreprocessError for any undecodable image."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            source = Image.open(f)
-            width, height = source.size
-            if source.getexif().get(_ORIENTATION_TAG, 1) in _SWAPS_AXES:
-                width, height = height, width
-            scale = max(bucket_width / width, bucket_height / height)
-            # JPEG: let libjpeg decode at a reduced scale that still covers the bucket (much faster)
-            source.draft("RGB", (math.ceil(source.width * scale), math.ceil(source.height * scale)))
-            im = ImageOps.exif_transpose(source).convert("RGB")
+        source = Image.open(f)
+        width, height = source.size
+        if source.getexif().get(_ORIENTATION_TAG, 1) in _SWAPS_AXES:
+            width, height = height, width
+        scale = max(bucket_width / width, bucket_height / height)
+        # JPEG: let libjpeg decode at a reduced scale that still covers the bucket (much faster)
+        source.draft("RGB", (math.ceil(source.width * scale), math.ceil(source.height * scale)))
+        im = ImageOps.exif_transpose(source).convert("RGB")
     except Exception as exc:  # Pillow raises many types for bad data; all mean "cannot decode"
         raise PreprocessError(f"cannot decode: {exc}") from exc
     # sizes come from the full oriented size, so the result does not depend on the draft scale
