@@ -75,6 +75,18 @@ class World:
             raise value
         return value
 
+    def run_everywhere(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on every rank; if it raised on any rank, raise that error on every rank, so
+        that one rank's failure (a model that does not load) does not leave the others waiting."""
+        try:
+            result, failure = fn(), None
+        except Exception as exc:  # re-raised below, on every rank
+            result, failure = None, exc
+        failures = [f for f in self.allgather(failure) if f is not None]
+        if failures:
+            raise failures[0]
+        return result  # type: ignore[return-value]
+
     def abort(self, code: int) -> None:
         """End every rank now; used when one rank fails outside a collective step."""
         if self.comm is not None and self.size > 1:

@@ -190,8 +190,11 @@ def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> _Plan:
 
 def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
     started = time.monotonic()
-    encoders = load_encoders(opts.model, opts.family, device=_device(opts.device, world))
-    config = cache_config(encoders, opts, opts.scan_dir)
+    def load() -> tuple[Encoders, dict[str, Any]]:
+        encoders = load_encoders(opts.model, opts.family, device=_device(opts.device, world))
+        return encoders, cache_config(encoders, opts, opts.scan_dir)
+
+    encoders, config = world.run_everywhere(load)
     kept: dict[str, Any] = {}
 
     def plan() -> tuple[str, int, int, int, int]:
