@@ -217,6 +217,8 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
             encode_texts(encoders, mine_text, writer, opts.settings, counters, progress.update)
             encode_latents(encoders, mine_latent, writer, opts.settings, opts.threads, counters, progress.update)
         writer.close()
+    except OSError as exc:  # disk full, a failed upload...: nothing unfinished was listed
+        failure = InputError(f"rank {world.rank} on {world.node}: cannot write the cache {opts.cache}: {exc}")
     except Exception as exc:  # reported through the gather so that no rank waits forever
         failure = exc
     gathered = world.gather((recorder.finished, counters, failure))
@@ -232,6 +234,11 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
         manifest.shards.extend(shard_entry(i) for i in infos if i.name not in listed)
         manifest.save(opts.cache)
         remove_parts(read_parts(opts.cache)[1])
+        for rank, (finished, c, _) in enumerate(gathered):
+            log.info(
+                "rank %d: %d images, %d captions, %d errors, %d shard(s), %.1f MiB",
+                rank, c.images, c.captions, len(c.errors), len(finished), sum(i.bytes for i in finished) / 2**20,
+            )  # fmt: skip
         errors = [e for _, c, _ in gathered for e in c.errors]
         storage.write_atomic(storage.join(opts.cache, "errors.jsonl"), to_json_lines(errors).encode())
         seconds = time.monotonic() - started

@@ -217,7 +217,10 @@ class S3Backend:
         except Exception as exc:
             # boto3 wraps the ClientError of a failed upload in S3UploadFailedError
             cause = exc.__context__ if type(exc).__name__ == "S3UploadFailedError" else None
-            raise _translate(cause if isinstance(cause, Exception) else exc, bucket, key) from exc
+            error = _translate(cause if isinstance(cause, Exception) else exc, bucket, key)
+            if not isinstance(error, (OSError, InputError)):
+                error = OSError(f"s3://{bucket}/{key}: upload failed: {exc}")
+            raise error from exc
 
     def download_file(self, location: str, local_path: str) -> None:
         bucket, key = split_url(location)
