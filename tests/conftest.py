@@ -209,3 +209,52 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield endpoint
     finally:
         _stop(proc)
+
+
+# --- stk-cache ------------------------------------------------------------------------
+
+CACHE = [sys.executable, "-m", "stk.cli.cache"]
+
+
+def cache_command(args: list[Any], mpi: int = 0) -> list[str]:
+    """stk-cache as users run it, alone or under `mpiexec -n MPI` (same clean env: scan_env())."""
+    command = [*CACHE, *map(str, args)]
+    return [str(MPIEXEC), "-n", str(mpi), *command] if mpi else command
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below `pid` (mpiexec -> hydra proxy -> ranks), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def mpi_rank_pids(mpiexec_pid: int, module: str) -> dict[int, int]:
+    """{rank: pid} of the `python -m MODULE` processes that mpiexec started."""
+    ranks = {}
+    for pid in descendant_pids(mpiexec_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() not in cmdline or any(part.endswith(b"mpiexec") for part in cmdline):
+            continue
+        for item in environ:
+            if item.startswith(b"PMI_RANK="):
+                ranks[int(item.split(b"=", 1)[1])] = pid
+    return ranks

@@ -39,8 +39,13 @@ class Counters:
     captions: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
 
-    def error(self, path: str, kind: str, reason: str) -> None:
-        self.errors.append({"path": path, "kind": kind, "reason": reason})
+    def error(self, path: str, kind: str, reason: str, key: str | None = None) -> None:
+        """One errors.jsonl row; `key` (of the latent or text embedding not stored) lets verify
+        tell bad input that was reported from samples that are missing."""
+        row = {"path": path, "kind": kind, "reason": reason}
+        if key is not None:
+            row["key"] = key
+        self.errors.append(row)
 
 
 def encode_texts(
@@ -55,7 +60,7 @@ def encode_texts(
         embeddings = encoders.encode_text([caption for _, caption in batch])
         for (key, caption), embedding in zip(batch, embeddings, strict=True):
             if not all(np.isfinite(a).all() for a in embedding.arrays.values()):
-                counters.error(caption[:200], "nonfinite_embedding", "text embedding has NaN or Inf: not stored")
+                counters.error(caption[:200], "nonfinite_embedding", "text embedding has NaN or Inf: not stored", key)
                 continue
             arrays = {}
             for name, array in embedding.arrays.items():
@@ -67,22 +72,22 @@ def encode_texts(
         tick(len(batch))
 
 
-def _load(job: ImageJob, crop: CropMode) -> Preprocessed | str:
-    """The preprocessed image, or the reason it cannot be used."""
+def _load(job: ImageJob, crop: CropMode) -> Preprocessed | tuple[str, str]:
+    """The preprocessed image, or the error kind and the reason it cannot be used."""
     try:
         with storage.open_read(job.location) as f:
             return preprocess(f, job.bucket_width, job.bucket_height, crop, job.key)
     except PreprocessError as exc:
-        return str(exc)
-    except OSError as exc:
-        return f"cannot read: {exc.strerror or exc}"
+        return "decode_failed", str(exc)
+    except OSError as exc:  # missing or unreadable now: a rerun may succeed
+        return "unreadable", f"cannot read: {exc.strerror or exc}"
 
 
 def _prefetched(
     batches: list[list[ImageJob]], crop: CropMode, threads: int
-) -> Iterator[tuple[list[ImageJob], list[Preprocessed | str]]]:
+) -> Iterator[tuple[list[ImageJob], list[Preprocessed | tuple[str, str]]]]:
     with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
-        pending: list[tuple[list[ImageJob], list[Future[Preprocessed | str]]]] = []
+        pending: list[tuple[list[ImageJob], list[Future[Preprocessed | tuple[str, str]]]]] = []
         for batch in batches:
             pending.append((batch, [pool.submit(_load, job, crop) for job in batch]))
             if len(pending) > PREFETCH_BATCHES:
@@ -104,15 +109,15 @@ def encode_latents(
     for batch, loaded in _prefetched(batches, settings.crop, threads):
         good = [(job, item) for job, item in zip(batch, loaded, strict=True) if isinstance(item, Preprocessed)]
         for job, item in zip(batch, loaded, strict=True):
-            if isinstance(item, str):
-                counters.error(job.path, "decode_failed", item)
+            if not isinstance(item, Preprocessed):
+                counters.error(job.path, *item, key=job.key)
         if good:
             pixels = torch.from_numpy(np.stack([item.pixels for _, item in good]))
             mean, logvar = encoders.encode_images(pixels)
             for i, (job, item) in enumerate(good):
                 m, lv = mean[i].numpy(), logvar[i].numpy()
                 if not (np.isfinite(m).all() and np.isfinite(lv).all()):
-                    counters.error(job.path, "nonfinite_latent", "latent has NaN or Inf: not stored")
+                    counters.error(job.path, "nonfinite_latent", "latent has NaN or Inf: not stored", job.key)
                     continue
                 writer.add_latent(
                     LatentSample(

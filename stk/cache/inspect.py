@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from stk import storage
@@ -13,6 +14,19 @@ from stk.shards import CacheReader, Manifest, VerifyReport, shard_location, veri
 __all__ = ["cache_info", "verify_cache"]
 
 LISTED = 20  # missing keys named in the error message; the JSON report has them all
+# errors.jsonl kinds that a rerun would meet again: their samples are reported, not expected
+BAD_INPUT = frozenset({"decode_failed", "nonfinite_latent", "nonfinite_embedding"})
+
+
+def _bad_input_keys(cache: str) -> set[str]:
+    """Keys of the samples the last build skipped as bad input (CACHE/errors.jsonl). A changed
+    image gets another key, so it is expected again."""
+    try:
+        raw = storage.read_bytes(storage.join(cache, "errors.jsonl"))
+    except FileNotFoundError:
+        return set()
+    rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+    return {str(r["key"]) for r in rows if r.get("kind") in BAD_INPUT and r.get("key")}
 
 
 def _unlist_bad_shards(cache: str, report: VerifyReport) -> list[str]:
@@ -36,12 +50,16 @@ def verify_cache(cache: str, scan_dir: str | None, repair: bool = False) -> Veri
         raise InputError(f"{cache}: no manifest.json (not an stk cache)")
     latent_keys = text_keys = None
     paths: dict[str, str] = {}
+    bad_input = 0
     if scan_dir is not None:
         jobs = jobs_for(load_scan(scan_dir), latent_recipe(manifest.config), text_recipe(manifest.config))
-        latent_keys = [j.key for j in jobs]
-        text_keys = sorted({j.text_key for j in jobs})
+        skipped = _bad_input_keys(cache)
+        latent_keys = [j.key for j in jobs if j.key not in skipped]
+        text_keys = sorted({j.text_key for j in jobs} - skipped)
         paths = {j.key: j.path for j in jobs}
+        bad_input = len(jobs) - len(latent_keys)
     report = verify(cache, latent_keys, text_keys)
+    report.bad_input = bad_input
     repaired = _unlist_bad_shards(cache, report) if repair else []
     if not report.ok:
         lines = [f"{cache} is incomplete:"]

@@ -84,7 +84,10 @@ def cache_config(encoders: Encoders, opts: CacheOptions, scan_dir: str) -> dict[
     model = encoders.config()
     settings = asdict(opts.settings)
     settings["crop"] = opts.settings.crop.value
-    buckets = json.loads(storage.read_bytes(storage.join(scan_dir, "buckets.json")))
+    try:
+        buckets = json.loads(storage.read_bytes(storage.join(scan_dir, "buckets.json")))
+    except FileNotFoundError:
+        raise InputError(f"{scan_dir}: no buckets.json (not an stk-scan output; run stk-scan first)") from None
     return {
         "family": encoders.family.value,
         "model": model,
@@ -190,6 +193,7 @@ def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> _Plan:
 
 def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
     started = time.monotonic()
+
     def load() -> tuple[Encoders, dict[str, Any]]:
         encoders = load_encoders(opts.model, opts.family, device=_device(opts.device, world))
         return encoders, cache_config(encoders, opts, opts.scan_dir)

@@ -113,7 +113,8 @@ def verify_command(cache: str, scan_dir: str | None, repair: bool, quiet: bool, 
 
     def body(world: World) -> int:
         report = verify_cache(cache, scan_dir, repair)
-        print(json.dumps({"ok": report.ok, "shards": report.shards, "latents": report.latents, "texts": report.texts}))
+        fields = ("ok", "shards", "latents", "texts", "bad_input")
+        print(json.dumps({name: getattr(report, name) for name in fields}))
         return 0
 
     run_command("stk-cache", 0, quiet, s3_endpoint_url, body)

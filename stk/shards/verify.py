@@ -25,6 +25,7 @@ class VerifyReport:
     damaged_shards: list[str] = field(default_factory=list)  # "name: why" (checksum, size, unreadable)
     missing_latent_keys: list[str] = field(default_factory=list)
     missing_text_keys: list[str] = field(default_factory=list)
+    bad_input: int = 0  # scan rows not expected: the build skipped them as bad input (errors.jsonl)
 
     @property
     def ok(self) -> bool:
