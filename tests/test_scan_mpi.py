@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import RunScan, scan_command, scan_env, summary_of
+from conftest import RunScan, mpi_rank_pids, scan_command, scan_env, summary_of
 from PIL import Image
 
 from stk.datagen import generate_dataset, make_image
@@ -36,44 +36,6 @@ def _journal_chunks(out: Path) -> list[str]:
         return [n for n in os.listdir(out / JOURNAL) if n.endswith(".parquet")]
     except FileNotFoundError:
         return []
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (mpiexec -> hydra proxy -> ranks), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _rank_pids(mpiexec_pid: int) -> dict[int, int]:
-    """{rank: pid} of the scan processes that mpiexec started."""
-    ranks = {}
-    for pid in _descendants(mpiexec_pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"stk.cli.scan" not in cmdline or any(part.endswith(b"mpiexec") for part in cmdline):
-            continue
-        for item in environ:
-            if item.startswith(b"PMI_RANK="):
-                ranks[int(item.split(b"=", 1)[1])] = pid
-    return ranks
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
@@ -195,7 +157,7 @@ def _start_and_kill(source: Path, out: Path, mpi: int, victim_rank: int = 0, min
             assert time.monotonic() < deadline, "no journal chunks after 60 s"
             time.sleep(0.002)
         if mpi:
-            ranks = _rank_pids(proc.pid)
+            ranks = mpi_rank_pids(proc.pid, "stk.cli.scan")
             assert sorted(ranks) == list(range(mpi)), ranks
             os.kill(ranks[victim_rank], signal.SIGKILL)
         else:
