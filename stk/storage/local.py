@@ -6,7 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from stk.errors import InputError
@@ -75,21 +75,7 @@ class LocalBackend:
             return f.read(end - start)
 
     def write_atomic(self, location: str, data: bytes) -> None:
-        directory = os.path.dirname(location) or "."
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, location)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        fsync_dir(directory)
+        _write_atomic(location, lambda out: out.write(data))
 
     def delete(self, location: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -103,14 +89,19 @@ class LocalBackend:
 
 
 def _copy_atomic(source: str, destination: str) -> None:
-    """Copy to a temp file beside `destination`, fsync, rename: never a partial file."""
+    with open(source, "rb") as src:
+        _write_atomic(destination, lambda out: shutil.copyfileobj(src, out, 8 * 1024 * 1024))
+
+
+def _write_atomic(destination: str, fill: Callable[[BinaryIO], object]) -> None:
+    """Fill a temp file beside `destination`, fsync, rename: readers never see a partial file."""
     directory = os.path.dirname(destination) or "."
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
-            shutil.copyfileobj(src, out, 8 * 1024 * 1024)
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+        with os.fdopen(fd, "wb") as out:
+            fill(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, destination)
