@@ -1,0 +1,1 @@
+"""stk-health: GPU node health checks (NVML readings, rules, reports), importable without torch."""
