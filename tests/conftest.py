@@ -11,8 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +260,55 @@ def mpi_rank_pids(mpiexec_pid: int, module: str) -> dict[int, int]:
             if item.startswith(b"PMI_RANK="):
                 ranks[int(item.split(b"=", 1)[1])] = pid
     return ranks
+
+
+# --- a local HTTP receiver for apprise json:// alerts -----------------------------------
+
+
+class Receiver:
+    """An HTTP server on 127.0.0.1 that records the JSON bodies POSTed to it."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        received = self.bodies
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                received.append({"path": self.path, **json.loads(self.rfile.read(length))})
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def url(self, path: str = "/hook") -> str:
+        return f"json://127.0.0.1:{self.port}{path}"
+
+    def events(self) -> list[str]:
+        return [b["event"] for b in self.bodies]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Callable[..., Receiver]]:
+    started: list[Receiver] = []
+
+    def start(port: int = 0) -> Receiver:
+        started.append(Receiver(port))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.close()
+
+from slurm_cluster import slurm_cluster  # noqa: E402, F401  (the real Slurm fixture, tests/slurm_cluster.py)

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
+from conftest import Receiver
 
 from stk.health.alerts import Event, apply, body, notify_report, payload, plan_events, redact, send, title
 from stk.health.model import Finding, Report, Severity
@@ -159,53 +157,6 @@ def test_a_corrupt_state_is_kept_aside_and_starts_afresh(
 
 
 # --- real deliveries -------------------------------------------------------------------------
-
-
-class Receiver:
-    """An HTTP server on 127.0.0.1 that records the JSON bodies POSTed to it."""
-
-    def __init__(self, port: int = 0) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        received = self.bodies
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length", 0))
-                received.append({"path": self.path, **json.loads(self.rfile.read(length))})
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def url(self, path: str = "/hook") -> str:
-        return f"json://127.0.0.1:{self.port}{path}"
-
-    def events(self) -> list[str]:
-        return [b["event"] for b in self.bodies]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
-
-
-@pytest.fixture
-def receiver() -> Iterator[Callable[..., Receiver]]:
-    started: list[Receiver] = []
-
-    def start(port: int = 0) -> Receiver:
-        started.append(Receiver(port))
-        return started[-1]
-
-    yield start
-    for r in started:
-        r.close()
 
 
 def every_minute(

@@ -70,14 +70,22 @@ def common_options(fn: F) -> F:
 
 
 def run_command(
-    name: str, verbose: int, quiet: bool, s3_endpoint_url: str | None, body: Callable[[World], int | None]
+    name: str,
+    verbose: int,
+    quiet: bool,
+    s3_endpoint_url: str | None,
+    body: Callable[[World], int | None],
+    failure_code: int | None = None,
 ) -> None:
-    """Set up the world and logging, run `body`, and exit with its code or the error's code."""
+    """Set up the world and logging, run `body`, and exit with its code or the error's code.
+
+    `failure_code` replaces the exit code of every failure: stk-health must exit 3 (UNKNOWN) when it
+    cannot tell, since 1 and 2 mean WARNING and CRITICAL to cron, Slurm and monitoring."""
     try:
         world = get_world()
     except StkError as exc:
         click.echo(f"{name}: error: {exc}", err=True)
-        sys.exit(int(exc.exit_code))
+        sys.exit(int(exc.exit_code if failure_code is None else failure_code))
     setup_logging(name, world, -1 if quiet else verbose)
     storage.configure_s3(s3_endpoint_url)
     try:
@@ -86,13 +94,13 @@ def run_command(
         if world.is_root:
             for line in str(exc).splitlines():
                 log.error("%s", line)
-        code = exc.exit_code
+        code = exc.exit_code if failure_code is None else failure_code
     except KeyboardInterrupt:
         log.error("interrupted; rerun the same command to continue where it stopped")
         code = 130
     except Exception:
         log.exception("unexpected error (a bug): please report it with this log")
         world.abort(ExitCode.INTERNAL)
-        code = ExitCode.INTERNAL
+        code = ExitCode.INTERNAL if failure_code is None else failure_code
     sys.stdout.flush()
     sys.exit(int(code))
