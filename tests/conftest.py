@@ -291,7 +291,7 @@ class Receiver:
         return f"json://127.0.0.1:{self.port}{path}"
 
     def events(self) -> list[str]:
-        return [b["event"] for b in self.bodies]
+        return [b["type"] for b in self.bodies]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -310,5 +310,6 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
     yield start
     for r in started:
         r.close()
+
 
 from slurm_cluster import slurm_cluster  # noqa: E402, F401  (the real Slurm fixture, tests/slurm_cluster.py)

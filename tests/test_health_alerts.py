@@ -180,7 +180,9 @@ def test_an_hour_of_cron_gives_one_alert_then_one_recovery(tmp_path: Path, recei
 
     fault, recovered = server.bodies
     assert fault["path"] == "/hook"
-    assert fault["type"] == "failure" and recovered["type"] == "success"  # apprise's own field
+    assert fault["type"] == "gpu.fault" and recovered["type"] == "gpu.recovered"  # as trainers' webhooks
+    assert fault["notify_type"] == "failure" and recovered["notify_type"] == "success"  # apprise's own
+    assert "version" not in fault
     assert {k: fault[k] for k in ("title", "severity", "job_id", "host", "rank")} == {
         "title": "[CRITICAL] gpu-node-07: GPU 3 volatile uncorrectable ECC errors: 2",
         "severity": "critical",

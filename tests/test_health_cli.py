@@ -110,7 +110,7 @@ def test_cron_hour_sends_one_alert_then_one_recovery(tmp_path: Path, receiver: C
     notify = ["check", "--expected-gpus", "8", "--notify", f"json://127.0.0.1:{server.port}/hook"]
     codes = [health(notify, path, tmp_path).returncode for _ in range(65)]
     assert codes == [2] * 60 + [0] * 5
-    events = [b["event"] for b in server.bodies]
+    events = server.events()
     assert events == ["gpu.fault", "gpu.recovered"]
     fault = server.bodies[0]
     assert fault["severity"] == "critical" and fault["job_id"] == "4242"

@@ -5,11 +5,10 @@ every minute from cron.
 through apprise; `apply` records the outcome; `notify_report` does all of it for one run. An
 alert that could not be delivered is sent again on the next run.
 
-`json://` and `jsons://` endpoints receive apprise's JSON object (`version`, `title`, `message`,
-`attachments`, `type`) with the structured fields that trainers' gpu.fault webhooks send
-(`severity`, `job_id`, `host`, `rank`, `timestamp`, `fault`, ...) added at the top level through
-apprise's own payload extras (what `:key=value` in the URL does). `type` stays apprise's
-("failure", "warning", "success"); the event type ("gpu.fault", "gpu.recovered") is in `event`.
+`json://` and `jsons://` endpoints receive the fields that trainers' gpu.fault webhooks send
+(`type` = "gpu.fault" or "gpu.recovered", `severity`, `job_id`, `host`, `rank`, `title`, `message`,
+`timestamp`, `fault`, ...), so existing receivers keep working, through apprise's own payload extras
+(what `:key=value` in the URL does); apprise's notification type is kept as `notify_type`.
 Every other service gets the title and the multi-line body.
 """
 
@@ -262,13 +261,16 @@ def send(events: list[Event], urls: list[str], config_path: str | None = None) -
 
 
 def _deliver(target: Any, event: Event) -> bool:
-    extras = None
+    extras = version = None
     if isinstance(target, NotifyJSON):
-        extras = target.payload_extras
+        extras, version = target.payload_extras, target.json_version
         fields = payload(event)
-        del fields["title"], fields["message"]  # apprise sends these itself
-        fields["event"] = fields.pop("type")  # "type" is apprise's notification type
-        target.payload_extras = {**extras, **fields}
+        del fields["title"], fields["message"], fields["type"]  # apprise sends title and message itself
+        # Receivers of trainers' webhooks branch on "type": "gpu.fault", but apprise fills "type" with
+        # its own notification type. Its payload extras rename keys in order: apprise's "type" becomes
+        # "notify_type", then "version" (carrying the event type for this one call) becomes "type".
+        target.json_version = event.type
+        target.payload_extras = {**extras, "type": "notify_type", "version": "type", **fields}
     try:
         ok = bool(target.notify(body=body(event), title=title(event), notify_type=_NOTIFY_TYPE[event.severity]))
     except Exception as exc:  # a plugin bug must not stop the health check
@@ -276,7 +278,7 @@ def _deliver(target: Any, event: Event) -> bool:
         ok = False
     finally:
         if extras is not None:
-            target.payload_extras = extras
+            target.payload_extras, target.json_version = extras, version
     if not ok:
         log.warning("alert %s to %s not delivered: retried on the next run", event.id, _scheme(target))
     return ok
