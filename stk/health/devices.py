@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -51,14 +51,16 @@ class DeviceBackend(Protocol):
 
 
 class NvmlBackend:
-    """Reads the GPUs through NVML. `nvml` is the pynvml module (or an object with its interface)."""
+    """Reads the GPUs through NVML. `nvml` is the pynvml module (or an object with its interface);
+    `devices` limits the readings (and XID events) to those NVML indices, None reads every GPU."""
 
-    def __init__(self, nvml: Any = None) -> None:
+    def __init__(self, nvml: Any = None, devices: Collection[int] | None = None) -> None:
         if nvml is None:
             import pynvml
 
             nvml = pynvml
         self._nvml = nvml
+        self._devices = None if devices is None else sorted(set(devices))
         self._started = False
         self._events: Any = None  # the XID event set, once registered
 
@@ -70,11 +72,12 @@ class NvmlBackend:
             count = int(nvml.nvmlDeviceGetCount())
         except nvml.NVMLError as exc:
             raise NvmlFailed(f"nvmlDeviceGetCount: {exc}") from exc
+        indices = [i for i in self._devices if i < count] if self._devices is not None else list(range(count))
         if not self._started:
             self._started = True
-            self._watch_xids(count)
+            self._watch_xids(indices)
         xids = self._drain_xids()
-        return [self._sample_one(index, xids.get(index, ())) for index in range(count)]
+        return [self._sample_one(index, xids.get(index, ())) for index in indices]
 
     def _start(self) -> None:
         """nvmlInit, once per backend; NoDriver where there is no driver at all."""
@@ -86,14 +89,14 @@ class NvmlBackend:
                 raise NoDriver(str(exc)) from exc
             raise NvmlFailed(f"nvmlInit: {exc}") from exc
 
-    def _watch_xids(self, count: int) -> None:
-        """Register for XID critical events on every GPU that supports them (events before this are missed)."""
+    def _watch_xids(self, indices: list[int]) -> None:
+        """Register for XID critical events on these GPUs where supported (events before this are missed)."""
         nvml = self._nvml
         try:
             self._events = nvml.nvmlEventSetCreate()
         except nvml.NVMLError:
             return  # no XID events here; the other readings still count
-        for index in range(count):
+        for index in indices:
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._events)
@@ -241,8 +244,9 @@ class ScriptedBackend:
             raise InputError(f"{self.position_path}: not a run number") from exc
 
 
-def backend_from_env(environ: dict[str, str] | None = None) -> DeviceBackend:
-    """The scripted backend when STK_HEALTH_SCRIPT names a script, else NVML."""
+def backend_from_env(environ: dict[str, str] | None = None, devices: Collection[int] | None = None) -> DeviceBackend:
+    """The scripted backend when STK_HEALTH_SCRIPT names a script (it lists every GPU it holds),
+    else NVML, reading only `devices` (NVML indices) when given."""
     env = os.environ if environ is None else environ
     script = env.get(SCRIPT_ENV)
-    return ScriptedBackend(script) if script else NvmlBackend()
+    return ScriptedBackend(script) if script else NvmlBackend(devices=devices)
