@@ -13,7 +13,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(MPI)
 export DS_BUILD_OPS := 0
 
-.PHONY: install demo test test-unit test-integration lint bench clean
+.PHONY: install demo test test-deps test-unit test-integration lint bench clean
 
 install: $(STAMP)
 
@@ -32,13 +32,20 @@ endif
 demo: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m stk.demo
 
-test: install
+test: install test-deps
 	$(PY) -m pytest -q -ra tests
+
+# Debian packages the integration tests drive (a real one-node Slurm), installed only when missing.
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null || echo sudo)
+test-deps:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+	  ($(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y --no-install-recommends slurm-wlm munge)
 
 test-unit: install
 	$(PY) -m pytest -q -m "not integration" tests
 
-test-integration: install
+test-integration: install test-deps
 	$(PY) -m pytest -q -m integration tests
 
 lint: install
