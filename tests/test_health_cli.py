@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,38 @@ def test_never_imports_torch() -> None:
         "import sys, stk.cli.health; print(sorted(m for m in ('torch', 'deepspeed', 'diffusers') if m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+
+
+@pytest.mark.integration
+def test_watch_runs_a_pass_every_interval_until_stopped(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "STK_HEALTH_SCRIPT": str(script(tmp_path, HEALTHY))}
+    command = [*HEALTH, "watch", "--interval", "1", "--expected-gpus", "8", "--state", str(tmp_path / "s.json")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(2.6)
+    proc.terminate()
+    out, err = proc.communicate(timeout=30)
+    summaries = [json.loads(line) for line in out.splitlines() if '"summary"' in line]
+    assert proc.returncode == 0, err
+    assert len(summaries) >= 2 and all(s["severity"] == "OK" and s["gpus"] == 8 for s in summaries)
+
+
+@pytest.mark.integration
+def test_check_drain_takes_a_faulty_node_out_and_brings_it_back(
+    slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stk.health.slurm import node_state
+
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
+    env = {**slurm_cluster.env, "HOME": str(tmp_path), "SLURMD_NODENAME": slurm_cluster.node}
+    env["STK_HEALTH_SCRIPT"] = str(script(tmp_path, ECC_ON_3, HEALTHY))
+    command = [*HEALTH, "check", "--drain", "--format", "text", "--expected-gpus", "8"]
+    command += ["--state", str(tmp_path / "s.json")]
+    try:
+        assert subprocess.run(command, env=env, capture_output=True, timeout=60).returncode == 2
+        drained = node_state(slurm_cluster.node)
+        assert "DRAIN" in drained.states and drained.reason is not None
+        assert drained.reason.startswith("stk-health: CRITICAL: GPU 3")
+        assert subprocess.run(command, env=env, capture_output=True, timeout=60).returncode == 0
+        assert "DRAIN" not in node_state(slurm_cluster.node).states
+    finally:
+        slurm_cluster.wait_idle()
