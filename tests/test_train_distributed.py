@@ -1,0 +1,270 @@
+"""The torch.distributed rendezvous: each way of resolving it, and two real ranks under mpiexec
+that meet through DeepSpeed at the address rank 0 broadcast (not `hostname -I`)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stk.errors import InputError
+from stk.train import distributed
+from stk.train.distributed import DistEnv, expand_nodelist, export_dist_env, init_distributed, resolve_dist_env
+from stk.world import World
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+# Persistent, so DeepSpeed's shared-memory op is built once (~40-60 s) and not in every run.
+EXTENSIONS_DIR = Path.home() / ".cache" / "stk-torch-extensions"
+
+
+class FakeComm:
+    """A one-rank communicator: enough to take the MPI path in one process."""
+
+    def bcast(self, value: Any, root: int = 0) -> Any:
+        return value
+
+
+LAUNCHER = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400"}
+
+
+def test_single_process_is_rank_0_of_1_on_loopback():
+    env = resolve_dist_env(World(node="laptop"), {})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (0, 1, 0, 1)
+    assert env.master_addr == "127.0.0.1" and env.node == "laptop"
+    assert 0 < env.master_port < 65536
+
+
+def test_single_process_honours_stk_master_port():
+    assert resolve_dist_env(World(), {"STK_MASTER_PORT": "31000"}).master_port == 31000
+
+
+def test_launcher_variables_are_kept():
+    env = resolve_dist_env(World(node="n1"), {**LAUNCHER, "LOCAL_WORLD_SIZE": "4"})
+    assert env == DistEnv(3, 8, 1, 4, "10.1.2.3", 29400, "n1")
+
+
+def test_incomplete_launcher_variables_are_ignored():
+    environ = {k: v for k, v in LAUNCHER.items() if k != "MASTER_PORT"}
+    assert resolve_dist_env(World(), environ).master_addr == "127.0.0.1"
+
+
+def test_launcher_variables_that_disagree_with_mpi_are_refused():
+    with pytest.raises(InputError, match="disagree with MPI"):
+        resolve_dist_env(World(rank=0, size=2, comm=FakeComm()), LAUNCHER)
+
+
+def test_mpi_takes_rank_0s_resolved_host_name(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "head")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: {"head": "10.9.8.7"}[name])
+    world = World(rank=0, size=1, local_rank=0, local_size=1, node="head", comm=FakeComm())
+    env = resolve_dist_env(world, {"SLURM_JOB_ID": "1234"})
+    assert (env.rank, env.world_size, env.master_addr, env.node) == (0, 1, "10.9.8.7", "head")
+    assert 0 < env.master_port < 65536
+
+
+def test_mpi_honours_stk_master_addr_and_port():
+    world = World(comm=FakeComm())
+    env = resolve_dist_env(world, {"STK_MASTER_ADDR": "192.168.7.1", "STK_MASTER_PORT": "30001"})
+    assert (env.master_addr, env.master_port) == ("192.168.7.1", 30001)
+
+
+def test_mpi_bad_port_fails_on_every_rank():
+    with pytest.raises(InputError, match="STK_MASTER_PORT"):
+        resolve_dist_env(World(comm=FakeComm()), {"STK_MASTER_PORT": "any"})
+
+
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "1",
+    "SLURM_PROCID": "5",
+    "SLURM_STEP_NUM_TASKS": "6",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
+    "SLURM_STEP_NODELIST": "gpu[07-09]",
+    "SLURMD_NODENAME": "gpu09",
+}
+
+
+def test_slurm_without_mpi(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(distributed, "_first_host", lambda nodelist: expand_nodelist(nodelist)[0])
+    env = resolve_dist_env(World(), SLURM)
+    assert env == DistEnv(5, 6, 1, 1, "gpu07", 20000 + 242 * 10 + 1, "gpu09")
+    assert resolve_dist_env(World(), SLURM).master_port == env.master_port  # the same on every task
+
+
+def test_slurm_local_world_size_and_overrides():
+    environ = {**SLURM, "SLURM_NODEID": "1", "STK_MASTER_ADDR": "10.0.0.1", "STK_MASTER_PORT": "30500"}
+    env = resolve_dist_env(World(), environ)
+    assert (env.local_world_size, env.master_addr, env.master_port) == (2, "10.0.0.1", 30500)
+
+
+def test_slurm_first_host_without_scontrol(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert distributed._first_host("node[01-04]") == "node01"
+
+
+def test_batch_script_without_srun_is_one_process():
+    environ = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert resolve_dist_env(World(), environ).world_size == 1
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("node[01-04]", ["node01", "node02", "node03", "node04"]),
+        ("login1", ["login1"]),
+        ("a1,b2", ["a1", "b2"]),
+        ("gpu[1,3-4],cpu-x[09-10]", ["gpu1", "gpu3", "gpu4", "cpu-x09", "cpu-x10"]),
+        ("n[8-10]-ib", ["n8-ib", "n9-ib", "n10-ib"]),
+    ],
+)
+def test_expand_nodelist(nodelist: str, hosts: list[str]):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["", "node[a-c]"])
+def test_expand_nodelist_refuses_what_it_cannot_read(nodelist: str):
+    with pytest.raises(InputError, match="node list"):
+        expand_nodelist(nodelist)
+
+
+def test_export_sets_every_variable():
+    environ: dict[str, str] = {"MASTER_ADDR": "192.0.2.2"}
+    export_dist_env(DistEnv(1, 2, 1, 2, "10.0.0.5", 29999, "n"), environ)
+    assert environ == {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29999",
+    }
+
+
+def test_rendezvous_timeout_is_an_input_error(monkeypatch: pytest.MonkeyPatch):
+    calls: list[dict[str, Any]] = []
+
+    def init(**kwargs: Any) -> None:
+        calls.append({**kwargs, "MASTER_ADDR": os.environ["MASTER_ADDR"]})
+        raise torch.distributed.DistStoreError("Timed out after 601 seconds waiting for clients. 1/2 clients joined.")
+
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(init_distributed=init))
+    for name in (*distributed.LAUNCHER_VARS, "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    env = DistEnv(0, 2, 0, 2, "10.0.0.5", 29999, "n")
+    with pytest.raises(InputError, match=r"rendezvous at 10\.0\.0\.5:29999 did not complete"):
+        init_distributed(env, timeout=datetime.timedelta(seconds=5))
+    assert calls == [
+        {
+            "dist_backend": "nccl" if torch.cuda.is_available() else "gloo",
+            "auto_mpi_discovery": False,
+            "timeout": datetime.timedelta(seconds=5),
+            "MASTER_ADDR": "10.0.0.5",
+        }
+    ]
+
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from stk.train.distributed import init_distributed, resolve_dist_env
+    from stk.world import get_world
+
+    world = get_world()
+    env = resolve_dist_env(world, os.environ)
+    init_distributed(env, backend="gloo")
+    total = torch.tensor([float(env.rank)])
+    torch.distributed.all_reduce(total)
+    result = {
+        "rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
+        "resolved": env.master_addr, "MASTER_ADDR": os.environ["MASTER_ADDR"],
+        "MASTER_PORT": os.environ["MASTER_PORT"], "port": env.master_port, "sum": total.item(),
+    }
+    with open(os.path.join(sys.argv[1], f"rank{env.rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+    """
+)
+
+
+def _rank_env() -> dict[str, str]:
+    """No Slurm, MPI or launcher variables from the outside, DeepSpeed on CPU, a persistent build."""
+    dropped = ("STK_", "SLURM_", "PMI_", "PMIX_", "OMPI_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
+    for name in (*distributed.LAUNCHER_VARS, "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        env.pop(name, None)
+    EXTENSIONS_DIR.mkdir(parents=True, exist_ok=True)
+    env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR), PYTHONUNBUFFERED="1")
+    return env
+
+
+needs_build = pytest.mark.skipif(
+    shutil.which("c++") is None, reason="no C++ compiler: DeepSpeed's shared-memory op cannot build"
+)
+
+
+@pytest.mark.integration
+@needs_build
+def test_two_mpi_ranks_meet_at_rank_0s_address(tmp_path: Path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=_rank_env(),
+        timeout=400,  # the first run builds DeepSpeed's shared-memory op
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, f"ranks failed after {elapsed:.0f} s:\n{proc.stderr[-4000:]}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 and r["local_rank"] == r["rank"] for r in results)
+    assert all(r["sum"] == 1.0 for r in results)  # 0 + 1
+    broadcast = results[0]["resolved"]
+    assert broadcast == socket.gethostbyname(socket.gethostname())  # rank 0's host name, not `hostname -I`
+    assert all(r["MASTER_ADDR"] == r["resolved"] == broadcast for r in results)
+    assert all(r["MASTER_PORT"] == str(r["port"]) == str(results[0]["port"]) for r in results)
+
+
+TIMEOUT_SCRIPT = textwrap.dedent(
+    """
+    import datetime, sys
+    from stk.errors import InputError
+    from stk.train.distributed import DistEnv, init_distributed
+
+    try:  # rank 0 of 2, and rank 1 never comes
+        init_distributed(DistEnv(0, 2, 0, 2, "127.0.0.1", int(sys.argv[1]), "n"), "gloo", datetime.timedelta(seconds=2))
+    except InputError as exc:
+        print(exc)
+        sys.exit(exc.exit_code)
+    """
+)
+
+
+@pytest.mark.integration
+@needs_build
+def test_real_rendezvous_timeout_is_an_input_error(tmp_path: Path):
+    script = tmp_path / "alone.py"
+    script.write_text(TIMEOUT_SCRIPT)
+    port = distributed._free_port()
+    proc = subprocess.run(
+        [sys.executable, str(script), str(port)], capture_output=True, text=True, env=_rank_env(), timeout=400
+    )
+    assert proc.returncode == InputError.exit_code, proc.stderr[-4000:]
+    assert f"rendezvous at 127.0.0.1:{port} did not complete" in proc.stdout
