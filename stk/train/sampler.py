@@ -1,0 +1,155 @@
+"""The distributed bucket sampler: which cache keys each rank trains on, micro-step by micro-step.
+
+Every global micro-step draws from ONE bucket on every rank, so all ranks run the same latent
+shape and none waits on a bigger one; the grad_accum micro-steps of an optimizer step share it too.
+
+An epoch is a pure function of the seed, the epoch number and the buckets, so every rank and every
+run computes the same one without communicating:
+
+1. for each bucket, its keys repeated `repeats` times, shuffled by (seed, epoch, bucket);
+2. cut into optimizer steps of batch_size x world_size x grad_accum samples, each a run of grad_accum
+   global batches (batch_size x world_size samples, one micro-step of all ranks);
+3. the optimizer steps of all buckets shuffled by (seed, epoch);
+4. rank r takes samples [r * batch_size, (r + 1) * batch_size) of each global batch.
+
+With drop_last (the default) the incomplete tail of each bucket is dropped, so a bucket holding
+fewer samples (keys x repeats) than one effective batch contributes nothing: it is listed in
+`skipped`. stk-scan's batch check fails on such buckets unless --allow-oversubscription raises their
+repeats (buckets.json's per-bucket "repeats"). Without drop_last the tail is filled up to a whole
+optimizer step by cycling the bucket's shuffled samples, so every bucket is seen.
+
+A repeated key may land twice in one batch; that is what repeats mean for a tiny bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = ["BucketSampler"]
+
+BucketShape = tuple[int, int]
+
+
+class BucketSampler:
+    """Yields this rank's keys for one micro-step at a time, and resumes at exactly the next one.
+
+    `state_dict()` records the micro-steps yielded so far; a loader that prefetches runs ahead of
+    training, so stk-train should save the position it actually trained (step = micro-steps done).
+    """
+
+    def __init__(
+        self,
+        buckets: Mapping[BucketShape, Sequence[str]],
+        repeats: Mapping[BucketShape, int] | int,
+        batch_size: int,
+        world_size: int,
+        rank: int,
+        grad_accum: int = 1,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        if min(batch_size, world_size, grad_accum) < 1:
+            raise ValueError("batch size, world size and gradient accumulation must be at least 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        self._keys = {hw: list(buckets[hw]) for hw in sorted(buckets) if buckets[hw]}
+        self._repeats = {hw: _repeats_for(repeats, hw) for hw in self._keys}
+        self.batch_size, self.world_size, self.rank = batch_size, world_size, rank
+        self.grad_accum, self.seed, self.drop_last = grad_accum, seed, drop_last
+        self.global_batch = batch_size * world_size
+        self.effective_batch = self.global_batch * grad_accum
+        # optimizer steps per bucket: the same every epoch, since only the order changes
+        self._steps = {hw: self._bucket_steps(len(keys) * self._repeats[hw]) for hw, keys in self._keys.items()}
+        self.skipped: dict[BucketShape, int] = {
+            hw: len(keys) * self._repeats[hw] for hw, keys in self._keys.items() if not self._steps[hw]
+        }
+        self.steps_per_epoch = sum(self._steps.values())
+        self.fingerprint = self._fingerprint()
+        self.epoch, self.step = 0, 0
+        self._plan: list[list[str]] | None = None
+
+    def __len__(self) -> int:
+        """Micro-steps per epoch (the same on every rank)."""
+        return self.steps_per_epoch * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[str]]:
+        plan = self._epoch_plan()
+        while self.step < len(plan):
+            batch = plan[self.step]
+            self.step += 1
+            yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its first micro-step; the current epoch keeps its position, so the usual
+        `set_epoch(epoch)` at the top of the epoch loop does not undo a `load_state_dict`."""
+        if epoch != self.epoch:
+            self.epoch, self.step, self._plan = epoch, 0, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["fingerprint"] != self.fingerprint:
+            raise ValueError(
+                "cannot resume the sampler: the cache's buckets or the batch settings (batch size, world size, "
+                "gradient accumulation, repeats, drop_last) changed since the checkpoint, so the saved position "
+                "means a different sequence of samples"
+            )
+        if state["seed"] != self.seed:
+            raise ValueError(f"cannot resume the sampler: the checkpoint used seed {state['seed']}, not {self.seed}")
+        if not 0 <= state["step"] <= len(self):
+            raise ValueError(f"sampler step {state['step']} is outside [0, {len(self)}]")
+        self.epoch, self.step, self._plan = state["epoch"], state["step"], None
+
+    def _bucket_steps(self, samples: int) -> int:
+        if self.drop_last:
+            return samples // self.effective_batch
+        return -(-samples // self.effective_batch)
+
+    def _fingerprint(self) -> str:
+        """Hash of everything but the seed and rank that decides the sequence (keys included: a rebuilt
+        cache with the same bucket sizes but other keys must not resume silently)."""
+        digest = hashlib.sha256()
+        settings = [self.batch_size, self.world_size, self.grad_accum, self.drop_last]
+        digest.update(json.dumps(settings).encode())
+        for hw, keys in self._keys.items():
+            digest.update(json.dumps([hw, len(keys), self._repeats[hw]]).encode())
+            digest.update("\0".join(keys).encode())
+        return digest.hexdigest()[:16]
+
+    def _epoch_plan(self) -> list[list[str]]:
+        """This rank's micro-steps for the current epoch, computed once per epoch."""
+        if self._plan is not None:
+            return self._plan
+        steps: list[list[str]] = []  # optimizer steps, effective_batch samples each
+        for hw, keys in self._keys.items():
+            samples = keys * self._repeats[hw]
+            random.Random(f"stk-bucket:{self.seed}:{self.epoch}:{hw[0]}x{hw[1]}").shuffle(samples)
+            need = self._steps[hw] * self.effective_batch
+            while len(samples) < need:  # only without drop_last: fill the tail by cycling
+                samples += samples[: need - len(samples)]
+            steps.extend(samples[i : i + self.effective_batch] for i in range(0, need, self.effective_batch))
+        random.Random(f"stk-steps:{self.seed}:{self.epoch}").shuffle(steps)
+        lo = self.rank * self.batch_size
+        self._plan = [
+            step[g + lo : g + lo + self.batch_size]
+            for step in steps
+            for g in range(0, self.effective_batch, self.global_batch)
+        ]
+        return self._plan
+
+
+def _repeats_for(repeats: Mapping[BucketShape, int] | int, hw: BucketShape) -> int:
+    if isinstance(repeats, int):
+        value = repeats
+    elif hw in repeats:
+        value = repeats[hw]
+    else:
+        raise ValueError(f"no repeats given for bucket {hw[0]}x{hw[1]}")
+    if value < 1:
+        raise ValueError(f"repeats for bucket {hw[0]}x{hw[1]} must be at least 1, not {value}")
+    return value

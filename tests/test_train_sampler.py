@@ -1,0 +1,176 @@
+"""Unit tests for stk.train.sampler: the distributed bucket sampler."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from stk.train.sampler import BucketSampler
+
+BUCKETS = {
+    (64, 64): [f"sq{i:03d}" for i in range(37)],
+    (48, 80): [f"wide{i:03d}" for i in range(23)],
+    (80, 48): [f"tall{i:03d}" for i in range(16)],
+}
+BUCKET_OF = {key: hw for hw, keys in BUCKETS.items() for key in keys}
+
+
+def ranks(world: int, batch: int = 2, accum: int = 1) -> list[BucketSampler]:
+    return [BucketSampler(BUCKETS, 1, batch, world, r, grad_accum=accum) for r in range(world)]
+
+
+def steps(samplers: list[BucketSampler]) -> list[list[list[str]]]:
+    """Micro-step -> rank -> keys."""
+    return [list(step) for step in zip(*(list(s) for s in samplers), strict=True)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_are_disjoint_and_cover_global_batches(world: int) -> None:
+    samplers = ranks(world, batch=3)
+    seen: list[str] = []
+    for per_rank in steps(samplers):
+        assert all(len(keys) == 3 for keys in per_rank)
+        union = [k for keys in per_rank for k in keys]
+        assert len(set(union)) == len(union)  # repeats 1: no key twice in a global batch
+        seen.extend(union)
+    assert len(seen) == len(set(seen)) == len(samplers[0]) * 3 * world
+
+
+@pytest.mark.parametrize(("world", "accum"), [(1, 1), (2, 2), (4, 3)])
+def test_one_bucket_per_micro_step_and_per_optimizer_step(world: int, accum: int) -> None:
+    samplers = ranks(world, batch=1, accum=accum)
+    all_steps = steps(samplers)
+    assert len(all_steps) == samplers[0].steps_per_epoch * accum
+    shapes = [{BUCKET_OF[k] for keys in per_rank for k in keys} for per_rank in all_steps]
+    assert all(len(s) == 1 for s in shapes)
+    for i in range(0, len(shapes), accum):
+        assert len(set().union(*shapes[i : i + accum])) == 1
+    assert len(set().union(*shapes)) == 3  # all buckets seen, mixed across the epoch
+
+
+def test_counts_and_tails() -> None:
+    s = BucketSampler(BUCKETS, 1, batch_size=2, world_size=2, rank=0, grad_accum=2)
+    # effective batch 8: 37 -> 4 steps, 23 -> 2, 16 -> 2
+    assert s.steps_per_epoch == 8 and len(s) == 16
+    assert s.skipped == {}
+
+
+def test_repeats_int_and_per_bucket() -> None:
+    s = BucketSampler(BUCKETS, 3, batch_size=1, world_size=1, rank=0)
+    counts = Counter(k for keys in s for k in keys)
+    assert set(counts.values()) == {3} and len(counts) == 76
+    per_bucket = {(64, 64): 1, (48, 80): 2, (80, 48): 4}
+    s = BucketSampler(BUCKETS, per_bucket, batch_size=1, world_size=1, rank=0)
+    counts = Counter(k for keys in s for k in keys)
+    assert all(counts[k] == per_bucket[BUCKET_OF[k]] for k in BUCKET_OF)
+    with pytest.raises(ValueError, match="no repeats"):
+        BucketSampler(BUCKETS, {(64, 64): 1}, batch_size=1, world_size=1, rank=0)
+    with pytest.raises(ValueError, match="at least 1"):
+        BucketSampler(BUCKETS, 0, batch_size=1, world_size=1, rank=0)
+
+
+def test_small_bucket_skipped_and_counted_unless_repeated() -> None:
+    buckets = {(64, 64): [f"a{i}" for i in range(20)], (32, 32): ["b0", "b1", "b2"]}
+    s = BucketSampler(buckets, 1, batch_size=2, world_size=2, rank=0)  # effective batch 4
+    assert s.skipped == {(32, 32): 3}
+    assert s.steps_per_epoch == 5
+    assert not any(k.startswith("b") for keys in s for k in keys)
+    s = BucketSampler(buckets, {(64, 64): 1, (32, 32): 2}, batch_size=2, world_size=2, rank=0)  # 6 samples: 1 step
+    assert s.skipped == {} and s.steps_per_epoch == 6
+    # without drop_last the tail is filled up to a whole optimizer step
+    s = BucketSampler(buckets, 1, batch_size=2, world_size=2, rank=0, drop_last=False)
+    assert s.skipped == {} and s.steps_per_epoch == 6
+    both = steps([BucketSampler(buckets, 1, 2, 2, r, drop_last=False) for r in range(2)])
+    b_steps = [sorted(ks[0] + ks[1]) for ks in both if ks[0][0].startswith("b")]
+    assert len(b_steps) == 1 and set(b_steps[0]) == {"b0", "b1", "b2"} and len(b_steps[0]) == 4
+
+
+def test_deterministic_and_epochs_differ() -> None:
+    a, b = ranks(2)[1], ranks(2)[1]
+    assert list(a) == list(b)
+    a.set_epoch(1)
+    b.set_epoch(1)
+    first = list(a)
+    assert first == list(b)
+    a.set_epoch(2)
+    assert list(a) != first
+    assert list(BucketSampler(BUCKETS, 1, 2, 2, 1, seed=1)) != list(BucketSampler(BUCKETS, 1, 2, 2, 1, seed=0))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_resume_continues_exactly(world: int) -> None:
+    for rank in range(world):
+        straight = BucketSampler(BUCKETS, 2, 2, world, rank, grad_accum=2, seed=7)
+        straight.set_epoch(3)
+        expected = list(itertools.islice(iter(straight), 10))
+
+        first = BucketSampler(BUCKETS, 2, 2, world, rank, grad_accum=2, seed=7)
+        first.set_epoch(3)
+        got = list(itertools.islice(iter(first), 5))
+        state = first.state_dict()
+        assert state["epoch"] == 3 and state["step"] == 5 and state["seed"] == 7
+
+        fresh = BucketSampler(BUCKETS, 2, 2, world, rank, grad_accum=2, seed=7)
+        fresh.load_state_dict(state)
+        fresh.set_epoch(3)  # the usual top-of-loop call keeps the resumed position
+        got += list(itertools.islice(iter(fresh), 5))
+        assert got == expected
+
+
+def test_resume_at_epoch_end_yields_nothing_then_next_epoch() -> None:
+    s = BucketSampler(BUCKETS, 1, 2, 1, 0)
+    list(s)
+    fresh = BucketSampler(BUCKETS, 1, 2, 1, 0)
+    fresh.load_state_dict(s.state_dict())
+    assert list(fresh) == []
+    fresh.set_epoch(1)
+    assert len(list(fresh)) == len(fresh)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(buckets={**BUCKETS, (64, 64): BUCKETS[(64, 64)][:-1]}),  # a bucket changed size
+        dict(buckets={**BUCKETS, (64, 64): [k + "x" for k in BUCKETS[(64, 64)]]}),  # same sizes, other keys
+        dict(batch_size=3),
+        dict(world_size=4, rank=0),
+        dict(grad_accum=2),
+        dict(repeats=2),
+        dict(drop_last=False),
+    ],
+)
+def test_fingerprint_mismatch_raises(other: dict[str, Any]) -> None:
+    base: dict[str, Any] = dict(buckets=BUCKETS, repeats=1, batch_size=2, world_size=2, rank=0)
+    state = BucketSampler(**base).state_dict()
+    changed = BucketSampler(**{**base, **other})
+    with pytest.raises(ValueError, match="changed since the checkpoint"):
+        changed.load_state_dict(state)
+    # the rank is not part of the fingerprint: any rank resumes from rank 0's checkpoint
+    BucketSampler(**{**base, "rank": 1}).load_state_dict(state)
+
+
+def test_seed_mismatch_raises() -> None:
+    state = BucketSampler(BUCKETS, 1, 2, 1, 0, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed 1"):
+        BucketSampler(BUCKETS, 1, 2, 1, 0, seed=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_split_across_ranks_matches_one_rank(accum: int) -> None:
+    """The data order depends on the global batch, not on how it is split: 2 ranks x 2 samples see,
+    step for step, the same samples as 1 rank x 4, and rank 0 gets the first half."""
+    one = list(BucketSampler(BUCKETS, 1, 4, 1, 0, grad_accum=accum, seed=5))
+    two = steps([BucketSampler(BUCKETS, 1, 2, 2, r, grad_accum=accum, seed=5) for r in range(2)])
+    assert len(one) == len(two) > 0
+    for whole, (r0, r1) in zip(one, two, strict=True):
+        assert r0 + r1 == whole
+
+
+def test_invalid_settings() -> None:
+    with pytest.raises(ValueError, match="rank"):
+        BucketSampler(BUCKETS, 1, 2, 2, 2)
+    with pytest.raises(ValueError, match="at least 1"):
+        BucketSampler(BUCKETS, 1, 0, 1, 0)
