@@ -648,3 +648,15 @@ def test_a_missing_scan_or_a_directory_that_is_no_model_is_one_line_and_exit_3(
     lines = error_lines(proc)
     assert len(lines) == 1 and "model_index.json" in lines[0] and str(not_a_model) in lines[0], proc.stderr
     assert not (tmp_path / "cache2").exists()
+
+
+def test_a_missing_bucket_is_one_line_naming_the_bucket_and_the_endpoint(
+    models: dict[Family, str], scanned: Scanned, s3_server: str
+) -> None:
+    bucket = f"stk-missing-{uuid.uuid4().hex[:10]}"
+    args = [scanned.scan, "--model", models[Family.SD], "--out", f"s3://{bucket}/cache"]
+    proc = run_cache([*args, "--s3-endpoint-url", s3_server])
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = error_lines(proc)
+    assert len(lines) == 1 and bucket in lines[0] and s3_server in lines[0], proc.stderr
