@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -97,20 +96,6 @@ def dataset(tmp_path: Path) -> tuple[Path, list[GeneratedImage]]:
 # --- a real S3 server -------------------------------------------------------------------
 
 
-def _free_ports(count: int) -> list[int]:
-    """Ports free right now on 127.0.0.1 (all held open together, so they are distinct)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _weed_binary() -> str:
     found = BIN / "weed"
     if found.exists():
@@ -164,7 +149,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "admin.port",
         "admin.port.grpc",
     ]
-    ports = dict(zip(names, _free_ports(len(names)), strict=True))
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     command = [
         _weed_binary(),
         "mini",
@@ -312,4 +297,4 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
         r.close()
 
 
-from slurm_cluster import slurm_cluster  # noqa: E402, F401  (the real Slurm fixture, tests/slurm_cluster.py)
+from slurm_cluster import free_ports, slurm_cluster  # noqa: E402, F401  (the real Slurm fixture, tests/slurm_cluster.py)

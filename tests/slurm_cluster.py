@@ -127,7 +127,8 @@ def _missing_prerequisites() -> list[str]:
     return missing
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """Ports free right now on 127.0.0.1 (all held open together, so they are distinct)."""
     socks = []
     try:
         for _ in range(count):
@@ -190,7 +191,7 @@ def _write_config(root: Path, node: str, partition: str) -> Path:
         device = root / "dev" / f"nvidia{index}"
         subprocess.run(["mknod", str(device), "c", "1", "3"], check=True, capture_output=True)
         devices.append(str(device))
-    ctld_port, slurmd_port = _free_ports(2)
+    ctld_port, slurmd_port = free_ports(2)
     conf = root / "slurm.conf"
     conf.write_text(
         f"""ClusterName=stk-test

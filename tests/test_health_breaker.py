@@ -11,9 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pynvml
 import pytest
-from test_health_devices import H100, FakeNvml
+from test_health_devices import H100, FakeNvml, nvml_present
 
 from stk.errors import InputError
 from stk.health.breaker import GpuFault, GpuWatch, local_gpu_index
@@ -147,15 +146,6 @@ def test_nvml_reads_only_the_watched_gpu_and_trips_on_its_xid() -> None:
     assert (fake.read, fake.registered) == ({2}, [2])
     with pytest.raises(GpuFault, match=r"GPU 2 \(GPU-2\): XID 79 \(GPU has fallen off the bus\)"):
         watch.check()
-
-
-def nvml_present() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
 
 
 @pytest.mark.skipif(nvml_present(), reason="this machine has an NVIDIA driver")

@@ -202,7 +202,8 @@ def test_kill9_one_rank_then_resume_on_one_rank(
     out = tmp_path / "out"
     _start_and_kill(many_images, out, mpi=2, victim_rank=victim_rank)
     # chunks from both ranks of the killed run are reused by a run with another rank count
-    _resume_and_compare(many_images, out, clean_scan, mpi=0, run_scan=run_scan)
+    summary = _resume_and_compare(many_images, out, clean_scan, mpi=0, run_scan=run_scan)
+    assert summary["reused"] > 0 and summary["ranks"] == 1
 
 
 def test_kill9_single_process_then_resume_on_two_ranks(
@@ -210,7 +211,8 @@ def test_kill9_single_process_then_resume_on_two_ranks(
 ):
     out = tmp_path / "out"
     _start_and_kill(many_images, out, mpi=0)
-    _resume_and_compare(many_images, out, clean_scan, mpi=2, run_scan=run_scan)
+    summary = _resume_and_compare(many_images, out, clean_scan, mpi=2, run_scan=run_scan)
+    assert summary["reused"] > 0 and summary["ranks"] == 2
 
 
 def test_kill9_twice_then_resume(many_images: Path, clean_scan: Path, tmp_path: Path, run_scan: RunScan):

@@ -82,8 +82,8 @@ def test_root_call_propagates_any_exception_type() -> None:
 
 def test_abort_without_a_communicator_returns() -> None:
     # a single process is never aborted here (SystemExit would fail the test): the caller exits
-    World().abort(1)
-    World(rank=0, size=4).abort(1)  # no communicator: nothing to abort through
+    assert World().abort(1) is None
+    assert World(rank=0, size=4).abort(1) is None  # no communicator: nothing to abort through
 
 
 # --- get_world ---------------------------------------------------------------------------------------
