@@ -80,6 +80,11 @@ def _filter_reason(rec: Record, filters: Filters) -> tuple[str, str] | None:
     return None
 
 
+def _error_row(rec: Record) -> Record:
+    """What errors.jsonl keeps of a failed or skipped record."""
+    return {k: rec[k] for k in ("path", "location", "kind", "reason")}
+
+
 def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, effective: int, repeats: int) -> Assembled:
     """Sort by path, keep one record per path, filter, assign buckets and check batches.
 
@@ -101,12 +106,12 @@ def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, eff
             if skip is not None:
                 rec["kind"], rec["reason"] = skip
         if rec["kind"] is not None:
-            errors.append({k: rec[k] for k in ("path", "location", "kind", "reason")})
+            errors.append(_error_row(rec))
             continue
         bucket = index.nearest(rec["width"], rec["height"])
         rec.update(filename=path, bucket=bucket.id, bucket_width=bucket.width, bucket_height=bucket.height)
         rows.append(rec)
-    errors.extend({k: rec[k] for k in ("path", "location", "kind", "reason")} for rec in relisted)
+    errors.extend(_error_row(rec) for rec in relisted)
     errors.sort(key=lambda e: e["path"])  # stable: a path's own error stays before its repeats
     counts = Counter(r["bucket"] for r in rows)
     check = check_batches(dict(counts), buckets, effective, repeats)

@@ -145,27 +145,7 @@ def _plan(opts: ScanOptions, world: World) -> tuple[list[list[cands.Candidate]],
     for cand in found:
         old = previous.get(cand.path)
         if old is not None and old["fingerprint"] == cand.fingerprint and cand.error_kind is None:
-            old = dict(old, location=cand.location)
-            reused.append(
-                {
-                    k: old.get(k)
-                    for k in (
-                        "path",
-                        "location",
-                        "width",
-                        "height",
-                        "format",
-                        "bytes",
-                        "mtime",
-                        "etag",
-                        "caption",
-                        "caption_source",
-                        "fingerprint",
-                        "kind",
-                        "reason",
-                    )
-                }
-            )
+            reused.append({**old, "location": cand.location})  # state records have the record schema
         else:
             todo.append(cand)
     log.info(
