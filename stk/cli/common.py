@@ -15,7 +15,7 @@ from stk.errors import ExitCode, StkError
 from stk.log import get_logger, setup_logging
 from stk.world import World, get_world
 
-__all__ = ["CONTEXT", "common_options", "run_command"]
+__all__ = ["CONTEXT", "common_options", "run_command", "set_option_defaults"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = get_logger("cli")
@@ -34,13 +34,19 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
             settings = load_command_config(value, command)
         except StkError as exc:
             raise click.BadParameter(str(exc)) from exc
-        known = {p.name for p in ctx.command.params if p.name} - {"config"}
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            names = ", ".join(k.replace("_", "-") for k in unknown)
-            raise click.BadParameter(f"{value}: unknown key(s) in [{command}]: {names}")
-        ctx.default_map = {**(ctx.default_map or {}), **settings}
+        set_option_defaults(ctx, settings, value, command)
     return value
+
+
+def set_option_defaults(ctx: click.Context, settings: dict[str, Any], path: str, table: str) -> None:
+    """Config values become the command's defaults (so the command line and the environment
+    still win); a key that names no option is an error, not silently ignored."""
+    known = {p.name for p in ctx.command.params if p.name} - {"config"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        names = ", ".join(k.replace("_", "-") for k in unknown)
+        raise click.BadParameter(f"{path}: unknown key(s) in [{table}]: {names}")
+    ctx.default_map = {**(ctx.default_map or {}), **settings}
 
 
 def common_options(fn: F) -> F:

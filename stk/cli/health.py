@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from stk.cli.common import CONTEXT, run_command
+from stk.cli.common import CONTEXT, run_command, set_option_defaults
 from stk.config import load_command_config
 from stk.errors import StkError
 from stk.health.check import expected_gpus_from_env, report_json_lines, report_text
@@ -41,11 +41,7 @@ def _settings_from_config(ctx: click.Context, _param: click.Parameter, value: st
             ctx.meta["thresholds"] = Thresholds.from_dict(thresholds or {})
         except StkError as exc:
             raise click.BadParameter(str(exc)) from exc
-        known = {p.name for p in ctx.command.params if p.name} - {"config"}
-        unknown = sorted(set(table) - known)
-        if unknown:
-            raise click.BadParameter(f"{value}: unknown key(s) in [health]: {', '.join(unknown)}")
-        ctx.default_map = {**(ctx.default_map or {}), **table}
+        set_option_defaults(ctx, table, value, "health")
     return value
 
 
