@@ -56,6 +56,7 @@ lint: install
 bench: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/scan.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/cache.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -2,7 +2,7 @@
 
 Generates a small mixed dataset (every format, rotated photos, captions, one broken file) and
 a tiny random-weight SDXL-like model, then runs the pipeline with 2 MPI ranks exactly as a
-cluster job would: stk-scan, then stk-cache.
+cluster job would: stk-scan, stk-cache, then stk-train (DeepSpeed ZeRO-2 on the CPU).
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def _run(ranks: int, module: str, args: list[str]) -> dict[str, Any]:
 @click.option("--dir", "workdir", default="demo-output", help="Where the dataset, model and outputs go (replaced).")
 @click.option("--images", default=96, help="Images to generate.")
 @click.option("--ranks", default=2, help="MPI ranks for each step.")
-def main(workdir: str, images: int, ranks: int) -> None:
-    """Generate a dataset and a tiny model, then scan and cache with MPI ranks."""
+@click.option("--steps", default=20, help="Training steps.")
+def main(workdir: str, images: int, ranks: int, steps: int) -> None:
+    """Generate a dataset and a tiny model, then scan, cache and train with MPI ranks."""
     shutil.rmtree(workdir, ignore_errors=True)
-    data, scan, cache = (os.path.join(workdir, name) for name in ("images", "scan", "cache"))
+    data, scan, cache, run = (os.path.join(workdir, name) for name in ("images", "scan", "cache", "run"))
     generate_dataset(data, images)
     with open(os.path.join(data, "broken.jpg"), "wb") as f:
         f.write(b"not really a jpeg")
@@ -56,12 +57,21 @@ def main(workdir: str, images: int, ranks: int) -> None:
          "--allow-oversubscription"],  # small demo buckets: apply the repeats they need
     )  # fmt: skip
     cached = _run(ranks, "stk.cli.cache", [scan, "--model", model, "--out", cache, "--batch-size", "8"])
+    trained = _run(
+        ranks,
+        "stk.cli.train",
+        ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", run, "--deepspeed", "zero2",
+         "--batch-size", "2", "--lr", "1e-4", "--max-steps", str(steps), "--checkpoint-every", "10"],
+    )  # fmt: skip
     click.echo(
         f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images in "
         f"{scanned['buckets']} buckets, {scanned['errors']} error(s) -> {scan}/metadata.parquet\n"
         f"cache: {cached['encoded_images']} latents and {cached['encoded_captions']} caption embeddings in "
         f"{cached['shards_written']} shard(s) -> {cache}/manifest.json\n"
-        f"next:  stk-cache info {cache} | jq .",
+        f"train: {trained['steps']} steps on {ranks} ranks, last loss {trained['loss']:.4f}, "
+        f"{trained['samples_per_second']:.1f} samples/s -> {run}/metrics.jsonl, {trained['checkpoint']}\n"
+        f"final: {trained['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained)\n"
+        f"next:  stk-cache info {cache} | jq . ; jq .loss {run}/metrics.jsonl",
         err=True,
     )
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["BatchCheckFailed", "CacheIncomplete", "ExitCode", "InputError", "StkError", "TooManyErrors"]
+__all__ = [
+    "BatchCheckFailed",
+    "CacheIncomplete",
+    "ExitCode",
+    "InputError",
+    "PreflightFailed",
+    "StkError",
+    "TooManyErrors",
+]
 
 
 class ExitCode(enum.IntEnum):
@@ -17,6 +25,9 @@ class ExitCode(enum.IntEnum):
     TOO_MANY_ERRORS = 4  # outputs written, but more bad files than --max-errors allows
     BATCH_CHECK = 5  # outputs written, but some bucket cannot fill one effective batch
     INCOMPLETE = 6  # stk-cache verify: shards missing or damaged, or scan rows without a cache entry
+    PREFLIGHT = 7  # stk-train: the job cannot run as set up (output not shared, uneven nodes); nothing trained
+    REQUEUE = 75  # stk-train: checkpointed on SIGUSR2/SIGTERM; requeue the job to continue (EX_TEMPFAIL)
+    GPU_FAULT = 76  # stk-train: a GPU fault opened the circuit breaker; drain the node and requeue elsewhere
 
 
 class StkError(Exception):
@@ -41,3 +52,7 @@ class BatchCheckFailed(StkError):
 
 class CacheIncomplete(StkError):
     exit_code = ExitCode.INCOMPLETE
+
+
+class PreflightFailed(StkError):
+    exit_code = ExitCode.PREFLIGHT

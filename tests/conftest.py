@@ -203,6 +203,15 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 CACHE = [sys.executable, "-m", "stk.cli.cache"]
 
 
+def cache_env() -> dict[str, str]:
+    """scan_env() with one torch thread per process. CPU results are bitwise equal across rank counts only at equal
+    threads per rank: under mpiexec, Intel's OpenMP divides the cores among the node's ranks (MPI_LOCALNRANKS), and
+    oneDNN's convolutions sum in another order with another thread count."""
+    env = scan_env()
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def cache_command(args: list[Any], mpi: int = 0) -> list[str]:
     """stk-cache as users run it, alone or under `mpiexec -n MPI` (same clean env: scan_env())."""
     command = [*CACHE, *map(str, args)]
@@ -298,3 +307,23 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
 
 
 from slurm_cluster import free_ports, slurm_cluster  # noqa: E402, F401  (the real Slurm fixture, tests/slurm_cluster.py)
+
+# --- stk-train --------------------------------------------------------------------------
+
+TRAIN = [sys.executable, "-m", "stk.cli.train"]
+# Persistent, so DeepSpeed's shared-memory op is built once (~40-60 s) and not in every run.
+EXTENSIONS_DIR = Path.home() / ".cache" / "stk-torch-extensions"
+
+
+def train_env() -> dict[str, str]:
+    """scan_env() for DeepSpeed on the CPU: one torch thread per rank (bitwise-equal runs), the
+    extension build cache kept between runs."""
+    env = scan_env()
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR))
+    return env
+
+
+def train_command(args: list[Any], mpi: int = 0) -> list[str]:
+    """stk-train as users run it, alone or under `mpiexec -n MPI`."""
+    command = [*TRAIN, *map(str, args)]
+    return [str(MPIEXEC), "-n", str(mpi), *command] if mpi else command

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import S3_ENV, cache_command, mpi_rank_pids, s3_client, scan_env, summary_of
+from conftest import S3_ENV, cache_command, cache_env, mpi_rank_pids, s3_client, scan_env, summary_of
 from diffusers import AutoencoderKL
 
 from stk import storage
@@ -48,15 +48,6 @@ BAD = "landscapes/corrupt_idat.png"  # passes the header scan, fails to decode
 FP32 = ["--dtype", "float32"]
 LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16}
 families = pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)
-
-
-def cache_env() -> dict[str, str]:
-    """scan_env() with one torch thread per process. CPU results are bitwise equal across rank counts only at equal
-    threads per rank: under mpiexec, Intel's OpenMP divides the cores among the node's ranks (MPI_LOCALNRANKS), and
-    oneDNN's convolutions sum in another order with another thread count."""
-    env = scan_env()
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def run_cache(

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import EXTENSIONS_DIR
 
 from stk.errors import InputError
 from stk.train import distributed
@@ -25,8 +26,6 @@ from stk.train.distributed import DistEnv, expand_nodelist, export_dist_env, ini
 from stk.world import World
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-# Persistent, so DeepSpeed's shared-memory op is built once (~40-60 s) and not in every run.
-EXTENSIONS_DIR = Path.home() / ".cache" / "stk-torch-extensions"
 
 
 class FakeComm:

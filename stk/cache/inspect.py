@@ -7,11 +7,11 @@ from typing import Any
 
 from stk import storage
 from stk.cache.pipeline import latent_recipe, text_recipe
-from stk.cache.plan import jobs_for, load_scan
+from stk.cache.plan import ImageJob, jobs_for, load_scan
 from stk.errors import CacheIncomplete, InputError
 from stk.shards import CacheReader, Manifest, VerifyReport, shard_location, verify
 
-__all__ = ["cache_info", "verify_cache"]
+__all__ = ["cache_info", "expected_jobs", "verify_cache"]
 
 LISTED = 20  # missing keys named in the error message; the JSON report has them all
 # errors.jsonl kinds that a rerun would meet again: their samples are reported, not expected
@@ -27,6 +27,15 @@ def _bad_input_keys(cache: str) -> set[str]:
         return set()
     rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
     return {str(r["key"]) for r in rows if r.get("kind") in BAD_INPUT and r.get("key")}
+
+
+def expected_jobs(cache: str, manifest: Manifest, scan_dir: str) -> tuple[list[ImageJob], int]:
+    """The scan rows the cache must hold (with their keys under the cache's recipe), and how many
+    rows the last build skipped as bad input (not expected)."""
+    jobs = jobs_for(load_scan(scan_dir), latent_recipe(manifest.config), text_recipe(manifest.config))
+    skipped = _bad_input_keys(cache)
+    kept = [j for j in jobs if j.key not in skipped]
+    return kept, len(jobs) - len(kept)
 
 
 def _unlist_bad_shards(cache: str, report: VerifyReport) -> list[str]:
@@ -52,12 +61,10 @@ def verify_cache(cache: str, scan_dir: str | None, repair: bool = False) -> Veri
     paths: dict[str, str] = {}
     bad_input = 0
     if scan_dir is not None:
-        jobs = jobs_for(load_scan(scan_dir), latent_recipe(manifest.config), text_recipe(manifest.config))
-        skipped = _bad_input_keys(cache)
-        latent_keys = [j.key for j in jobs if j.key not in skipped]
-        text_keys = sorted({j.text_key for j in jobs} - skipped)
+        jobs, bad_input = expected_jobs(cache, manifest, scan_dir)
+        latent_keys = [j.key for j in jobs]
+        text_keys = sorted({j.text_key for j in jobs})
         paths = {j.key: j.path for j in jobs}
-        bad_input = len(jobs) - len(latent_keys)
     report = verify(cache, latent_keys, text_keys)
     report.bad_input = bad_input
     repaired = _unlist_bad_shards(cache, report) if repair else []

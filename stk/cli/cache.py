@@ -134,4 +134,4 @@ def info_command(cache: str, s3_endpoint_url: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="stk-cache")

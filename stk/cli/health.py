@@ -100,7 +100,7 @@ def main() -> None:
     """The stk-health entry point: a bad option exits 3 (UNKNOWN), never click's 2, which cron,
     Slurm and monitoring would read as CRITICAL."""
     try:
-        cli(standalone_mode=False)
+        cli(prog_name="stk-health", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:

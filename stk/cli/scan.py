@@ -235,4 +235,4 @@ def main(
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="stk-scan")

@@ -131,6 +131,11 @@ class GpuWatch:
         if fault is not None:
             raise GpuFault(fault)
 
+    def report_error(self, message: str) -> None:
+        """Open the breaker for an error the training step itself met (a CUDA or NCCL error), with
+        the same alert a sampled fault sends."""
+        self._trip([], Finding("gpu_error", Severity.CRITICAL, message, self.gpu_index))
+
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop sampling and wait for the thread (and an alert it is sending) to end."""
         self._stopping.set()

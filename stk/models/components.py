@@ -14,7 +14,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stk.errors import InputError
 
-__all__ = ["TextEncoder", "config_digest", "load_text_encoder", "load_vae", "vae_config", "weights_digest"]
+__all__ = [
+    "TextEncoder",
+    "config_digest",
+    "load_component",
+    "load_text_encoder",
+    "load_vae",
+    "vae_config",
+    "weights_digest",
+]
 
 # An empty tokenizer has nothing besides its special tokens: what CLIPTokenizer.from_pretrained returns offline
 # for a hub id that is not cached, or for a missing folder (FACTS.md), instead of raising.
@@ -47,7 +55,7 @@ def weights_digest(modules: Iterable[torch.nn.Module]) -> str:
     return hashlib.sha256(torch.cat(picks).cpu().numpy().tobytes()).hexdigest()
 
 
-def _from_pretrained(load: Callable[..., Any], model: str, subfolder: str, **kwargs: Any) -> Any:
+def load_component(load: Callable[..., Any], model: str, subfolder: str, **kwargs: Any) -> Any:
     try:
         return load(model, subfolder=subfolder, **kwargs)
     except OSError as exc:  # missing folder or weights, or a hub id that is not cached offline
@@ -63,7 +71,7 @@ def _frozen(module: M, device: torch.device) -> M:
 
 
 def load_vae(model: str, device: torch.device, dtype: torch.dtype) -> AutoencoderKL:
-    vae = _from_pretrained(AutoencoderKL.from_pretrained, model, "vae", dtype=dtype)
+    vae = load_component(AutoencoderKL.from_pretrained, model, "vae", dtype=dtype)
     return _frozen(vae, device)
 
 
@@ -126,14 +134,14 @@ def load_text_encoder(
     """`tokenizer{suffix}/` and `text_encoder{suffix}/`. The sequence length is the tokenizer's, capped by
     `max_length`, else by the encoder's position embeddings. The tokenizer is checked before the encoder loads."""
     tokenizer_subfolder, subfolder = f"tokenizer{suffix}", f"text_encoder{suffix}"
-    tokenizer = _from_pretrained(tokenizer_class.from_pretrained, model, tokenizer_subfolder)
+    tokenizer = load_component(tokenizer_class.from_pretrained, model, tokenizer_subfolder)
     size = len(tokenizer)
     if size - len(tokenizer.all_special_tokens) < MIN_REGULAR_TOKENS:
         raise InputError(
             f"the tokenizer in {model}/{tokenizer_subfolder} loaded empty (vocab size {size}): the folder is missing "
             "or incomplete, or the model is a hub id that is not in the local cache while offline"
         )
-    encoder = _frozen(_from_pretrained(encoder_class.from_pretrained, model, subfolder, dtype=dtype), device)
+    encoder = _frozen(load_component(encoder_class.from_pretrained, model, subfolder, dtype=dtype), device)
     if size > encoder.config.vocab_size:
         raise InputError(
             f"the tokenizer in {model}/{tokenizer_subfolder} has {size} tokens but {subfolder} embeds only "

@@ -7,9 +7,14 @@ chunk by chunk (read_direct_chunk for latents, a byte range for text) under a lo
 decompressed outside it, so reader threads decompress in parallel.
 
 Local caches are read in place. For an s3:// cache the keys are read with ranged GETs, and a
-whole shard is downloaded into `local_dir` the first time a sample from it is read (see
-localcopies.py). h5py files stay open per process (at most `max_open_files`, least recently
-used closed first) and are reopened after a fork (DataLoader workers).
+whole shard is downloaded into `local_dir` the first time a sample from it is read, or ahead of
+time by `prefetch` (see localcopies.py). Downloads happen outside the lock, so other threads keep
+reading the shards they have meanwhile. h5py files stay open per process (at most
+`max_open_files`, least recently used closed first) and are reopened after a fork (DataLoader
+workers).
+
+Lock order: the reader's lock, then LocalCopies' own (held for bookkeeping only). LocalCopies
+calls back into the reader (`_forget`, which takes the reader's lock) without holding its own.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import h5py
@@ -133,11 +139,10 @@ class CacheReader:
         except KeyError:
             raise KeyError(f"latent {key} is not in the cache {self.cache}") from None
         group = self._groups[group_id]
+        self._fetch(group.shard)
         with self._locked():
             opened = self._opened(group.shard)
-            if group.latent_meta is None:
-                group.latent_meta = _LatentMeta.read(opened.file[group.path])
-            meta = group.latent_meta
+            meta = self._latent_meta(group, opened)
             chunks = []
             for name in meta.payloads:
                 dataset = opened.dataset(f"{group.path}/{name}")
@@ -160,6 +165,7 @@ class CacheReader:
         except KeyError:
             raise KeyError(f"text embedding {key} is not in the cache {self.cache}") from None
         group = self._groups[group_id]
+        self._fetch(group.shard)
         with self._locked():
             opened = self._opened(group.shard)
             if group.text_meta is None:
@@ -174,6 +180,36 @@ class CacheReader:
             for name, frame in frames.items()
         }
         return TextSample(key=key, arrays=arrays, length=int(meta.length[row]))
+
+    def text_key(self, key: str) -> str:
+        """The key of a latent's caption embedding, from its shard's metadata (the latent is not read)."""
+        try:
+            group_id, row = self._latents[key]
+        except KeyError:
+            raise KeyError(f"latent {key} is not in the cache {self.cache}") from None
+        group = self._groups[group_id]
+        if group.latent_meta is None:
+            self._fetch(group.shard)
+            with self._locked():
+                self._latent_meta(group, self._opened(group.shard))
+        assert group.latent_meta is not None
+        return str(group.latent_meta.text_key[row])
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Download the shards holding these keys (latent or text keys) that are not local yet, in the
+        order the keys first need them; a no-op for a local cache. No lock is held while a shard
+        downloads, so other threads keep reading meanwhile. Each shard counts as used now for the
+        `max_local_bytes` limit: prefetch no more than the limit holds beside the shards being read."""
+        if self._copies is None:
+            return
+        shards: dict[int, None] = {}  # an ordered set
+        for key in keys:
+            found = self._latents.get(key) or self._texts.get(key)
+            if found is None:
+                raise KeyError(f"{key} is neither a latent nor a text embedding in the cache {self.cache}")
+            shards.setdefault(self._groups[found[0]].shard, None)
+        for shard in shards:
+            self._local_copy(shard)
 
     def latent_keys(self) -> list[str]:
         return sorted(self._latents)
@@ -240,20 +276,40 @@ class CacheReader:
             self._open = OrderedDict()
         return self._lock
 
+    def _fetch(self, shard: int) -> None:
+        """Before taking the lock: an S3 shard that is not open gets its local copy here, so that its
+        download does not hold up the other threads (`_opened` fetches it again under the lock only
+        if it was evicted in between); one that is open counts as used, for the LRU limit."""
+        if self._copies is None:
+            return
+        if shard in self._open:
+            self._copies.touch(self.manifest.shards[shard])
+        else:
+            self._local_copy(shard)
+
+    def _local_copy(self, shard: int) -> str:
+        assert self._copies is not None
+        entry = self.manifest.shards[shard]
+        return self._copies.get(shard_location(self.cache, str(entry["name"])), entry, self._forget)
+
+    @staticmethod
+    def _latent_meta(group: _Group, opened: _Open) -> _LatentMeta:
+        if group.latent_meta is None:
+            group.latent_meta = _LatentMeta.read(opened.file[group.path])
+        return group.latent_meta
+
     def _opened(self, shard: int) -> _Open:
         found = self._open.get(shard)
         if found is not None:
             self._open.move_to_end(shard)
             return found
-        entry = self.manifest.shards[shard]
-        location = shard_location(self.cache, str(entry["name"]))
         if self._copies is None:
-            opened = _Open(location)
+            opened = _Open(shard_location(self.cache, str(self.manifest.shards[shard]["name"])))
         else:
             try:
-                opened = _Open(self._copies.get(location, entry, self._forget))
+                opened = _Open(self._local_copy(shard))
             except FileNotFoundError:  # another process deleted the shared copy between fetch and open
-                opened = _Open(self._copies.get(location, entry, self._forget))
+                opened = _Open(self._local_copy(shard))
         self._open[shard] = opened
         while len(self._open) > self._max_open:
             _, oldest = self._open.popitem(last=False)
@@ -261,9 +317,11 @@ class CacheReader:
         return opened
 
     def _forget(self, path: str) -> None:
-        """Close the shard whose local copy is about to be deleted."""
+        """Close the shard whose local copy is about to be deleted (LocalCopies calls this without its
+        own lock held, from any thread)."""
         assert self._copies is not None
-        for shard, opened in list(self._open.items()):
-            if self._copies.path(self.manifest.shards[shard]) == path:
-                opened.file.close()
-                del self._open[shard]
+        with self._locked():
+            for shard, opened in list(self._open.items()):
+                if self._copies.path(self.manifest.shards[shard]) == path:
+                    opened.file.close()
+                    del self._open[shard]

@@ -1,0 +1,187 @@
+"""Benchmark stk-train's data path against the step it feeds, and against today's loader.
+
+    python bench/train.py [--images 256] [--steps 60] [--batch-size 4] [--ranks 2] [--workdir DIR]
+
+One run, on a generated dataset cached by stk-cache with a tiny random-weight SDXL model (CPU):
+
+  * stk-train for --steps steps under mpiexec: the fraction of step time spent waiting for data
+    (metrics.jsonl: sum of data_wait over sum of step_time, first step excluded: it includes
+    start-up). Target < 1%.
+  * the step's appetite: samples per second one rank consumes (batch size / median step time).
+  * stk's loader alone (CacheData + BatchLoader, the same sampler batches, no training) against
+    today's loader: one torch.save file per latent and per text embedding through gzip level 9,
+    read by a torch DataLoader with the same number of worker processes as stk's threads. Target:
+    stk's loader >= 5x what the step consumes.
+
+The script always exits 0: it is a report, and a missed target is printed as FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from stk.datagen import generate_dataset
+from stk.models import Family, build_tiny_model
+from stk.train.data import BatchLoader, CacheData
+from stk.train.sampler import BucketSampler
+
+TARGETS = {"wait_fraction": 0.01, "loader_vs_step": 5.0}
+PYTHON = sys.executable
+MPIEXEC = str(Path(PYTHON).parent / "mpiexec")
+
+
+def env() -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("STK_", "SLURM_", "PMI_"))}
+    out.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    out.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "stk-torch-extensions"))
+    return out
+
+
+def run(command: list[str]) -> str:
+    proc = subprocess.run(command, capture_output=True, text=True, env=env())
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def prepare(workdir: Path, images: int) -> tuple[str, Path, Path]:
+    """A dataset, its scan, a tiny SDXL model and its float16 cache (reused when present)."""
+    model, scan, cache = workdir / "model", workdir / "scan", workdir / "cache"
+    if (cache / "manifest.json").exists():
+        return str(model), scan, cache
+    generate_dataset(str(workdir / "images"), count=images, seed=1, min_side=64, max_side=80)
+    build_tiny_model(Family.SDXL, str(model))
+    run([PYTHON, "-m", "stk.cli.scan", str(workdir / "images"), "--out", str(scan), "--resolution", "64",
+         "--alignment", "64", "--allow-oversubscription", "-q"])  # fmt: skip
+    run([PYTHON, "-m", "stk.cli.cache", str(scan), "--model", str(model), "--out", str(cache), "-q"])
+    return str(model), scan, cache
+
+
+def train(model: str, scan: Path, cache: Path, out: Path, steps: int, batch: int, ranks: int, threads: int) -> dict:
+    command = [MPIEXEC, "-n", str(ranks), PYTHON, "-m", "stk.cli.train", "--cache", str(cache), "--scan", str(scan),
+               "--model", model, "--output-dir", str(out), "--max-steps", str(steps), "--epochs", "1000",
+               "--batch-size", str(batch), "--deepspeed", "zero2", "--checkpoint-every", "0", "--resume", "none",
+               "--loader-threads", str(threads), "--allow-oversubscription", "-q"]  # fmt: skip
+    summary: dict[str, Any] = json.loads(run(command))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    waited, stepped = sum(r["data_wait"] for r in rows), sum(r["step_time"] for r in rows)
+    step = statistics.median(r["step_time"] for r in rows)
+    return {"summary": summary, "wait_fraction": waited / stepped, "median_step_s": step, "per_rank_rate": batch / step}
+
+
+def stk_loader_rate(cache: Path, batch: int, threads: int, batches: int) -> float:
+    with CacheData(str(cache)) as data:
+        sampler = BucketSampler(data.buckets(), 1, batch, 1, 0, seed=0, drop_last=False)
+        order = [keys for _, keys in zip(range(batches), _cycle(sampler), strict=False)]
+        started = time.perf_counter()
+        loader = BatchLoader(data, order, threads=threads, prefetch=2 * threads)
+        count = sum(len(b) for b in loader)
+        loader.close()
+        return count / (time.perf_counter() - started)
+
+
+def _cycle(sampler: BucketSampler):  # type: ignore[no-untyped-def]
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from sampler
+        epoch += 1
+
+
+class GzipFiles(Dataset):
+    """Today's layout: <key>.latent.pt.gz and <key>.text.pt.gz, one torch.save each."""
+
+    def __init__(self, root: Path, keys: list[str]) -> None:
+        self.root, self.keys = root, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with gzip.open(self.root / f"{self.keys[i]}.latent.pt.gz", "rb") as f:
+            latent = torch.load(f)
+        with gzip.open(self.root / f"{self.keys[i]}.text.pt.gz", "rb") as f:
+            text = torch.load(f)
+        return latent.float(), text["prompt_embeds"].float(), text["pooled_prompt_embeds"].float()
+
+
+def write_gzip_files(cache: Path, root: Path) -> list[str]:
+    root.mkdir(parents=True, exist_ok=True)
+    with CacheData(str(cache)) as data:
+        keys = [k for ks in data.buckets().values() for k in ks]
+        for key in keys:
+            sample = data.reader.latent(key)
+            text = data.reader.text(sample.text_key)
+            for name, obj in (("latent", torch.from_numpy(sample.mean)),
+                              ("text", {k: torch.from_numpy(v) for k, v in text.arrays.items()})):  # fmt: skip
+                with gzip.open(root / f"{key}.{name}.pt.gz", "wb", compresslevel=9) as f:
+                    torch.save(obj, f)
+    return keys
+
+
+def gzip_loader_rate(root: Path, keys: list[str], batch: int, workers: int, batches: int) -> float:
+    loader = DataLoader(GzipFiles(root, keys), batch_size=batch, shuffle=True, num_workers=workers,
+                        prefetch_factor=2, persistent_workers=False)  # fmt: skip
+    started, count = time.perf_counter(), 0
+    while count < batches * batch:
+        for latents, _, _ in loader:
+            count += len(latents)
+            if count >= batches * batch:
+                break
+    return count / (time.perf_counter() - started)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="stk loader threads = baseline DataLoader workers")
+    parser.add_argument("--workdir", default=None, help="keep the dataset, model and cache here between runs")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="stk-bench-train-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model, scan, cache = prepare(workdir, args.images)
+
+    print(f"# bench/train.py on {platform.node()}: {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(f"dataset: {args.images} images, tiny SDXL, batch {args.batch_size} x {args.ranks} ranks, {args.steps} steps")
+    trained = train(model, scan, cache, workdir / "run", args.steps, args.batch_size, args.ranks, args.threads)
+    wait = trained["wait_fraction"]
+    print(f"stk-train: median step {trained['median_step_s'] * 1000:.1f} ms, a rank consumes "
+          f"{trained['per_rank_rate']:.1f} samples/s; waiting for data {wait * 100:.4f}% of step time "
+          f"(target < {TARGETS['wait_fraction'] * 100:.0f}%): {verdict(wait < TARGETS['wait_fraction'])}")  # fmt: skip
+
+    batches = 200
+    stk_rate = stk_loader_rate(cache, args.batch_size, args.threads, batches)
+    keys = write_gzip_files(cache, workdir / "gzip")
+    base_rate = gzip_loader_rate(workdir / "gzip", keys, args.batch_size, args.threads, batches)
+    appetite = stk_rate / trained["per_rank_rate"]
+    print(f"loaders ({batches} batches of {args.batch_size}, {args.threads} threads/workers): "
+          f"stk {stk_rate:.0f} samples/s, torch.save+gzip DataLoader {base_rate:.0f} samples/s: "
+          f"ratio {stk_rate / base_rate:.2f}x")  # fmt: skip
+    print(f"stk loader vs what one rank's step consumes: {appetite:.1f}x (target >= "
+          f"{TARGETS['loader_vs_step']:.0f}x): {verdict(appetite >= TARGETS['loader_vs_step'])}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""stk-train: click wiring only; the work is in stk.train."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from typing import Any, TextIO
+
+import click
+
+from stk.cli.common import CONTEXT, common_options, run_command
+from stk.models import Family
+from stk.train.dsconfig import PRECISIONS, PRESETS
+from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
+from stk.train.options import TrainOptions
+from stk.world import World
+
+EPILOG = """\b
+Examples:
+  mpiexec -n 2 stk-train --cache demo/cache --model demo/tiny-sdxl --output-dir demo/run --max-steps 20
+  srun --mpi=pmi2 stk-train --config run.toml          # [train] table: every option below
+  stk-launch stk-train --cache s3://bucket/cache --scan /shared/scan --model ./sdxl --output-dir /shared/run
+
+\b
+Outputs (in --output-dir, which every rank must share): checkpoints/ (DeepSpeed, `latest` moved
+only after every rank saved), metrics.jsonl (one line per step), final/ (diffusers model).
+A summary JSON line goes to stdout.
+
+\b
+Exit codes: 0 finished; 2 bad option; 3 unusable input (cache, model, config);
+5 a bucket cannot fill one effective batch; 6 the cache does not cover the scan;
+7 preflight failed (output dir not shared, uneven GPUs); 75 checkpointed on SIGUSR2/SIGTERM,
+requeue the job to continue; 76 GPU fault (circuit breaker open); 1 a bug (traceback in the log).
+"""
+
+
+def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, float]:
+    try:
+        first, second = (float(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give two numbers, like 0.9,0.999") from None
+    return first, second
+
+
+@click.command("train", context_settings=CONTEXT("train"), epilog=EPILOG)
+@click.option("--cache", default=None, show_envvar=True, help="stk-cache output: a directory or s3://bucket/prefix.")
+@click.option("--scan", default=None, show_envvar=True,
+              help="stk-scan output: checks the cache covers it; trains on its rows with its repeats.")  # fmt: skip
+@click.option("--model", required=True, show_envvar=True, help="Hub id or local diffusers directory to fine-tune.")
+@click.option("--output-dir", required=True, show_envvar=True, help="Shared directory for checkpoints and outputs.")
+@click.option("--family", type=click.Choice([f.value for f in Family]), default=None, show_envvar=True,
+              help="Model family [default: from the model's model_index.json].")  # fmt: skip
+@click.option("--vae-on-the-fly", is_flag=True, show_envvar=True,
+              help="Encode images and captions each step from --scan instead of reading a cache.")  # fmt: skip
+@click.option("--deepspeed", default="zero2", show_envvar=True,
+              help=f"DeepSpeed config: a preset ({', '.join(PRESETS)}) or a JSON file.")  # fmt: skip
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None, show_envvar=True,
+              help="[default: bf16 on GPU, fp32 on CPU]")  # fmt: skip
+@click.option(
+    "--batch-size", default=4, type=click.IntRange(1), show_envvar=True, help="Samples per GPU per micro-step."
+)
+@click.option(
+    "--grad-accum", default=1, type=click.IntRange(1), show_envvar=True, help="Micro-steps per optimizer step."
+)
+@click.option(
+    "--max-grad-norm", default=1.0, type=click.FloatRange(0), show_envvar=True, help="Gradient clipping (0: off)."
+)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_envvar=True)
+@click.option(
+    "--lr", default=1e-5, type=click.FloatRange(0, min_open=True), show_envvar=True, help="Peak learning rate."
+)
+@click.option("--betas", default="0.9,0.999", callback=_betas, show_envvar=True, help="Optimizer betas.")
+@click.option("--weight-decay", default=1e-2, type=click.FloatRange(0), show_envvar=True)
+@click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant", show_envvar=True,
+              help="After warmup: constant, or cosine decay to 0 at the last step.")  # fmt: skip
+@click.option("--warmup-steps", default=0, type=click.IntRange(0), show_envvar=True, help="Linear warmup steps.")
+@click.option("--epochs", default=1, type=click.IntRange(1), show_envvar=True)
+@click.option("--max-steps", default=None, type=click.IntRange(1), show_envvar=True,
+              help="Stop after this many optimizer steps (caps --epochs).")  # fmt: skip
+@click.option("--seed", default=0, show_envvar=True, help="Sample order, noise and timesteps all follow from it.")
+@click.option("--repeats", default=None, type=click.IntRange(1), show_envvar=True,
+              help="Repeats for every bucket [default: the scan's per-bucket repeats, else 1].")  # fmt: skip
+@click.option("--allow-oversubscription", is_flag=True, show_envvar=True,
+              help="Repeat short buckets until each fills one effective batch, instead of failing.")  # fmt: skip
+@click.option("--guidance-scale", default=3.5, show_envvar=True, help="Flux guidance embedding value in training.")
+@click.option("--checkpoint-every", default=500, type=click.IntRange(0), show_envvar=True,
+              help="Optimizer steps between checkpoints (0: only on signals and at the end).")  # fmt: skip
+@click.option("--keep-checkpoints", default=3, type=click.IntRange(1), show_envvar=True, help="Newest kept.")
+@click.option("--resume", default="auto", show_envvar=True,
+              help="auto: from OUTPUT/checkpoints/latest if any; none; or a checkpoint directory.")  # fmt: skip
+@click.option("--compile", "compile_mode", default=None, show_envvar=True,
+              type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
+              help="torch.compile the denoiser with this mode [default: eager].")  # fmt: skip
+@click.option("--local-cache-dir", default=None, show_envvar=True,
+              help="Node-local directory for whole S3 shards [default: a temp dir per rank].")  # fmt: skip
+@click.option("--local-cache-size", default=None, type=click.FloatRange(0, min_open=True), show_envvar=True,
+              help="GiB of S3 shards kept locally, least recently used out [default: no limit].")  # fmt: skip
+@click.option("--loader-threads", default=4, type=click.IntRange(1, 64), show_envvar=True)
+@click.option("--prefetch", default=8, type=click.IntRange(1), show_envvar=True, help="Micro-batches loaded ahead.")
+@click.option("--notify", "notify_urls", multiple=True, show_envvar=True,
+              help="Apprise URL for the gpu.fault alert (repeatable); prefer --notify-config.")  # fmt: skip
+@click.option("--notify-config", default=None, type=click.Path(dir_okay=False), show_envvar=True,
+              help="Apprise config file with the alert targets.")  # fmt: skip
+@click.option("--health-interval", default=10.0, type=click.FloatRange(0.1), show_envvar=True,
+              help="Seconds between GPU health samples in each rank.")  # fmt: skip
+@common_options
+def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, **options: Any) -> None:
+    """Fine-tune a diffusion model (SD 1.x/2.x, SDXL, Flux) with DeepSpeed from an stk-cache cache.
+
+    Run it under mpiexec, srun --mpi=pmi2|pmix, or stk-launch: it finds its rank and rendezvous
+    itself. Rerunning the same command continues from the latest checkpoint.
+    """
+    optimizer = OptimizerSettings(
+        options.pop("optimizer"), options.pop("lr"), options.pop("betas"), options.pop("weight_decay")
+    )
+    family = options.pop("family")
+    size = options.pop("local_cache_size")
+    opts = TrainOptions(
+        **{k: v for k, v in options.items() if k != "notify_urls"},
+        optimizer=optimizer,
+        family=Family(family) if family else None,
+        local_cache_bytes=int(size * 2**30) if size else None,
+        notify_urls=tuple(options["notify_urls"]),
+    )
+
+    summary_out = _keep_stdout_for_data()
+
+    def body(world: World) -> int:
+        _quiet_libraries(verbose)
+        from stk.train.loop import run_train
+
+        summary, code = run_train(opts, world)
+        if world.is_root:
+            print(json.dumps(summary.to_dict()), file=summary_out, flush=True)
+        return int(code)
+
+    run_command("stk-train", verbose, quiet, s3_endpoint_url, body)
+
+
+def _keep_stdout_for_data() -> TextIO:
+    """stdout carries the summary line only. DeepSpeed prints build and config notices to stdout
+    (some from handlers made at import), so file descriptor 1 becomes stderr for the whole process
+    and the summary goes to a duplicate of the real stdout."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(real, "w")
+
+
+def _quiet_libraries(verbose: int) -> None:
+    """DeepSpeed logs every config value and torch warns about its own deprecations on each step."""
+    from stk.models import quiet_model_libraries
+
+    quiet_model_libraries()
+    if not verbose:
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+        warnings.filterwarnings("ignore", category=UserWarning, module="deepspeed")
+
+
+if __name__ == "__main__":
+    main(prog_name="stk-train")

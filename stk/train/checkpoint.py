@@ -1,0 +1,107 @@
+"""Checkpoints under OUTPUT/checkpoints: one DeepSpeed checkpoint per tag (`step-00001000`), a
+`latest` file naming the newest complete one, the last K kept.
+
+DeepSpeed's own `latest` is written by rank 0 as soon as rank 0 has saved, while other ranks may
+still be writing their ZeRO shards; a job killed then resumes from a torn checkpoint. Here every
+rank saves and syncs its files, all ranks meet at a barrier, and only then does rank 0 replace
+`latest` atomically. A checkpoint without `latest` pointing at it is never resumed from, and is
+removed by the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from stk.errors import InputError
+from stk.log import get_logger
+from stk.storage import write_atomic
+
+__all__ = ["CheckpointDir", "Resume"]
+
+log = get_logger("train.checkpoint")
+
+LATEST = "latest"
+_TAG = re.compile(r"^step-(\d{8,})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True)
+class Resume:
+    directory: str  # the checkpoints directory DeepSpeed loads from
+    tag: str
+
+
+class CheckpointDir:
+    """OUTPUT/checkpoints. `save` and `load` are collective (every rank calls them)."""
+
+    def __init__(self, output_dir: str, keep: int, rank: int) -> None:
+        if keep < 1:
+            raise InputError(f"--keep-checkpoints {keep}: keep at least 1")
+        self.path = os.path.join(output_dir, "checkpoints")
+        self.keep = keep
+        self.rank = rank
+
+    def latest(self) -> str | None:
+        """The tag `latest` names, if that checkpoint is there."""
+        try:
+            with open(os.path.join(self.path, LATEST), encoding="utf-8") as f:
+                tag = f.read().strip()
+        except FileNotFoundError:
+            return None
+        if not tag or not os.path.isdir(os.path.join(self.path, tag)):
+            raise InputError(f"{self.path}/{LATEST} names {tag!r}, which is not there: remove it to start over")
+        return tag
+
+    def resolve(self, resume: str) -> Resume | None:
+        """--resume: "auto" (the latest checkpoint, or none yet), "none", or a checkpoint directory."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            tag = self.latest()
+            return Resume(self.path, tag) if tag else None
+        path = os.path.abspath(resume.rstrip("/"))
+        if not os.path.isdir(path):
+            raise InputError(f"--resume {resume}: no such checkpoint directory (or give auto / none)")
+        return Resume(os.path.dirname(path), os.path.basename(path))
+
+    def save(self, engine: Any, step: int, client_state: dict[str, Any]) -> str:
+        """Save on every rank, then move `latest` (rank 0) once all have finished; prune old ones."""
+        import torch.distributed as dist
+
+        tag = tag_for(step)
+        engine.save_checkpoint(self.path, tag=tag, client_state=client_state, save_latest=False)
+        os.sync()  # this rank's files on stable storage before `latest` can point at them
+        dist.barrier()
+        if self.rank == 0:
+            write_atomic(os.path.join(self.path, LATEST), tag.encode())
+            self._prune(keep_tag=tag)
+            log.info("checkpoint %s saved", os.path.join(self.path, tag))
+        dist.barrier()
+        return tag
+
+    def load(self, engine: Any, resume: Resume) -> dict[str, Any]:
+        """Load parameters, optimizer and LR schedule; returns the client state saved with them."""
+        path, client_state = engine.load_checkpoint(
+            resume.directory, tag=resume.tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None or not client_state or "stk" not in client_state:
+            raise InputError(f"{resume.directory}/{resume.tag}: not a complete stk-train checkpoint")
+        state: dict[str, Any] = client_state["stk"]
+        return state
+
+    def _prune(self, keep_tag: str) -> None:
+        """Keep the newest `keep` complete checkpoints; incomplete ones (newer than `latest`, from a
+        killed save) go too."""
+        tags = sorted((int(m.group(1)), name) for name in os.listdir(self.path) if (m := _TAG.match(name)))
+        keep_step = int(keep_tag.removeprefix("step-"))
+        complete = [name for step, name in tags if step <= keep_step]
+        doomed = complete[: -self.keep] + [name for step, name in tags if step > keep_step]
+        for name in doomed:
+            shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)

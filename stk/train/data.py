@@ -1,0 +1,362 @@
+"""The data side of stk-train: micro-batches from a cache (CacheData) or straight from the images
+(ImageData, for --vae-on-the-fly), loaded ahead of the training step by BatchLoader.
+
+A source groups its keys by latent shape (`buckets()`, what BucketSampler draws from) and turns
+one rank's keys for one micro-step into a Batch (`load(keys)`). BatchLoader calls `load` on a few
+threads, `prefetch` micro-batches ahead and in order, and asks the source to warm the batches
+further ahead (`prefetch(keys)`: for an s3:// cache, whole shards downloaded to node-local disk),
+so the step waits on neither decompression nor S3.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from stk import storage
+from stk.cache.plan import ImageJob, jobs_for, load_scan
+from stk.errors import InputError
+from stk.log import get_logger
+from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
+from stk.shards import CacheReader, Manifest, TextSample
+from stk.train.batch import Batch
+
+__all__ = ["BatchLoader", "CacheData", "ImageData", "TrainData"]
+
+log = get_logger("train")
+BucketShape = tuple[int, int]
+
+
+class TrainData(Protocol):
+    def buckets(self) -> dict[BucketShape, list[str]]:
+        """Latent (h, w) -> its keys, sorted: the same on every rank."""
+
+    def load(self, keys: list[str]) -> Batch:
+        """One micro-batch (keys of one bucket), in the order given; thread-safe."""
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Warm what load(keys) will need (S3 shards); may do nothing."""
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------- cache
+
+
+class CacheData:
+    """TrainData from a cache made by stk-cache (a directory or s3://); thread-safe.
+
+    `keys` restricts training to those latent keys (a scan table's rows); a Mapping from key to
+    the image's path also names the image in errors. None trains on every latent in the cache.
+    For an s3:// cache, whole shards are kept in `local_dir` (a temp dir if None), at most
+    `max_local_bytes` of them per process (see stk/shards/localcopies.py).
+    """
+
+    def __init__(
+        self,
+        cache: str,
+        keys: Collection[str] | None = None,
+        local_dir: str | None = None,
+        max_local_bytes: int | None = None,
+    ) -> None:
+        self.cache = cache
+        self.reader = CacheReader(cache, local_dir=local_dir, max_local_bytes=max_local_bytes)
+        try:
+            self.manifest: Manifest = self.reader.manifest
+            config = self.manifest.config
+            try:
+                self.family: str = str(config["family"])
+                self.scaling_factor = float(config["scaling_factor"])
+                shift = config.get("shift_factor")
+            except (KeyError, TypeError, ValueError) as exc:
+                raise InputError(
+                    f"{cache}/manifest.json: no usable {exc} in its config (not made by stk-cache)"
+                ) from None
+            self.shift_factor = None if shift is None else float(shift)
+            self._buckets = _restricted(self.reader.buckets(), keys, cache)
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def buckets(self) -> dict[BucketShape, list[str]]:
+        return {hw: list(keys) for hw, keys in self._buckets.items()}
+
+    def load(self, keys: list[str]) -> Batch:
+        samples = [self.reader.latent(key) for key in keys]
+        texts: dict[str, TextSample] = {}
+        for sample in samples:
+            if sample.text_key not in texts:
+                try:
+                    texts[sample.text_key] = self.reader.text(sample.text_key)
+                except KeyError:
+                    raise InputError(
+                        f"{self.cache}: the caption embedding of {sample.path} (text key {sample.text_key}) is "
+                        "missing: the cache is incomplete (stk-cache verify, then stk-cache again)"
+                    ) from None
+        logvars = [s.logvar for s in samples if s.logvar is not None]
+        return Batch(
+            keys=list(keys),
+            original_size=torch.tensor([s.original_size for s in samples], dtype=torch.int64).reshape(-1, 2),
+            crop_top_left=torch.tensor([s.crop_top_left for s in samples], dtype=torch.int64).reshape(-1, 2),
+            mean=_stack_float32([s.mean for s in samples]),
+            logvar=_stack_float32(logvars) if len(logvars) == len(samples) else None,
+            text=_collate_text([texts[s.text_key].arrays for s in samples]),
+        )
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Download the shards that hold these latents, then those that hold their captions' embeddings;
+        nothing to do for a local cache."""
+        if not storage.is_s3(self.cache):
+            return
+        self.reader.prefetch(keys)
+        self.reader.prefetch({self.reader.text_key(key) for key in keys})
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self) -> CacheData:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _restricted(
+    buckets: dict[BucketShape, list[str]], keys: Collection[str] | None, cache: str
+) -> dict[BucketShape, list[str]]:
+    if keys is None:
+        return buckets
+    cached = {key for members in buckets.values() for key in members}
+    wanted = dict.fromkeys(keys)  # an ordered set
+    missing = [key for key in wanted if key not in cached]
+    if missing:
+        first = keys[missing[0]] if isinstance(keys, Mapping) else missing[0]
+        raise InputError(
+            f"{len(missing)} of the {len(wanted)} samples asked for are not in the cache {cache} (the first: "
+            f"{first}): run stk-cache for this scan table again, or see stk-cache verify --scan"
+        )
+    selected = {hw: [key for key in members if key in wanted] for hw, members in buckets.items()}
+    return {hw: members for hw, members in selected.items() if members}
+
+
+def _stack_float32(arrays: list[np.ndarray]) -> torch.Tensor:
+    """(B, ...) float32 from same-shaped arrays (float16 as stored), converted while copied."""
+    shapes = sorted({a.shape for a in arrays})
+    if len(shapes) != 1:
+        raise ValueError(f"a batch holds one latent shape (one bucket), got {shapes}")
+    out = np.empty((len(arrays), *shapes[0]), dtype=np.float32)
+    for i, array in enumerate(arrays):
+        out[i] = array
+    return torch.from_numpy(out)
+
+
+def _collate_text(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Each caption's arrays batched as float32: sequences (L, D) zero-padded to the batch's longest
+    (a --trim-padding cache stores only the real tokens), pooled vectors (D,) stacked."""
+    out: dict[str, torch.Tensor] = {}
+    for name, first in samples[0].items():
+        arrays = [s[name] for s in samples]
+        if first.ndim == 2:
+            widths = {a.shape[1] for a in arrays}
+            if len(widths) != 1:
+                raise ValueError(f"text array {name}: widths {sorted(widths)} differ within one batch")
+            padded = np.zeros((len(arrays), max(a.shape[0] for a in arrays), first.shape[1]), dtype=np.float32)
+            for i, array in enumerate(arrays):
+                padded[i, : array.shape[0]] = array
+            out[name] = torch.from_numpy(padded)
+        else:
+            out[name] = _stack_float32(arrays)
+    return out
+
+
+# --------------------------------------------------------------------------------------- images
+
+
+class ImageData:
+    """TrainData for --vae-on-the-fly, straight from a stk-scan table and its images; thread-safe.
+
+    Keys are the table's paths. `load` decodes, resizes and crops with stk.preprocess, the code
+    stk-cache runs, so with center crops a batch's pixels are exactly what the cache would have
+    encoded; the step encodes them with Encoders.encode_images. Random crops are drawn per image
+    from `seed` and the image (not from a cache key, which depends on the VAE): each image keeps
+    one crop for the whole run.
+    """
+
+    def __init__(self, scan_dir: str, vae_scale_factor: int, crop: CropMode = CropMode.CENTER, seed: int = 0) -> None:
+        self.scan_dir = scan_dir
+        self.vae_scale_factor = vae_scale_factor
+        self.crop = CropMode(crop)
+        # the latent key of a made-up recipe: a stable per-image seed for random crops
+        jobs = jobs_for(load_scan(scan_dir), {"on_the_fly_crop_seed": seed}, {})
+        self._jobs = {job.path: job for job in jobs}
+        for job in jobs:
+            if job.bucket_width % vae_scale_factor or job.bucket_height % vae_scale_factor:
+                raise InputError(
+                    f"{scan_dir}: bucket {job.bucket_width}x{job.bucket_height} is not a multiple of the VAE's "
+                    f"scale factor {vae_scale_factor}: scan again with an --alignment that is"
+                )
+
+    def buckets(self) -> dict[BucketShape, list[str]]:
+        f = self.vae_scale_factor
+        out: dict[BucketShape, list[str]] = {}
+        for job in self._jobs.values():
+            out.setdefault((job.bucket_height // f, job.bucket_width // f), []).append(job.path)
+        return {hw: sorted(out[hw]) for hw in sorted(out)}
+
+    def load(self, keys: list[str]) -> Batch:
+        unknown = [key for key in keys if key not in self._jobs]
+        if unknown:
+            raise InputError(
+                f"{len(unknown)} paths are not in the scan table {self.scan_dir} (the first: {unknown[0]})"
+            )
+        jobs = [self._jobs[key] for key in keys]
+        sizes = sorted({(job.bucket_width, job.bucket_height) for job in jobs})
+        if len(sizes) != 1:
+            raise ValueError(f"a batch holds one bucket, got {sizes}")
+        items = [self._pixels(job) for job in jobs]
+        return Batch(
+            keys=list(keys),
+            original_size=torch.tensor([item.original_size for item in items], dtype=torch.int64).reshape(-1, 2),
+            crop_top_left=torch.tensor([item.crop_top_left for item in items], dtype=torch.int64).reshape(-1, 2),
+            pixels=torch.from_numpy(np.stack([item.pixels for item in items])),  # as stk-cache feeds its VAE
+            captions=[job.caption for job in jobs],
+        )
+
+    def _pixels(self, job: ImageJob) -> Preprocessed:
+        try:
+            with storage.open_read(job.location) as f:
+                return preprocess(f, job.bucket_width, job.bucket_height, self.crop, job.key)
+        except PreprocessError as exc:
+            raise InputError(f"{job.location}: {exc} (remove it from the scan table, or train from a cache)") from exc
+        except OSError as exc:
+            raise InputError(f"{job.location}: cannot read: {exc.strerror or exc}") from exc
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Nothing to warm: images are read by load() itself."""
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------- loader
+
+
+class BatchLoader:
+    """Iterates Batches for `batches` (lists of keys, e.g. a BucketSampler), in their order, loaded on
+    `threads` background threads up to `prefetch` batches ahead. Batches up to
+    max(prefetch, shard_lookahead) ahead are also handed to `data.prefetch` (on one more thread, in
+    order) so their S3 shards are local before they load; 0 turns that off.
+
+    An exception in `load` is raised from `__next__` (and closes the loader); a failed prefetch is
+    logged, and its batch's load tries again. `close()` drops the batches not started and waits for
+    the ones running (one per thread), so it returns within about one load or one shard download.
+    """
+
+    def __init__(
+        self,
+        data: TrainData,
+        batches: Iterable[list[str]],
+        threads: int = 4,
+        prefetch: int = 8,
+        shard_lookahead: int = 32,
+    ) -> None:
+        if threads < 1 or prefetch < 1 or shard_lookahead < 0:
+            raise ValueError("threads and prefetch must be at least 1, shard_lookahead at least 0")
+        self.data = data
+        self.wait_seconds = 0.0  # total time __next__ blocked waiting for a batch
+        self._unreported = 0.0
+        self._batches = iter(batches)
+        self._prefetch = prefetch
+        self._ahead = max(prefetch, shard_lookahead) if shard_lookahead else prefetch
+        self._loads = ThreadPoolExecutor(threads, thread_name_prefix="stk-load")
+        self._warmer = ThreadPoolExecutor(1, thread_name_prefix="stk-prefetch") if shard_lookahead else None
+        self._queued: deque[list[str]] = deque()  # read from `batches`, not loading yet
+        self._loading: deque[Future[Batch]] = deque()
+        self._read = self._taken = 0  # batches read from `batches`, and handed out
+        self._exhausted = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._closed:
+            raise StopIteration
+        self._fill()
+        if not self._loading:
+            self.close()
+            raise StopIteration
+        future = self._loading.popleft()
+        started = time.perf_counter()
+        try:
+            batch = future.result()
+        except CancelledError:  # closed from another thread meanwhile
+            raise StopIteration from None
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            waited = time.perf_counter() - started
+            self.wait_seconds += waited
+            self._unreported += waited
+        self._taken += 1
+        self._fill()
+        return batch
+
+    def take_wait(self) -> float:
+        """Seconds waited for data since the last call (a per-step metric)."""
+        waited, self._unreported = self._unreported, 0.0
+        return waited
+
+    def close(self) -> None:
+        """Stop: batches not started are dropped, running loads finish; idempotent, any thread."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._loads.shutdown(wait=True, cancel_futures=True)
+        if self._warmer is not None:
+            self._warmer.shutdown(wait=True, cancel_futures=True)
+        self._loading.clear()
+        self._queued.clear()
+
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fill(self) -> None:
+        """Read batches up to the lookahead (each handed to data.prefetch), and start loads up to `prefetch`."""
+        try:
+            while not self._exhausted and len(self._queued) + len(self._loading) < self._ahead:
+                try:
+                    keys = list(next(self._batches))
+                except StopIteration:
+                    self._exhausted = True
+                    break
+                self._queued.append(keys)
+                if self._warmer is not None:
+                    self._warmer.submit(self._warm, self._read, keys)
+                self._read += 1
+            while self._queued and len(self._loading) < self._prefetch:
+                self._loading.append(self._loads.submit(self.data.load, self._queued.popleft()))
+        except RuntimeError:  # "cannot schedule new futures after shutdown": closed from another thread
+            if not self._closed:
+                raise
+
+    def _warm(self, index: int, keys: list[str]) -> None:
+        if index < self._taken or self._closed:  # handed out already, or stopping: nothing to gain
+            return
+        try:
+            self.data.prefetch(keys)
+        except Exception as exc:  # the batch's own load fetches again, and raises if it fails too
+            log.warning("prefetching batch %d failed (its load will try again): %s", index, exc)

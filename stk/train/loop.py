@@ -1,0 +1,319 @@
+"""One stk-train run on every rank: preflight, models, engine, resume, the step loop with its stop
+agreement and checkpoints, and the final diffusers model.
+
+Nothing heavy happens before the preflight checks pass. Each optimizer step ends at a boundary
+where every rank agrees (one all-reduce) on whether to stop for a signal or a GPU fault, so ranks
+never disagree about the step they stop at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from stk.errors import ExitCode, InputError
+from stk.health.breaker import GpuWatch
+from stk.log import get_logger
+from stk.progress import Progress
+from stk.train.batch import Batch, StepInputs
+from stk.train.checkpoint import CheckpointDir, Resume
+from stk.train.data import BatchLoader
+from stk.train.distributed import init_distributed, resolve_dist_env
+from stk.train.dsconfig import load_deepspeed_config
+from stk.train.engine import build_engine, full_state_dict
+from stk.train.export import export_pipeline
+from stk.train.metrics import MetricsLog
+from stk.train.objectives import Objective, objective_for
+from stk.train.options import TrainOptions
+from stk.train.plan import TrainPlan, plan_training
+from stk.train.preflight import check_gpu_layout, check_shared_output
+from stk.train.sampler import BucketSampler
+from stk.train.stopping import StopSignals, agree, is_gpu_error
+from stk.world import World
+
+__all__ = ["TrainSummary", "run_train"]
+
+log = get_logger("train")
+
+
+@dataclass
+class TrainSummary:
+    output_dir: str
+    outcome: str  # finished | requeue | gpu_fault
+    steps: int  # optimizer steps done, resumed ones included
+    total_steps: int
+    resumed_from: str | None
+    checkpoint: str | None  # the last one saved by this run
+    final: str | None  # the diffusers model, when finished
+    loss: float | None  # the last step's, averaged over ranks
+    seconds: float
+    samples_per_second: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Run:
+    """What the step loop needs, set up once."""
+
+    opts: TrainOptions
+    plan: TrainPlan
+    sampler: BucketSampler
+    objective: Objective
+    engine: Any
+    encoders: Any  # stk.models.Encoders with --vae-on-the-fly, else None
+    device: torch.device
+    dtype: torch.dtype
+    rank: int
+    world_size: int
+    checkpoints: CheckpointDir
+    metrics: MetricsLog
+    signals: StopSignals
+    watch: GpuWatch
+    progress: Progress
+    total_steps: int
+    step: int = 0
+    last_checkpoint: str | None = None
+    loss: float | None = None
+    samples: int = 0
+
+
+def run_train(opts: TrainOptions, world: World) -> tuple[TrainSummary, ExitCode]:
+    started = time.monotonic()
+    signals = StopSignals().install()  # from the start: a signal while models load stops at the first step
+    try:
+        return _prepared_run(opts, world, signals, started)
+    finally:
+        signals.restore()
+
+
+def _prepared_run(
+    opts: TrainOptions, world: World, signals: StopSignals, started: float
+) -> tuple[TrainSummary, ExitCode]:
+    check_shared_output(world, opts.output_dir)
+    check_gpu_layout(world, torch.cuda.device_count())
+    deepspeed_config = load_deepspeed_config(opts.deepspeed)
+    checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank)
+    resume = world.root_call(lambda: checkpoints.resolve(opts.resume))
+    plan = world.run_everywhere(lambda: plan_training(opts, world.size))
+    try:
+        return _run(opts, world, plan, deepspeed_config, checkpoints, resume, signals, started)
+    finally:
+        plan.data.close()
+        _end_distributed()
+
+
+def _end_distributed() -> None:
+    """Tear the process group down before the interpreter exits: gloo's threads still running at
+    exit end the process with `terminate called without an active exception` (SIGABRT)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run(
+    opts: TrainOptions,
+    world: World,
+    plan: TrainPlan,
+    deepspeed_config: dict[str, Any],
+    checkpoints: CheckpointDir,
+    resume: Resume | None,
+    signals: StopSignals,
+    started: float,
+) -> tuple[TrainSummary, ExitCode]:
+    env = resolve_dist_env(world, os.environ)
+    init_distributed(env)
+    device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    precision = opts.precision or ("bf16" if device.type == "cuda" else "fp32")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    sampler = BucketSampler(
+        plan.buckets, plan.repeats, opts.batch_size, env.world_size, env.rank, opts.grad_accum, opts.seed
+    )
+    if not sampler.steps_per_epoch:
+        raise InputError("no bucket fills one effective batch: nothing to train (see the bucket check above)")
+    total = sampler.steps_per_epoch * opts.epochs
+    total_steps = min(total, opts.max_steps) if opts.max_steps else total
+    log.info(
+        "%s: %d samples in %d buckets, %d optimizer steps per epoch of %d samples each; training %d steps",
+        plan.family.value,
+        sum(len(k) for k in plan.buckets.values()),
+        len(plan.buckets),
+        sampler.steps_per_epoch,
+        sampler.effective_batch,
+        total_steps,
+    )
+    objective = objective_for(plan.family, opts.model, opts.guidance_scale)
+    denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype)).to(device)
+    encoders = None
+    if opts.vae_on_the_fly:
+        from stk.models import load_encoders
+
+        encoders = world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
+    engine = build_engine(denoiser, opts, deepspeed_config, precision, total_steps)
+
+    step = 0
+    if resume is not None:
+        state = checkpoints.load(engine, resume)
+        sampler.load_state_dict(state["sampler"])
+        step = int(state["step"])
+        log.info("resumed from %s/%s at step %d", resume.directory, resume.tag, step)
+
+    run = _Run(
+        opts, plan, sampler, objective, engine, encoders, device, dtype, env.rank, env.world_size, checkpoints,
+        MetricsLog(opts.output_dir, env.rank == 0), signals,
+        GpuWatch(None, interval=opts.health_interval, notify_urls=opts.notify_urls,
+                 notify_config=opts.notify_config, rank=env.rank),
+        Progress(world, total_steps - step, "steps", "train"), total_steps, step,
+    )  # fmt: skip
+    run.metrics.start(step)
+    run.watch.start()
+    first_step = step
+    try:
+        outcome = _train(run)
+    finally:
+        run.watch.stop()
+        run.metrics.close()
+        run.progress.close()
+    final = _export(run) if outcome == "finished" else None
+    seconds = time.monotonic() - started
+    trained = (run.step - first_step) * sampler.effective_batch
+    summary = TrainSummary(
+        output_dir=opts.output_dir,
+        outcome=outcome,
+        steps=run.step,
+        total_steps=total_steps,
+        resumed_from=f"{resume.directory}/{resume.tag}" if resume else None,
+        checkpoint=os.path.join(checkpoints.path, run.last_checkpoint) if run.last_checkpoint else None,
+        final=final,
+        loss=run.loss,
+        seconds=round(seconds, 3),
+        samples_per_second=round(trained / seconds, 3) if seconds > 0 else 0.0,
+    )
+    code = {"finished": ExitCode.OK, "requeue": ExitCode.REQUEUE, "gpu_fault": ExitCode.GPU_FAULT}[outcome]
+    return summary, code
+
+
+def _train(run: _Run) -> str:
+    """Steps until done, a stop signal (checkpoint; "requeue") or a GPU fault ("gpu_fault")."""
+    accum = run.opts.grad_accum
+    while run.step < run.total_steps:
+        trained_in_epoch = run.sampler.step
+        loader = BatchLoader(run.plan.data, iter(run.sampler), run.opts.loader_threads, run.opts.prefetch)
+        micro, loss_sum, step_started = 0, 0.0, time.monotonic()
+        try:
+            for batch in loader:
+                generator = _generator(run.opts.seed, run.step * accum + micro, run.rank)
+                try:
+                    loss = run.objective.loss(run.engine, _inputs(batch, run, generator), generator)
+                    run.engine.backward(loss)
+                    run.engine.step()
+                    loss_sum += float(loss.detach())
+                except Exception as exc:
+                    if not is_gpu_error(exc):
+                        raise
+                    run.watch.report_error(f"{type(exc).__name__} in the training step: {exc}".splitlines()[0])
+                    return "gpu_fault"  # no collective now: the others stop when this process ends
+                micro += 1
+                trained_in_epoch += 1
+                if micro < accum:
+                    continue
+                run.step += 1
+                agreed = agree(
+                    run.signals.received is not None, run.watch.fault is not None, loss_sum / accum, run.device
+                )
+                run.loss = agreed.loss
+                run.samples += run.sampler.effective_batch
+                _record(run, loader, agreed.loss, trained_in_epoch, time.monotonic() - step_started)
+                if agreed.fault:
+                    return "gpu_fault"
+                position = {**run.sampler.state_dict(), "step": trained_in_epoch}
+                every = run.opts.checkpoint_every
+                if agreed.stop or (every and run.step % every == 0) or run.step >= run.total_steps:
+                    run.last_checkpoint = run.checkpoints.save(run.engine, run.step, _client_state(run, position))
+                if agreed.stop:
+                    return "requeue"
+                if run.step >= run.total_steps:
+                    return "finished"
+                micro, loss_sum, step_started = 0, 0.0, time.monotonic()
+        finally:
+            loader.close()
+        run.sampler.set_epoch(run.sampler.epoch + 1)
+    return "finished"
+
+
+def _generator(seed: int, micro_step: int, rank: int) -> torch.Generator:
+    """The noise, timesteps and latent samples of one micro-step on one rank: a pure function of
+    the seed and position, so a resumed run draws exactly what an uninterrupted one would."""
+    digest = hashlib.sha256(f"stk-train:{seed}:{micro_step}:{rank}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
+    """Latents sampled, shifted and scaled for the denoiser, from cached ones or encoded now."""
+    if batch.pixels is not None:
+        assert run.encoders is not None and batch.captions is not None
+        mean, logvar = run.encoders.encode_images(batch.pixels)
+        embeds = run.encoders.encode_text(batch.captions)
+        text = {name: torch.from_numpy(np.stack([e.arrays[name] for e in embeds])) for name in embeds[0].arrays}
+    else:
+        assert batch.mean is not None and batch.text is not None
+        mean, logvar, text = batch.mean, batch.logvar, batch.text
+    latent = mean
+    if logvar is not None:  # a fresh sample of the latent distribution each time the image is seen
+        latent = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=generator)
+    if run.plan.shift_factor is not None:
+        latent = latent - run.plan.shift_factor
+    return StepInputs(
+        latents=(latent * run.plan.scaling_factor).to(run.device, run.dtype),
+        text={name: value.to(run.device, run.dtype) for name, value in text.items()},
+        original_size=batch.original_size.to(run.device),
+        crop_top_left=batch.crop_top_left.to(run.device),
+    )
+
+
+def _record(run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, seconds: float) -> None:
+    grad_norm = run.engine.get_global_grad_norm()
+    row = {
+        "step": run.step,
+        "epoch": round(run.sampler.epoch + trained_in_epoch / max(len(run.sampler), 1), 4),
+        "loss": loss,
+        "lr": float(run.engine.get_lr()[0]),
+        "grad_norm": None if grad_norm is None or not math.isfinite(float(grad_norm)) else float(grad_norm),
+        "samples_per_s": round(run.sampler.effective_batch / seconds, 3) if seconds > 0 else None,
+        "step_time": round(seconds, 4),
+        "data_wait": round(loader.take_wait(), 6),
+        "time": round(time.time(), 3),
+    }
+    run.metrics.write(row)
+    run.progress.update()
+
+
+def _client_state(run: _Run, position: dict[str, Any]) -> dict[str, Any]:
+    """What DeepSpeed saves beside the weights: the step and the sampler's trained position."""
+    return {"stk": {"step": run.step, "sampler": position, "seed": run.opts.seed, "family": run.plan.family.value}}
+
+
+def _export(run: _Run) -> str | None:
+    """The trained denoiser with the source model's other components, as OUTPUT/final."""
+    import torch.distributed as dist
+
+    state = full_state_dict(run.engine)
+    out = os.path.join(run.opts.output_dir, "final")
+    if run.rank == 0:
+        assert state is not None
+        module = run.engine.module
+        export_pipeline(run.opts.model, run.objective.denoiser_subfolder, type(module), dict(module.config), state, out)
+        log.info("final model: %s", out)
+    dist.barrier()
+    return out

@@ -1,0 +1,70 @@
+"""The optimizer and learning-rate schedule: AdamW (default) or Lion, warmup then constant or cosine.
+
+stk passes torch's AdamW or lion-pytorch's Lion to DeepSpeed as a client optimizer; when DeepSpeed
+must build its own (optimizer offload), the same settings go into the config's optimizer section
+and it builds its CPU Adam or Lion. The schedule is diffusers' get_scheduler, the one every
+diffusers training example uses, stepped by the DeepSpeed engine once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["OPTIMIZERS", "SCHEDULES", "OptimizerSettings", "client_optimizer", "lr_schedule", "optimizer_section"]
+
+OPTIMIZERS = ("adamw", "lion")
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    name: str = "adamw"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-2
+    eps: float = 1e-8
+
+
+def client_optimizer(params: Iterable[torch.nn.Parameter], settings: OptimizerSettings) -> torch.optim.Optimizer:
+    trainable = [p for p in params if p.requires_grad]
+    if settings.name == "lion":
+        from lion_pytorch import Lion
+
+        return Lion(trainable, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    if settings.name != "adamw":
+        raise ValueError(f"optimizer {settings.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    fused = torch.cuda.is_available()  # one kernel for all parameters on GPU; the foreach path on CPU
+    return torch.optim.AdamW(
+        trainable,
+        lr=settings.lr,
+        betas=settings.betas,
+        weight_decay=settings.weight_decay,
+        eps=settings.eps,
+        fused=fused,
+    )
+
+
+def optimizer_section(settings: OptimizerSettings) -> dict[str, Any]:
+    """The DeepSpeed config's optimizer section for the same settings (its CPU Adam/Lion when offloading)."""
+    params: dict[str, Any] = {"lr": settings.lr, "betas": list(settings.betas), "weight_decay": settings.weight_decay}
+    if settings.name == "lion":
+        return {"type": "Lion", "params": params}
+    return {"type": "AdamW", "params": {**params, "eps": settings.eps}}
+
+
+def lr_schedule(kind: str, warmup_steps: int, total_steps: int) -> Callable[[torch.optim.Optimizer], Any]:
+    """A factory DeepSpeed calls with the optimizer it ends up with (client or its own)."""
+    from diffusers.optimization import get_scheduler
+
+    name = {"constant": "constant_with_warmup", "cosine": "cosine"}.get(kind)
+    if name is None:
+        raise ValueError(f"schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
+
+    def build(optimizer: torch.optim.Optimizer) -> Any:
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1))
+
+    return build

@@ -1,0 +1,45 @@
+"""Everything a training run is set up with: what stk-train's options fill in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stk.models import Family
+from stk.train.optim import OptimizerSettings
+
+__all__ = ["TrainOptions"]
+
+
+@dataclass
+class TrainOptions:
+    model: str  # diffusers pipeline directory or hub id
+    output_dir: str  # shared by every rank: checkpoints/, metrics.jsonl, final/
+    cache: str | None = None  # stk-cache output (local or s3://); None with vae_on_the_fly
+    scan: str | None = None  # stk-scan output: coverage check, repeats, and the images for vae_on_the_fly
+    family: Family | None = None
+    vae_on_the_fly: bool = False
+    deepspeed: str = "zero2"  # preset name or JSON file
+    precision: str | None = None  # bf16 | fp32; default bf16 on GPU, fp32 on CPU
+    batch_size: int = 4  # per GPU
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; caps epochs
+    seed: int = 0
+    repeats: int | None = None  # None: the scan's per-bucket repeats, else 1
+    allow_oversubscription: bool = False
+    guidance_scale: float = 3.5  # Flux models with a guidance embedding
+    checkpoint_every: int = 500  # optimizer steps; 0: only on signals and at the end
+    keep_checkpoints: int = 3
+    resume: str = "auto"  # auto | none | a checkpoint directory
+    compile_mode: str | None = None  # torch.compile mode; None: eager
+    local_cache_dir: str | None = None  # node-local directory for whole S3 shards
+    local_cache_bytes: int | None = None
+    loader_threads: int = 4
+    prefetch: int = 8
+    notify_urls: tuple[str, ...] = ()
+    notify_config: str | None = None
+    health_interval: float = 10.0

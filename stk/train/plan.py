@@ -1,0 +1,109 @@
+"""What a run trains on, settled before any model loads: the data source (cache or images), the
+keys per bucket, each bucket's repeats, and how latents are scaled for the denoiser."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stk.buckets import effective_batch_size
+from stk.errors import InputError
+from stk.models import Family, detect_family
+from stk.models.detect import read_model_json, vae_scale_factor
+from stk.train.data import CacheData, ImageData, TrainData
+from stk.train.options import TrainOptions
+from stk.train.preflight import check_buckets, check_coverage, scan_repeats
+
+__all__ = ["TrainPlan", "plan_training"]
+
+BucketShape = tuple[int, int]
+
+
+@dataclass
+class TrainPlan:
+    family: Family
+    data: TrainData
+    buckets: dict[BucketShape, list[str]]  # latent (h, w) -> keys
+    repeats: dict[BucketShape, int]
+    scaling_factor: float
+    shift_factor: float | None
+    vae_scale_factor: int
+
+
+def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
+    family = Family(opts.family) if opts.family else detect_family(opts.model)
+    factor = vae_scale_factor(opts.model)
+    if opts.vae_on_the_fly:
+        data, buckets, scaling, shift = _from_images(opts, factor)
+    else:
+        data, buckets, scaling, shift = _from_cache(opts, family)
+    try:
+        if not any(buckets.values()):
+            raise InputError("nothing to train on: the cache (or scan) holds no samples")
+        ids, repeats = _repeats(opts, buckets, factor)
+        effective = effective_batch_size(opts.batch_size, world_size, opts.grad_accum)
+        repeats = check_buckets(buckets, repeats, effective, factor, opts.allow_oversubscription, ids)
+    except BaseException:
+        data.close()
+        raise
+    return TrainPlan(family, data, buckets, repeats, scaling, shift, factor)
+
+
+def _from_images(
+    opts: TrainOptions, factor: int
+) -> tuple[TrainData, dict[BucketShape, list[str]], float, float | None]:
+    if not opts.scan:
+        raise InputError("--vae-on-the-fly trains from the scan table and its images: give --scan")
+    vae = read_model_json(opts.model, "vae/config.json")
+    data = ImageData(opts.scan, factor, seed=opts.seed)
+    shift = vae.get("shift_factor")
+    return data, data.buckets(), float(vae["scaling_factor"]), None if shift is None else float(shift)
+
+
+def _from_cache(
+    opts: TrainOptions, family: Family
+) -> tuple[TrainData, dict[BucketShape, list[str]], float, float | None]:
+    if not opts.cache:
+        raise InputError("give --cache (made by stk-cache), or --vae-on-the-fly with --scan")
+    data = CacheData(opts.cache, local_dir=opts.local_cache_dir, max_local_bytes=opts.local_cache_bytes)
+    try:
+        if data.family != family.value:
+            raise InputError(
+                f"{opts.cache} was made for a {data.family} model, but {opts.model} is {family.value}: "
+                "cache with the model you train"
+            )
+        buckets = data.buckets()
+        if opts.scan:
+            buckets = _covered(opts.cache, opts.scan, data, buckets)
+    except BaseException:
+        data.close()
+        raise
+    return data, buckets, data.scaling_factor, data.shift_factor
+
+
+def _covered(
+    cache: str, scan: str, data: CacheData, buckets: dict[BucketShape, list[str]]
+) -> dict[BucketShape, list[str]]:
+    """The scan's rows only (a cache may hold more), after checking the cache has all of them."""
+    from stk.cache.inspect import expected_jobs
+
+    jobs, _ = expected_jobs(cache, data.manifest, scan)
+    cached = {key for keys in buckets.values() for key in keys}
+    texts = set(data.reader.text_keys())
+    missing = [job.path for job in jobs if job.key not in cached]
+    missing_texts = len({job.text_key for job in jobs} - texts)
+    check_coverage(missing, missing_texts, cache, scan)
+    wanted = {job.key for job in jobs}
+    return {hw: [k for k in keys if k in wanted] for hw, keys in buckets.items() if any(k in wanted for k in keys)}
+
+
+def _repeats(
+    opts: TrainOptions, buckets: dict[BucketShape, list[str]], factor: int
+) -> tuple[dict[BucketShape, int] | None, dict[BucketShape, int]]:
+    """Bucket ids (the scan's, for messages) and repeats: --repeats for all, else the scan's, else 1."""
+    from_scan = scan_repeats(opts.scan, factor) if opts.scan else {}
+    ids = {hw: from_scan[hw][0] for hw in buckets if hw in from_scan} if from_scan else None
+    if ids is not None and len(ids) != len(buckets):
+        ids = None  # latent shapes the scan's buckets do not explain: number them ourselves
+    if opts.repeats is not None:
+        return ids, {hw: opts.repeats for hw in buckets}
+    return ids, {hw: from_scan[hw][1] if hw in from_scan else 1 for hw in buckets}

@@ -1,0 +1,85 @@
+"""Why training stops early, agreed by every rank at each optimizer step boundary.
+
+SIGUSR2 (Slurm's `--signal=B:USR2@180` before a time limit or preemption) and SIGTERM set a flag;
+the GPU watch sets another. One small all-reduce per optimizer step makes every rank see the same
+flags at the same step, so all ranks checkpoint together (a signal) or all stop (a fault), even
+when the signal reached only one process.
+"""
+
+from __future__ import annotations
+
+import signal
+import types
+from dataclasses import dataclass
+
+import torch
+
+from stk.log import get_logger
+
+__all__ = ["STOP_SIGNALS", "Agreement", "StopSignals", "agree", "is_gpu_error"]
+
+log = get_logger("train.stop")
+
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class StopSignals:
+    """Records SIGUSR2/SIGTERM instead of dying; the loop checkpoints at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopSignals:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]  # what signal.signal returned
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: types.FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            log.warning(
+                "%s received: checkpointing at the next step boundary, then exiting to be requeued", self.received
+            )
+
+
+@dataclass(frozen=True)
+class Agreement:
+    stop: bool  # some rank got a stop signal: checkpoint and exit with the requeue code
+    fault: bool  # some rank's GPU faulted: exit with the GPU-fault code, no checkpoint
+    loss: float  # the step's loss averaged over ranks
+
+
+def agree(stop: bool, fault: bool, loss: float, device: torch.device) -> Agreement:
+    """Every rank's flags OR-ed and losses averaged, in one all-reduce (collective: every rank
+    calls it at the same optimizer step)."""
+    import torch.distributed as dist
+
+    values = torch.tensor([float(stop), float(fault), loss], dtype=torch.float64, device=device)
+    size = 1
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        size = dist.get_world_size()
+    stop_sum, fault_sum, loss_sum = values.tolist()
+    return Agreement(stop=stop_sum > 0, fault=fault_sum > 0, loss=loss_sum / size)
+
+
+def is_gpu_error(exc: BaseException) -> bool:
+    """A CUDA or NCCL failure in the step: the device or the fabric, not the training code.
+    Out of memory is the code's (batch size), not the GPU's."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    if isinstance(exc, torch.distributed.DistBackendError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "NCCL error", "ECC error")
+    )

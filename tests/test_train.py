@@ -1,0 +1,396 @@
+"""stk-train end to end, as users run it: real DeepSpeed engines on the CPU under `mpiexec -n 2`,
+tiny random-weight SD, SDXL and Flux pipelines, caches made by stk-cache. Each run checks its exit
+code, metrics.jsonl, checkpoints and the final diffusers model; other tests resume, signal, fault
+and feed bad setups."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import MPIEXEC, TRAIN, cache_command, mpi_rank_pids, scan_env, summary_of, train_command, train_env
+from safetensors.torch import load_file
+
+from stk.datagen import generate_dataset
+from stk.errors import ExitCode
+from stk.models import Family, build_tiny_model
+from stk.train.batch import StepInputs
+from stk.train.objectives import objective_for
+
+pytestmark = pytest.mark.integration
+
+IMAGES = 24  # one 64x64 bucket (sides 64-80 px at alignment 64)
+DENOISER = {Family.SD: "unet", Family.SDXL: "unet", Family.FLUX: "transformer"}
+FAST = ["--batch-size", "1", "--lr", "1e-3", "--precision", "fp32", "-q"]
+
+
+def run_train(
+    args: list[Any], mpi: int = 2, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    full_env = train_env()
+    full_env.update(env or {})
+    proc = subprocess.run(train_command(args, mpi), capture_output=True, text=True, env=full_env, timeout=timeout)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def latest(out: Path) -> str:
+    return (out / "checkpoints" / "latest").read_text().strip()
+
+
+def denoiser_weights(model_dir: Path, family: Family) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / DENOISER[family] / "diffusion_pytorch_model.safetensors"))
+
+
+# --- module fixtures: one dataset and scan, a tiny model and an fp32 cache per family ----------------------------
+
+
+@pytest.fixture(scope="module")
+def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    data = tmp_path_factory.mktemp("train-data")
+    generate_dataset(str(data), count=IMAGES, seed=7, min_side=64, max_side=80)
+    out = tmp_path_factory.mktemp("train-scan") / "scan"
+    command = [
+        str(Path(TRAIN[0])), "-m", "stk.cli.scan", data, "--out", out, "--resolution", "64", "--alignment", "64",
+        "--batch-size", "1", "--gpus", "2", "-q",
+    ]  # fmt: skip
+    proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=scan_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], tuple[str, Path]]:
+    """setups(family) -> (model dir, cache dir), built on first use."""
+    done: dict[Family, tuple[str, Path]] = {}
+
+    def get(family: Family) -> tuple[str, Path]:
+        if family not in done:
+            root = tmp_path_factory.mktemp(f"train-{family.value}")
+            model = build_tiny_model(family, str(root / "model"))
+            cache = root / "cache"
+            args = [scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"]
+            env = {**scan_env(), "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run(cache_command(args), capture_output=True, text=True, env=env, timeout=300)
+            assert proc.returncode == 0, proc.stderr
+            done[family] = (model, cache)
+        return done[family]
+
+    return get
+
+
+def check_final(final: Path, family: Family, trained: dict[str, torch.Tensor] | None = None) -> None:
+    """The final model loads with from_pretrained and its denoiser runs a training-shaped step."""
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(str(final))
+    denoiser = getattr(pipeline, DENOISER[family])
+    objective = objective_for(family, str(final))
+    channels = 16 if family is Family.FLUX else 4
+    text = {
+        Family.SD: {"prompt_embeds": torch.randn(1, 77, 32)},
+        Family.SDXL: {"prompt_embeds": torch.randn(1, 77, 96), "pooled_prompt_embeds": torch.randn(1, 64)},
+        Family.FLUX: {"prompt_embeds": torch.randn(1, 12, 48), "pooled_prompt_embeds": torch.randn(1, 32)},
+    }[family]
+    inputs = StepInputs(torch.randn(1, channels, 8, 8), text, torch.tensor([[64, 64]]), torch.tensor([[0, 0]]))
+    with torch.no_grad():
+        loss = objective.loss(denoiser, inputs, torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss)
+
+
+# --- ZeRO 1, 2 and 3 on each family ------------------------------------------------------------------------------
+
+MATRIX = [
+    ("zero1", Family.SD, ["--optimizer", "lion", "--lr", "1e-4"]),
+    ("zero2", Family.SD, ["--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]),
+    ("zero3", Family.SD, []),
+    ("zero1", Family.SDXL, ["--grad-accum", "2"]),
+    ("zero2", Family.SDXL, []),
+    ("zero3", Family.SDXL, ["--optimizer", "lion", "--lr", "1e-4"]),
+    ("zero1", Family.FLUX, []),
+    ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
+    ("zero3", Family.FLUX, ["--grad-accum", "2"]),
+]
+
+
+@pytest.mark.parametrize(("preset", "family", "extra"), MATRIX, ids=[f"{p}-{f.value}" for p, f, _ in MATRIX])
+def test_zero_stage_trains_checkpoints_and_exports(preset, family, extra, setups, scan, tmp_path):
+    model, cache = setups(family)
+    out = tmp_path / "run"
+    proc = run_train(
+        ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", out, "--deepspeed", preset,
+         "--max-steps", "3", *FAST, *extra],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = summary_of(proc)
+    assert summary["outcome"] == "finished" and summary["steps"] == 3 and summary["final"] == str(out / "final")
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["loss"] > 0 and r["step_time"] > 0 and r["data_wait"] >= 0 for r in rows)
+    assert latest(out) == "step-00000003"
+    trained = denoiser_weights(out / "final", family)
+    source = denoiser_weights(Path(model), family)
+    dtype = torch.bfloat16 if "bf16" in extra else torch.float32
+    assert trained.keys() == source.keys() and {t.dtype for t in trained.values()} == {dtype}
+    assert any(not torch.equal(trained[k].float(), source[k].to(dtype).float()) for k in trained), "nothing trained"
+    check_final(out / "final", family)
+
+
+# --- determinism and resume ------------------------------------------------------------------------------------
+
+
+def test_loss_falls_on_a_fixed_dataset(setups, scan, tmp_path):
+    model, cache = setups(Family.SD)
+    out = tmp_path / "run"
+    proc = run_train(
+        ["--cache", cache, "--model", model, "--output-dir", out, "--deepspeed", "zero2", "--max-steps", "50",
+         "--epochs", "10", "--checkpoint-every", "0", *FAST],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    losses = [r["loss"] for r in metrics(out)]
+    assert len(losses) == 50
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.8 * first, losses
+
+
+def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
+    model, cache = setups(Family.SDXL)
+    common = ["--cache", cache, "--model", model, "--deepspeed", "zero2", "--epochs", "2", *FAST]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_train([*common, "--output-dir", straight, "--max-steps", "10"]).returncode == 0
+    first = run_train([*common, "--output-dir", split, "--max-steps", "5"])
+    assert first.returncode == 0 and summary_of(first)["steps"] == 5
+    second = run_train([*common, "--output-dir", split, "--max-steps", "10"])
+    assert second.returncode == 0, second.stderr
+    assert summary_of(second)["resumed_from"].endswith("step-00000005")
+    # same samples, noise and timesteps at every step: the same losses, and bitwise the same weights
+    assert [r["loss"] for r in metrics(straight)] == [r["loss"] for r in metrics(split)]
+    a, b = denoiser_weights(straight / "final", Family.SDXL), denoiser_weights(split / "final", Family.SDXL)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigusr2_checkpoints_exits_for_requeue_and_the_rerun_resumes(setups, scan, tmp_path):
+    model, cache = setups(Family.SD)
+    out = tmp_path / "run"
+    args = ["--cache", cache, "--model", model, "--output-dir", out, "--deepspeed", "zero3", "--epochs", "50",
+            "--checkpoint-every", "0", *FAST]  # fmt: skip
+    proc = subprocess.Popen(train_command(args, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=train_env())  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 3):
+            time.sleep(0.2)
+        assert (out / "metrics.jsonl").exists(), "training did not start"
+        ranks = mpi_rank_pids(proc.pid, "stk.cli.train")
+        os.kill(ranks[1], signal.SIGUSR2)  # one rank only: the step agreement tells the other
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == ExitCode.REQUEUE, stderr
+    summary = json.loads(stdout)
+    stopped = summary["steps"]
+    assert summary["outcome"] == "requeue" and summary["final"] is None
+    assert latest(out) == f"step-{stopped:08d}" and not (out / "final").exists()
+    assert "SIGUSR2 received" in stderr
+
+    rerun = run_train([*args[: args.index("--epochs")], "--max-steps", str(stopped + 2), *FAST])
+    assert rerun.returncode == 0, rerun.stderr
+    resumed = summary_of(rerun)
+    assert resumed["resumed_from"].endswith(f"step-{stopped:08d}") and resumed["steps"] == stopped + 2
+    assert [r["step"] for r in metrics(out)] == list(range(1, stopped + 3))
+
+
+def test_vae_on_the_fly_trains_from_the_scan_and_images(setups, scan, tmp_path):
+    model, _ = setups(Family.SDXL)
+    out = tmp_path / "run"
+    proc = run_train(
+        ["--vae-on-the-fly", "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "2", *FAST], mpi=2
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in metrics(out)] == [1, 2] and summary_of(proc)["final"] == str(out / "final")
+    check_final(out / "final", Family.SDXL)
+
+
+def test_trains_from_an_s3_cache_through_a_local_shard_directory(setups, scan, tmp_path, s3_server):
+    from conftest import S3_ENV, s3_client
+
+    model, cache = setups(Family.SD)
+    bucket = "train-cache"
+    client = s3_client(s3_server)
+    client.create_bucket(Bucket=bucket)
+    for path in cache.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"cache/{path.relative_to(cache)}")
+    local, out = tmp_path / "shards", tmp_path / "run"
+    proc = run_train(
+        ["--cache", f"s3://{bucket}/cache", "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "2",
+         "--local-cache-dir", local, "--s3-endpoint-url", s3_server, *FAST],
+        env=S3_ENV,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    shards = sorted(p.name.split("-", 1)[1] for p in local.iterdir() if p.suffix == ".h5")
+    assert shards == sorted(p.name for p in (cache / "shards").iterdir())  # whole shards, fetched once per node
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_srun_with_pmi2_runs_the_same_command(slurm_cluster, setups, tmp_path):
+    """The same command under `srun --mpi=pmi2` of a real one-node Slurm: two tasks find their ranks
+    and the rendezvous from MPI and train together."""
+    model, cache = setups(Family.SD)
+    out = tmp_path / "run"
+    env = {**train_env(), "SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
+    args = ["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "2", *FAST]
+    command = ["timeout", "240", "srun", "--mpi=pmi2", "-n", "2", "-c", "1", *train_command(args)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=260, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = summary_of(proc)
+    assert summary["steps"] == 2 and summary["final"] == str(out / "final")
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+# --- the GPU circuit breaker --------------------------------------------------------------------------------------
+
+
+def gpu(index: int, **readings: Any) -> dict[str, Any]:
+    healthy = {"temperature": 40, "shutdown_temperature": 92, "ecc_volatile_uncorrectable": 0}
+    return {"index": index, "uuid": f"GPU-0000000{index}", "name": "NVIDIA H100 80GB HBM3", **healthy, **readings}
+
+
+def test_scripted_gpu_fault_stops_every_rank_with_the_gpu_code_and_one_alert(setups, tmp_path, receiver):
+    model, cache = setups(Family.SD)
+    hook = receiver()
+    script = tmp_path / "gpus.json"
+    healthy = [gpu(0), gpu(1)]
+    script.write_text(json.dumps([healthy] * 6 + [[gpu(0), gpu(1, ecc_volatile_uncorrectable=3)]]))
+    out = tmp_path / "run"
+    proc = run_train(
+        ["--cache", cache, "--model", model, "--output-dir", out, "--deepspeed", "zero2", "--epochs", "50",
+         "--health-interval", "0.2", "--notify", hook.url(), *FAST],
+        env={"STK_HEALTH_SCRIPT": str(script), "SLURM_JOB_ID": "4242"},
+    )  # fmt: skip
+    assert proc.returncode == ExitCode.GPU_FAULT, proc.stderr
+    summary = summary_of(proc)
+    assert summary["outcome"] == "gpu_fault" and summary["final"] is None
+    assert "GPU fault" in proc.stderr
+    alerts = hook.bodies
+    assert [a["type"] for a in alerts] == ["gpu.fault"], alerts
+    assert alerts[0]["rank"] == 1 and alerts[0]["job_id"] == "4242" and alerts[0]["fault"]["gpu"]["index"] == 1
+
+
+def test_no_gpu_means_nothing_to_watch_and_training_goes_on(setups, tmp_path):
+    model, cache = setups(Family.SD)
+    out = tmp_path / "run"
+    proc = run_train(["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "1", *FAST[:-1]], mpi=0)
+    assert proc.returncode == 0, proc.stderr
+    assert "no NVIDIA driver: nothing to watch" in proc.stderr
+
+
+# --- preflight and bad setups: a clear message and a documented code, before any model loads ---------------------
+
+
+def test_output_dir_not_shared_between_ranks(setups, tmp_path):
+    """Rank 1 gets its own private mount over the output directory, like a node-local path on
+    another node: both ranks see the same path, but not each other's files."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs mount namespaces (unshare -m) to give one rank a private directory")
+    model, cache = setups(Family.SD)
+    out = tmp_path / "run"
+    out.mkdir()
+    args = [*TRAIN, "--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "1", *FAST]
+    args = list(map(str, args))
+    private = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{out}" && exec "$@"', "sh", *args]
+    command = [str(MPIEXEC), "-n", "1", *args, ":", "-n", "1", *private]
+    proc = subprocess.run(command, capture_output=True, text=True, env=train_env(), timeout=120)
+    assert proc.returncode == ExitCode.PREFLIGHT, proc.stderr
+    assert f"--output-dir {out} is not one directory shared by every rank" in proc.stderr
+    assert "does not see the files of rank(s) 0" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (out / "checkpoints").exists()
+
+
+def test_nodes_with_different_gpu_counts_are_refused(tmp_path):
+    code = (
+        "from stk.world import get_world\n"
+        "from stk.train.preflight import check_gpu_layout\n"
+        "from stk.errors import PreflightFailed\n"
+        "world = get_world()\n"
+        "world.node = f'node{world.rank}'\n"
+        "try:\n    check_gpu_layout(world, 8 if world.rank == 0 else 4)\n"
+        "except PreflightFailed as exc:\n    print(exc)\n"
+    )
+    proc = subprocess.run([str(MPIEXEC), "-n", "2", TRAIN[0], "-c", code], capture_output=True, text=True,
+                          env=train_env(), timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("nodes have different numbers of GPUs (node0: 8, node1: 4)") == 2
+
+
+@pytest.fixture(scope="module")
+def wider_scan(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The training images (copied with their mtimes, so their cache keys hold) plus two new ones, scanned."""
+    import shutil
+
+    from stk.datagen import make_image
+
+    summary = json.loads((scan / "summary.json").read_text())
+    data = tmp_path_factory.mktemp("wider") / "data"
+    shutil.copytree(summary["root"], data)
+    for i in range(2):
+        make_image(72, 72, seed=500 + i).save(data / f"extra_{i}.png")
+    out = tmp_path_factory.mktemp("wider-scan") / "scan"
+    command = [TRAIN[0], "-m", "stk.cli.scan", data, "--out", out, "--resolution", "64", "--alignment", "64", "-q",
+               "--allow-oversubscription"]  # fmt: skip
+    proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=scan_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+BAD_SETUPS = {
+    "bucket-too-small": (["--batch-size", "32"], ExitCode.BATCH_CHECK,
+                         ["hold fewer samples than the effective batch size 32", "needs --repeats >= 2"]),
+    "no-cache": (["--no-cache"], ExitCode.INPUT, ["give --cache"]),
+    "on-the-fly-without-scan": (["--no-cache", "--no-scan", "--vae-on-the-fly"], ExitCode.INPUT, ["give --scan"]),
+    "family-mismatch": (["--other-model"], ExitCode.INPUT, ["was made for a sd model", "is sdxl"]),
+    "deepspeed-not-json": (["--deepspeed", "BAD_JSON"], ExitCode.INPUT, ["not valid JSON"]),
+    "deepspeed-missing": (["--deepspeed", "/nonexistent/ds.json"], ExitCode.INPUT, ["No such file", "zero2-offload"]),
+    "deepspeed-fp16": (["--deepspeed", "FP16"], ExitCode.INPUT, ["fp16 is not supported"]),
+    "resume-missing": (["--resume", "/nonexistent/step-00000001"], ExitCode.INPUT, ["no such checkpoint directory"]),
+    "cache-does-not-cover-scan": (["--wider-scan"], ExitCode.INCOMPLETE,
+                                  ["2 scan rows have no cached latent", "extra_0.png", "extra_1.png"]),
+    "cache-missing": (["--cache", "/nonexistent/cache"], ExitCode.INPUT, ["no manifest.json"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_SETUPS))
+def test_bad_setup_gives_its_message_and_code(case, setups, scan, wider_scan, tmp_path):
+    extra, code, messages = BAD_SETUPS[case]
+    model, cache = setups(Family.SD)
+    (tmp_path / "bad.json").write_text("{ not json")
+    (tmp_path / "fp16.json").write_text(json.dumps({"fp16": {"enabled": True}}))
+    substitutions = {"BAD_JSON": str(tmp_path / "bad.json"), "FP16": str(tmp_path / "fp16.json")}
+    args = ["--cache", cache, "--scan", scan, "--model", model]
+    for flag, value in (("--no-cache", cache), ("--no-scan", scan)):
+        if flag in extra:
+            at = args.index(value)
+            args, extra = args[: at - 1] + args[at + 1 :], [e for e in extra if e != flag]
+    if "--other-model" in extra:
+        args[args.index(model)], extra = setups(Family.SDXL)[0], []
+    if "--wider-scan" in extra:
+        args[args.index(scan)], extra = wider_scan, []
+    extra = [substitutions.get(e, e) for e in extra]
+    out = tmp_path / "run"
+    proc = run_train([*args, "--output-dir", out, "--max-steps", "1", *FAST, *extra], mpi=0, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    for message in messages:
+        assert message in proc.stderr, proc.stderr
+    assert not (out / "checkpoints").exists() and not (out / "final").exists()
