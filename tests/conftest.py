@@ -15,11 +15,14 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from stk.datagen import GeneratedImage, generate_dataset
+
+if TYPE_CHECKING:
+    from stk.models import Family
 
 BIN = Path(sys.executable).parent
 MPIEXEC = BIN / "mpiexec"
@@ -327,3 +330,44 @@ def train_command(args: list[Any], mpi: int = 0) -> list[str]:
     """stk-train as users run it, alone or under `mpiexec -n MPI`."""
     command = [*TRAIN, *map(str, args)]
     return [str(MPIEXEC), "-n", str(mpi), *command] if mpi else command
+
+
+# --- a scanned dataset, tiny models and caches for stk-train (test_train.py, test_launch.py) -------------------
+
+TRAIN_IMAGES = 24  # one 64x64 bucket (sides 64-80 px at alignment 64)
+
+
+@pytest.fixture(scope="module")
+def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    data = tmp_path_factory.mktemp("train-data")
+    generate_dataset(str(data), count=TRAIN_IMAGES, seed=7, min_side=64, max_side=80)
+    out = tmp_path_factory.mktemp("train-scan") / "scan"
+    command = [
+        str(Path(TRAIN[0])), "-m", "stk.cli.scan", data, "--out", out, "--resolution", "64", "--alignment", "64",
+        "--batch-size", "1", "--gpus", "2", "-q",
+    ]  # fmt: skip
+    proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=scan_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], tuple[str, Path]]:
+    """setups(family) -> (model dir, cache dir), built on first use."""
+    done: dict[Family, tuple[str, Path]] = {}
+
+    def get(family: Family) -> tuple[str, Path]:
+        if family not in done:
+            root = tmp_path_factory.mktemp(f"train-{family.value}")
+            from stk.models import build_tiny_model
+
+            model = build_tiny_model(family, str(root / "model"))
+            cache = root / "cache"
+            args = [scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"]
+            env = {**scan_env(), "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run(cache_command(args), capture_output=True, text=True, env=env, timeout=300)
+            assert proc.returncode == 0, proc.stderr
+            done[family] = (model, cache)
+        return done[family]
+
+    return get

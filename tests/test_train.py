@@ -10,24 +10,21 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import MPIEXEC, TRAIN, cache_command, mpi_rank_pids, scan_env, summary_of, train_command, train_env
+from conftest import MPIEXEC, TRAIN, mpi_rank_pids, scan_env, summary_of, train_command, train_env
 from safetensors.torch import load_file
 
-from stk.datagen import generate_dataset
 from stk.errors import ExitCode
-from stk.models import Family, build_tiny_model
+from stk.models import Family
 from stk.train.batch import StepInputs
 from stk.train.objectives import objective_for
 
 pytestmark = pytest.mark.integration
 
-IMAGES = 24  # one 64x64 bucket (sides 64-80 px at alignment 64)
 DENOISER = {Family.SD: "unet", Family.SDXL: "unet", Family.FLUX: "transformer"}
 FAST = ["--batch-size", "1", "--lr", "1e-3", "--precision", "fp32", "-q"]
 
@@ -54,41 +51,7 @@ def denoiser_weights(model_dir: Path, family: Family) -> dict[str, torch.Tensor]
     return load_file(str(model_dir / DENOISER[family] / "diffusion_pytorch_model.safetensors"))
 
 
-# --- module fixtures: one dataset and scan, a tiny model and an fp32 cache per family ----------------------------
-
-
-@pytest.fixture(scope="module")
-def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    data = tmp_path_factory.mktemp("train-data")
-    generate_dataset(str(data), count=IMAGES, seed=7, min_side=64, max_side=80)
-    out = tmp_path_factory.mktemp("train-scan") / "scan"
-    command = [
-        str(Path(TRAIN[0])), "-m", "stk.cli.scan", data, "--out", out, "--resolution", "64", "--alignment", "64",
-        "--batch-size", "1", "--gpus", "2", "-q",
-    ]  # fmt: skip
-    proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=scan_env(), timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-@pytest.fixture(scope="module")
-def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], tuple[str, Path]]:
-    """setups(family) -> (model dir, cache dir), built on first use."""
-    done: dict[Family, tuple[str, Path]] = {}
-
-    def get(family: Family) -> tuple[str, Path]:
-        if family not in done:
-            root = tmp_path_factory.mktemp(f"train-{family.value}")
-            model = build_tiny_model(family, str(root / "model"))
-            cache = root / "cache"
-            args = [scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"]
-            env = {**scan_env(), "OMP_NUM_THREADS": "1"}
-            proc = subprocess.run(cache_command(args), capture_output=True, text=True, env=env, timeout=300)
-            assert proc.returncode == 0, proc.stderr
-            done[family] = (model, cache)
-        return done[family]
-
-    return get
+# --- fixtures `scan` and `setups` (a dataset and its scan, a tiny model and an fp32 cache per family): conftest.py
 
 
 def check_final(final: Path, family: Family, trained: dict[str, torch.Tensor] | None = None) -> None:

@@ -82,13 +82,15 @@ def run_command(
     s3_endpoint_url: str | None,
     body: Callable[[World], int | None],
     failure_code: int | None = None,
+    per_node: bool = False,
 ) -> None:
     """Set up the world and logging, run `body`, and exit with its code or the error's code.
 
     `failure_code` replaces the exit code of every failure: stk-health must exit 3 (UNKNOWN) when it
-    cannot tell, since 1 and 2 mean WARNING and CRITICAL to cron, Slurm and monitoring."""
+    cannot tell, since 1 and 2 mean WARNING and CRITICAL to cron, Slurm and monitoring. A `per_node`
+    command (stk-health) is one process on its node whatever launched it, never an MPI rank."""
     try:
-        world = get_world()
+        world = World() if per_node else get_world()
     except StkError as exc:
         click.echo(f"{name}: error: {exc}", err=True)
         sys.exit(int(exc.exit_code if failure_code is None else failure_code))

@@ -122,7 +122,7 @@ def check(ctx: click.Context, **params: Any) -> None:
         _print(report, params["output"])
         return int(report.severity)
 
-    run_command("stk-health", 0, params["quiet"], None, body, failure_code=Severity.UNKNOWN)
+    run_command("stk-health", 0, params["quiet"], None, body, failure_code=Severity.UNKNOWN, per_node=True)
 
 
 @cli.command("watch", context_settings=CONTEXT("health"), epilog=EPILOG)
@@ -143,7 +143,7 @@ def watch(ctx: click.Context, interval: float, **params: Any) -> None:
             _print(health.run(), params["output"])
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
 
-    run_command("stk-health", 0, params["quiet"], None, body, failure_code=Severity.UNKNOWN)
+    run_command("stk-health", 0, params["quiet"], None, body, failure_code=Severity.UNKNOWN, per_node=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ EPILOG = """\b
 Examples:
   mpiexec -n 2 stk-train --cache demo/cache --model demo/tiny-sdxl --output-dir demo/run --max-steps 20
   srun --mpi=pmi2 stk-train --config run.toml          # [train] table: every option below
-  stk-launch stk-train --cache s3://bucket/cache --scan /shared/scan --model ./sdxl --output-dir /shared/run
+  stk-launch -- --cache s3://bucket/cache --scan /shared/scan --model ./sdxl --output-dir /shared/run
 
 \b
 Outputs (in --output-dir, which every rank must share): checkpoints/ (DeepSpeed, `latest` moved

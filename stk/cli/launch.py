@@ -1,0 +1,108 @@
+"""stk-launch: click wiring only; the work is in stk.launch."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from stk.cli.common import CONTEXT, common_options, run_command
+from stk.launch import MPI_IMPLS, VIAS, LaunchSettings, execute, plan_launch, read_allocation
+from stk.world import World
+
+EPILOG = """\b
+Examples (from an sbatch script or salloc; everything after -- goes to stk-train):
+  stk-launch -- --cache /shared/cache --model ./sdxl --output-dir /shared/run1
+  stk-launch --config run.toml -- --config run.toml     # [launch] here, [train] for stk-train
+  stk-launch --via srun --mpi pmix -- --config run.toml
+  stk-launch --hosts localhost --slots-per-node 2 --master-addr 127.0.0.1 -- --cache C --model M --output-dir O
+
+\b
+It writes the hostfile (`host slots=N`, N = GPUs per node), sets STK_MASTER_ADDR (the first
+host) and STK_MASTER_PORT (20000 + job id % 20000), TORCH_NCCL_ASYNC_ERROR_HANDLING=1,
+HDF5_USE_FILE_LOCKING=FALSE and the NCCL interfaces for every rank, and runs
+`deepspeed --launcher mpich|openmpi` (or srun). SIGUSR2 or SIGTERM to stk-launch asks the ranks
+to checkpoint (SIGUSR2 to stk-train); it waits for them and exits with their code.
+
+\b
+Exit codes: those of stk-train (0 finished, 75 checkpointed: requeue, 76 GPU fault, 3, 5, 6,
+7 ...), also when DeepSpeed's launcher loses them; 2 bad option; 3 not inside an allocation
+and no --hosts, or no slot count.
+"""
+
+
+@click.command(
+    "launch",
+    context_settings={**CONTEXT("launch"), "ignore_unknown_options": True, "allow_interspersed_args": False},
+    epilog=EPILOG,
+)
+@click.option("--via", type=click.Choice(VIAS), default="deepspeed", show_envvar=True,
+              help="DeepSpeed's MPI launcher, or one srun step.")  # fmt: skip
+@click.option("--mpi", default="pmi2", show_envvar=True,
+              help="srun's MPI plugin with --via srun: pmi2 for MPICH, pmix for OpenMPI.")  # fmt: skip
+@click.option("--mpi-impl", type=click.Choice(MPI_IMPLS), default=None, show_envvar=True,
+              help="DeepSpeed's --launcher [default: the MPI library mpi4py loads].")  # fmt: skip
+@click.option("--hosts", default=None, show_envvar=True,
+              help="Comma-separated hosts, in rank order [default: the Slurm job's nodes].")  # fmt: skip
+@click.option("--slots-per-node", type=click.IntRange(1), default=None, show_envvar=True,
+              help="Ranks per host [default: GPUs per node from Slurm, else its tasks per node].")  # fmt: skip
+@click.option("--hostfile", default=None, type=click.Path(dir_okay=False), show_envvar=True,
+              help="Where to write the hostfile [default: $TMPDIR/stk-hostfile-$SLURM_JOB_ID].")  # fmt: skip
+@click.option("--master-addr", default=None, show_envvar=True,
+              help="Rank 0's address for the rendezvous [default: $STK_MASTER_ADDR, else the first host].")  # fmt: skip
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None, show_envvar=True,
+              help="Rendezvous port [default: $STK_MASTER_PORT, else 20000 + job id % 20000].")  # fmt: skip
+@click.option("--nccl-socket-ifname", default=None, show_envvar=True,
+              help="NCCL_SOCKET_IFNAME for every rank, e.g. ib0 or ^lo,docker [default: as set].")  # fmt: skip
+@click.option("--nccl-ib-hca", default=None, show_envvar=True,
+              help="NCCL_IB_HCA for every rank, e.g. mlx5_0,mlx5_1 [default: as set].")  # fmt: skip
+@click.option("--dry-run", is_flag=True, help="Write the hostfile, print the environment and the command; run nothing.")
+@click.argument("train_args", nargs=-1, type=click.UNPROCESSED, metavar="[--] STK-TRAIN-ARGS...")
+@common_options
+def main(
+    via: str,
+    mpi: str,
+    mpi_impl: str | None,
+    hosts: str | None,
+    slots_per_node: int | None,
+    hostfile: str | None,
+    master_addr: str | None,
+    master_port: int | None,
+    nccl_socket_ifname: str | None,
+    nccl_ib_hca: str | None,
+    dry_run: bool,
+    train_args: tuple[str, ...],
+    verbose: int,
+    quiet: bool,
+    s3_endpoint_url: str | None,
+) -> None:
+    """Start stk-train on every GPU of this Slurm allocation, from inside it.
+
+    Run it once, from the batch script (the first node of the job). Arguments after the options
+    (or after --) go to stk-train unchanged; --s3-endpoint-url is passed on to it too.
+    """
+    settings = LaunchSettings(
+        via=via,
+        mpi=mpi,
+        mpi_impl=mpi_impl,
+        hostfile=hostfile,
+        master_addr=master_addr,
+        master_port=master_port,
+        nccl_socket_ifname=nccl_socket_ifname,
+        nccl_ib_hca=nccl_ib_hca,
+        s3_endpoint_url=s3_endpoint_url,
+        hosts_given=bool(hosts),
+    )
+    args = list(train_args)
+    if args[:1] == ["stk-train"]:  # `stk-launch stk-train ARGS` reads like `srun stk-train ARGS`
+        args = args[1:]
+
+    def body(world: World) -> int:
+        allocation = read_allocation(os.environ, hosts, slots_per_node)
+        return execute(plan_launch(settings, allocation, args, os.environ), os.environ, dry_run)
+
+    run_command("stk-launch", verbose, quiet, s3_endpoint_url, body)
+
+
+if __name__ == "__main__":
+    main(prog_name="stk-launch")
