@@ -85,6 +85,7 @@ MATRIX = [
     ("zero1", Family.FLUX, []),
     ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
     ("zero3", Family.FLUX, ["--grad-accum", "2"]),
+    ("zero2-offload", Family.SD, []),  # DeepSpeed's CPU Adam: JIT-built once (~90 s), then cached
 ]
 
 
