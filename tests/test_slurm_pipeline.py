@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from conftest import train_env
 from slurm_cluster import SlurmCluster
+from test_health_breaker import gpu
 
 from stk.datagen import generate_dataset
 from stk.models import Family, build_tiny_model
@@ -127,10 +128,7 @@ def test_health_gate_drains_a_node_with_a_critical_gpu_and_the_job_does_not_trai
     pipeline: Run, slurm_cluster: SlurmCluster, tmp_path: Path
 ):
     script = tmp_path / "gpus.json"
-    healthy = {"temperature": 40, "shutdown_temperature": 92, "ecc_volatile_uncorrectable": 0}
-    gpus = [{"index": i, "uuid": f"GPU-{i}", "name": "NVIDIA H100 80GB HBM3", **healthy} for i in range(2)]
-    gpus[1]["ecc_volatile_uncorrectable"] = 4
-    script.write_text(json.dumps([gpus]))
+    script.write_text(json.dumps([[gpu(0), gpu(1, ecc_volatile_uncorrectable=4)]]))
     out = pipeline.root / "train-gated"
     node = slurm_cluster.node
     jobs = submit(slurm_cluster, pipeline.root, ["--from", "train"], MODEL=pipeline.model, RUN=str(pipeline.root),

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import MPIEXEC, TRAIN, mpi_rank_pids, scan_env, summary_of, train_command, train_env
 from safetensors.torch import load_file
+from test_health_breaker import gpu
 
 from stk.errors import ExitCode
 from stk.models import Family
@@ -225,11 +226,6 @@ def test_srun_with_pmi2_runs_the_same_command(slurm_cluster, setups, tmp_path):
 
 
 # --- the GPU circuit breaker --------------------------------------------------------------------------------------
-
-
-def gpu(index: int, **readings: Any) -> dict[str, Any]:
-    healthy = {"temperature": 40, "shutdown_temperature": 92, "ecc_volatile_uncorrectable": 0}
-    return {"index": index, "uuid": f"GPU-0000000{index}", "name": "NVIDIA H100 80GB HBM3", **healthy, **readings}
 
 
 def test_scripted_gpu_fault_stops_every_rank_with_the_gpu_code_and_one_alert(setups, tmp_path, receiver):
