@@ -8,6 +8,9 @@ One run, on a generated dataset cached by stk-cache with a tiny random-weight SD
     (metrics.jsonl: sum of data_wait over sum of step_time, first step excluded: it includes
     start-up). Target < 1%.
   * the step's appetite: samples per second one rank consumes (batch size / median step time).
+  * the same run with --no-check-shards, side by side: what checking each shard's sha256 before
+    its first sample is used costs in data wait (target: a change under 1% of step time), and
+    sha256 throughput on the cache's own shard files, to scale the cost to 512 MiB shards.
   * stk's loader alone (CacheData + BatchLoader, the same sampler batches, no training) against
     today's loader: one torch.save file per latent and per text embedding through gzip level 9,
     read by a torch DataLoader with the same number of worker processes as stk's threads. Target:
@@ -36,10 +39,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from stk.datagen import generate_dataset
 from stk.models import Family, build_tiny_model
+from stk.shards.layout import file_sha256
 from stk.train.data import BatchLoader, CacheData
 from stk.train.sampler import BucketSampler
 
-TARGETS = {"wait_fraction": 0.01, "loader_vs_step": 5.0}
+TARGETS = {"wait_fraction": 0.01, "loader_vs_step": 5.0, "check_wait_change": 0.01}
 PYTHON = sys.executable
 MPIEXEC = str(Path(PYTHON).parent / "mpiexec")
 
@@ -59,7 +63,7 @@ def run(command: list[str]) -> str:
 
 
 def prepare(workdir: Path, images: int) -> tuple[str, Path, Path]:
-    """A dataset, its scan, a tiny SDXL model and its float16 cache (reused when present)."""
+    """A dataset, its scan, a tiny SDXL model and its float16 cache in 1 MiB shards (reused when present)."""
     model, scan, cache = workdir / "model", workdir / "scan", workdir / "cache"
     if (cache / "manifest.json").exists():
         return str(model), scan, cache
@@ -67,20 +71,33 @@ def prepare(workdir: Path, images: int) -> tuple[str, Path, Path]:
     build_tiny_model(Family.SDXL, str(model))
     run([PYTHON, "-m", "stk.cli.scan", str(workdir / "images"), "--out", str(scan), "--resolution", "64",
          "--alignment", "64", "--allow-oversubscription", "-q"])  # fmt: skip
-    run([PYTHON, "-m", "stk.cli.cache", str(scan), "--model", str(model), "--out", str(cache), "-q"])
+    # 1 MiB shards: several, so that first reads of new shards (and their checksums) fall inside the measured steps
+    run([PYTHON, "-m", "stk.cli.cache", str(scan), "--model", str(model), "--out", str(cache), "--shard-size", "1",
+         "-q"])  # fmt: skip
     return str(model), scan, cache
 
 
-def train(model: str, scan: Path, cache: Path, out: Path, steps: int, batch: int, ranks: int, threads: int) -> dict:
+def train(
+    model: str, scan: Path, cache: Path, out: Path, steps: int, batch: int, ranks: int, threads: int, *extra: str
+) -> dict:
     command = [MPIEXEC, "-n", str(ranks), PYTHON, "-m", "stk.cli.train", "--cache", str(cache), "--scan", str(scan),
                "--model", model, "--output-dir", str(out), "--max-steps", str(steps), "--epochs", "1000",
                "--batch-size", str(batch), "--deepspeed", "zero2", "--checkpoint-every", "0", "--resume", "none",
-               "--loader-threads", str(threads), "--allow-oversubscription", "-q"]  # fmt: skip
+               "--loader-threads", str(threads), "--allow-oversubscription", "-q", *extra]  # fmt: skip
     summary: dict[str, Any] = json.loads(run(command))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     waited, stepped = sum(r["data_wait"] for r in rows), sum(r["step_time"] for r in rows)
     step = statistics.median(r["step_time"] for r in rows)
     return {"summary": summary, "wait_fraction": waited / stepped, "median_step_s": step, "per_rank_rate": batch / step}
+
+
+def sha256_rate(cache: Path) -> float:
+    """MB/s of stk's shard checksum over the cache's shard files (read from the page cache)."""
+    shards = sorted((cache / "shards").iterdir())
+    started = time.perf_counter()
+    for shard in shards:
+        file_sha256(str(shard))
+    return sum(s.stat().st_size for s in shards) / 1e6 / (time.perf_counter() - started)
 
 
 def stk_loader_rate(cache: Path, batch: int, threads: int, batches: int) -> float:
@@ -170,6 +187,19 @@ def main() -> None:
     print(f"stk-train: median step {trained['median_step_s'] * 1000:.1f} ms, a rank consumes "
           f"{trained['per_rank_rate']:.1f} samples/s; waiting for data {wait * 100:.4f}% of step time "
           f"(target < {TARGETS['wait_fraction'] * 100:.0f}%): {verdict(wait < TARGETS['wait_fraction'])}")  # fmt: skip
+
+    unchecked = train(model, scan, cache, workdir / "run-unchecked", args.steps, args.batch_size, args.ranks,
+                      args.threads, "--no-check-shards")  # fmt: skip
+    change = wait - unchecked["wait_fraction"]
+    ok = abs(change) < TARGETS["check_wait_change"]
+    ratio = wait / unchecked["wait_fraction"] if unchecked["wait_fraction"] else float("inf")
+    print(f"shard check: waiting for data {wait * 100:.4f}% of step time checked, "
+          f"{unchecked['wait_fraction'] * 100:.4f}% with --no-check-shards (median step "
+          f"{unchecked['median_step_s'] * 1000:.1f} ms): ratio {ratio:.2f}, change {change * 100:+.4f}% of step time "
+          f"(target < {TARGETS['check_wait_change'] * 100:.0f}%): {verdict(ok)}")  # fmt: skip
+    rate = sha256_rate(cache)
+    print(f"sha256 of the shard files: {rate:.0f} MB/s on one core; a 512 MiB shard: {512 * 2**20 / 1e6 / rate:.2f} s, "
+          "once per shard per rank, on a loader or prefetch thread")  # fmt: skip
 
     batches = 200
     stk_rate = stk_loader_rate(cache, args.batch_size, args.threads, batches)

@@ -36,7 +36,8 @@ stk_health_gate() {
 }
 
 # Run a launcher in the background so the batch shell can take Slurm's --signal=B:USR2 (time
-# limit, preemption) and pass it on; when the command exits 75 (checkpointed, requeue me), requeue.
+# limit, preemption) and pass it on; when the command exits 75 (checkpointed, requeue me) or 69
+# (storage, network or a peer rank failed: a rerun, maybe on other nodes, resumes), requeue.
 stk_run_requeueable() {
     "$@" &
     local child=$!
@@ -48,8 +49,13 @@ stk_run_requeueable() {
         wait "$child" || code=$?
     done
     trap - USR2 TERM
-    if [ "$code" = 75 ]; then
-        echo "stk: $(date +%T) checkpointed; requeueing job $SLURM_JOB_ID to continue" >&2
+    local why=""
+    case "$code" in
+        75) why="checkpointed" ;;
+        69) why="storage, the network or a peer rank failed (exit 69; its reason is logged above)" ;;
+    esac
+    if [ -n "$why" ]; then
+        echo "stk: $(date +%T) $why; requeueing job $SLURM_JOB_ID to continue" >&2
         scontrol requeue "$SLURM_JOB_ID"
         exit 0
     fi

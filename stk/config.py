@@ -19,8 +19,9 @@ else:  # pragma: no cover
 __all__ = ["load_command_config"]
 
 
-def load_command_config(path: str, command: str) -> dict[str, Any]:
-    """The `[command]` table with keys as click parameter names, and the `[s3]` table under 's3'."""
+def load_command_config(path: str, command: str, with_s3: bool = True) -> dict[str, Any]:
+    """The `[command]` table with keys as click parameter names, plus the `[s3]` table's values as
+    `s3_*` defaults for commands that talk to S3 (`with_s3`; not stk-health, which would reject them)."""
     try:
         with open(path, "rb") as f:
             document = tomllib.load(f)
@@ -32,7 +33,8 @@ def load_command_config(path: str, command: str) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise InputError(f"--config {path}: [{command}] must be a table")
     settings = {key.replace("-", "_"): value for key, value in table.items()}
-    s3 = document.get("s3", {})
-    if isinstance(s3, dict) and "endpoint_url" in s3:
-        settings.setdefault("s3_endpoint_url", s3["endpoint_url"])
+    s3 = document.get("s3", {}) if with_s3 else {}
+    for key in ("endpoint_url", "retry_seconds"):
+        if isinstance(s3, dict) and key in s3:
+            settings.setdefault(f"s3_{key}", s3[key])
     return settings

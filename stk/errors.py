@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from fractions import Fraction
 
 __all__ = [
     "BatchCheckFailed",
     "CacheIncomplete",
     "ExitCode",
+    "InfraError",
     "InputError",
     "PreflightFailed",
     "StkError",
     "TooManyErrors",
+    "check_max_errors",
+    "parse_max_errors",
 ]
 
 
@@ -26,6 +31,7 @@ class ExitCode(enum.IntEnum):
     BATCH_CHECK = 5  # outputs written, but some bucket cannot fill one effective batch
     INCOMPLETE = 6  # stk-cache verify: shards missing or damaged, or scan rows without a cache entry
     PREFLIGHT = 7  # stk-train: the job cannot run as set up (output not shared, uneven nodes); nothing trained
+    INFRA = 69  # storage, network or a peer failed (S3 down past the retry budget, disk full): retry, maybe elsewhere
     REQUEUE = 75  # stk-train: checkpointed on SIGUSR2/SIGTERM; requeue the job to continue (EX_TEMPFAIL)
     GPU_FAULT = 76  # stk-train: a GPU fault opened the circuit breaker; drain the node and requeue elsewhere
 
@@ -42,6 +48,14 @@ class InputError(StkError):
     exit_code = ExitCode.INPUT
 
 
+class InfraError(StkError):
+    """The infrastructure failed, not the input: S3 unreachable past the retry budget, a full or
+    read-only disk, a peer rank that died. Rerunning (maybe on other nodes) is the fix, so the
+    sbatch templates requeue on this code (EX_UNAVAILABLE) and never on INPUT."""
+
+    exit_code = ExitCode.INFRA
+
+
 class TooManyErrors(StkError):
     exit_code = ExitCode.TOO_MANY_ERRORS
 
@@ -56,3 +70,27 @@ class CacheIncomplete(StkError):
 
 class PreflightFailed(StkError):
     exit_code = ExitCode.PREFLIGHT
+
+
+def parse_max_errors(value: str, total: int) -> int:
+    """--max-errors (stk-scan, stk-cache): '100' -> 100; '1%' -> 1% of `total` (at least 0)."""
+    text = str(value).strip()
+    try:
+        # exact arithmetic: with floats, 29% of 100 files came out as 28
+        limit = int(Fraction(text[:-1]) * total / 100) if text.endswith("%") else int(text)
+    except (ValueError, ZeroDivisionError) as exc:
+        raise InputError(f"--max-errors {value!r}: give a count (100) or a percentage (1%)") from exc
+    if limit < 0:
+        raise InputError(f"--max-errors {value!r}: must not be negative")
+    return limit
+
+
+def check_max_errors(value: str, kinds: Mapping[str, int], total: int, what: str, errors_file: str, note: str) -> None:
+    """Fail the job (exit 4) when the bad items, counted by kind, exceed --max-errors of `total`."""
+    bad = sum(kinds.values())
+    limit = parse_max_errors(value, total)
+    if bad > limit:
+        listed = ", ".join(f"{kind}: {n}" for kind, n in sorted(kinds.items()))
+        raise TooManyErrors(
+            f"{bad} {what}, more than --max-errors {value} allows ({limit}): see {errors_file} ({listed}); {note}"
+        )

@@ -16,6 +16,8 @@ from typing import BinaryIO
 
 from PIL import Image, UnidentifiedImageError
 
+from stk.errors import InfraError
+
 __all__ = [
     "IMAGE_EXTENSIONS",
     "SUPPORTED_FORMATS",
@@ -209,6 +211,8 @@ def _decodes(f: BinaryIO) -> bool:
     try:
         with Image.open(f) as im:
             im.load()
+    except InfraError:  # the storage failed while Pillow read, not the image
+        raise
     except Exception:  # any decoder failure means the pixels are not all there
         return False
     return True

@@ -55,6 +55,7 @@ from stk.errors import ExitCode, InputError
 from stk.log import get_logger
 from stk.storage import write_atomic
 from stk.train.distributed import expand_nodelist
+from stk.world import on_abort
 
 __all__ = [
     "MPI_IMPLS",
@@ -174,6 +175,7 @@ class LaunchSettings:
     nccl_socket_ifname: str | None = None
     nccl_ib_hca: str | None = None
     s3_endpoint_url: str | None = None
+    s3_retry_seconds: float | None = None
     hosts_given: bool = False  # --hosts chose the hosts: srun gets --nodelist
 
 
@@ -230,6 +232,8 @@ def launch_environment(settings: LaunchSettings, allocation: Allocation, environ
             env[name] = value or environ[name]
     if settings.s3_endpoint_url and "STK_TRAIN_S3_ENDPOINT_URL" not in environ:
         env["STK_TRAIN_S3_ENDPOINT_URL"] = settings.s3_endpoint_url
+    if settings.s3_retry_seconds is not None and "STK_TRAIN_S3_RETRY_SECONDS" not in environ:
+        env["STK_TRAIN_S3_RETRY_SECONDS"] = f"{settings.s3_retry_seconds:g}"
     return env
 
 
@@ -453,6 +457,7 @@ def run_rank(argv: Sequence[str], main: Callable[..., object] | None = None) -> 
     directory = os.environ.get(RANK_STATUS_ENV, "")
     status = os.path.join(directory, f"{socket.gethostname()}-{os.getpid()}") if os.path.isdir(directory) else None
     _write_status(status, RUNNING)
+    on_abort(lambda code: _write_status(status, str(code)))  # MPI_Abort ends the process: no finally
     code = int(ExitCode.INTERNAL)
     try:
         if main is None:

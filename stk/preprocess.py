@@ -18,6 +18,8 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps
 
+from stk.errors import InfraError
+
 __all__ = ["CropMode", "PreprocessError", "Preprocessed", "preprocess"]
 
 warnings.filterwarnings("ignore", module=r"PIL\.")  # as in imageinfo: stk reports bad files itself
@@ -59,6 +61,8 @@ def preprocess(f: BinaryIO, bucket_width: int, bucket_height: int, crop: CropMod
         # JPEG: let libjpeg decode at a reduced scale that still covers the bucket (much faster)
         source.draft("RGB", (math.ceil(source.width * scale), math.ceil(source.height * scale)))
         im = ImageOps.exif_transpose(source).convert("RGB")
+    except InfraError:  # the storage failed while Pillow read, not the image
+        raise
     except Exception as exc:  # Pillow raises many types for bad data; all mean "cannot decode"
         raise PreprocessError(f"cannot decode: {exc}") from exc
     # sizes come from the full oriented size, so the result does not depend on the draft scale

@@ -8,15 +8,29 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from stk.errors import InputError
 
-__all__ = ["World", "get_world", "launched_by_mpi", "slurm_gpu_count"]
+__all__ = [
+    "World",
+    "failed_rank",
+    "get_world",
+    "launched_by_mpi",
+    "on_abort",
+    "raised_on_every_rank",
+    "slurm_gpu_count",
+]
 
 T = TypeVar("T")
+
+# Set on an exception that World raised on every rank at once, and where it first happened.
+_EVERYWHERE = "stk_raised_on_every_rank"
+_ORIGIN = "stk_failed_rank"
+_abort_hooks: list[Callable[[int], None]] = []
 
 # Variables that MPI launchers set in every rank they start.
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
@@ -72,7 +86,7 @@ class World:
                 outcome = (False, exc)
         ok, value = self.bcast(outcome)  # type: ignore[misc]  # set on rank 0, received elsewhere
         if not ok:
-            raise value
+            raise _everywhere(value, 0, None)
         return value
 
     def run_everywhere(self, fn: Callable[[], T]) -> T:
@@ -82,15 +96,48 @@ class World:
             result, failure = fn(), None
         except Exception as exc:  # re-raised below, on every rank
             result, failure = None, exc
-        failures = [f for f in self.allgather(failure) if f is not None]
+        outcomes = self.allgather((self.node, failure))
+        failures = [(rank, node, exc) for rank, (node, exc) in enumerate(outcomes) if exc is not None]
         if failures:
-            raise failures[0]
+            rank, node, first = failures[0]
+            raise _everywhere(first, rank, node)
         return result  # type: ignore[return-value]
 
     def abort(self, code: int) -> None:
-        """End every rank now; used when one rank fails outside a collective step."""
-        if self.comm is not None and self.size > 1:
-            self.comm.Abort(code)
+        """End every rank now with `code`: one rank failed alone, and its peers would otherwise wait
+        for it in their next collective forever. mpiexec (MPICH's hydra) exits with `code`;
+        `srun --mpi=pmi2` cancels the step and exits 137, whatever the code."""
+        if self.comm is None or self.size == 1:
+            return
+        for hook in _abort_hooks:
+            hook(code)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        self.comm.Abort(code)
+
+
+def _everywhere(exc: Exception, rank: int, node: str | None) -> Exception:
+    if not hasattr(exc, _ORIGIN):  # the first rank to see it (an error gathered by rank 0 keeps its own)
+        setattr(exc, _ORIGIN, (rank, node))
+    setattr(exc, _EVERYWHERE, True)
+    return exc
+
+
+def raised_on_every_rank(exc: BaseException) -> bool:
+    """Whether World raised `exc` on every rank together (root_call, run_everywhere): then every
+    rank ends by itself and one of them is enough to report it."""
+    return bool(getattr(exc, _EVERYWHERE, False))
+
+
+def failed_rank(exc: BaseException) -> tuple[int, str | None] | None:
+    """The rank (and its node, when known) where an error raised on every rank happened."""
+    origin: tuple[int, str | None] | None = getattr(exc, _ORIGIN, None)
+    return origin
+
+
+def on_abort(hook: Callable[[int], None]) -> None:
+    """Call `hook(code)` just before World.abort ends the process (it runs no finally blocks)."""
+    _abort_hooks.append(hook)
 
 
 def get_world() -> World:

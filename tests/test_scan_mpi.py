@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import RunScan, mpi_rank_pids, scan_command, scan_env, summary_of
+from conftest import RunScan, mpi_rank_pids, process_ended, scan_command, scan_env, summary_of
 from PIL import Image
 
 from stk.datagen import generate_dataset, make_image
@@ -44,20 +44,6 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     if proc.poll() is None:
         proc.wait(timeout=30)
-
-
-def _ended(pid: int, timeout: float) -> bool:
-    """Whether `pid` has exited (or is a zombie) within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return True
-        if stat[stat.rindex(")") + 2] == "Z":
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # --- the same outputs on 1 and 2 ranks ------------------------------------------------
@@ -164,7 +150,7 @@ def _start_and_kill(source: Path, out: Path, mpi: int, victim_rank: int = 0, min
             os.kill(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=60)
         if mpi:  # mpiexec ends the other ranks: none may live on and keep writing to OUT
-            assert all(_ended(pid, 10) for pid in ranks.values()), ranks
+            assert all(process_ended(pid, 10) for pid in ranks.values()), ranks
     finally:
         _kill_group(proc)
     assert proc.returncode != 0

@@ -1,5 +1,5 @@
 """Unit tests for the pure parts of a scan: assemble() and the outputs, split_by_bytes and
-parse_max_errors (stk.scan.outputs and stk.scan.pipeline)."""
+parse_max_errors (stk.scan.outputs, stk.scan.pipeline and stk.errors)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stk.buckets import Bucket, BucketSpec, make_buckets
-from stk.errors import InputError
+from stk.errors import InputError, parse_max_errors
 from stk.scan.candidates import Candidate
 from stk.scan.outputs import (
     BUCKETS,
@@ -25,7 +25,7 @@ from stk.scan.outputs import (
     buckets_document,
     write_outputs,
 )
-from stk.scan.pipeline import parse_max_errors, split_by_bytes
+from stk.scan.pipeline import split_by_bytes
 from stk.scan.records import RECORD_SCHEMA, Record, error_record
 
 BUCKETS_256 = make_buckets(BucketSpec(256, alignment=64))  # 256 short edge: 256x512 .. 512x256, 9 buckets

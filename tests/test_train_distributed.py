@@ -15,6 +15,7 @@ import time
 import types
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -161,11 +162,15 @@ def test_rendezvous_timeout_is_an_input_error(monkeypatch: pytest.MonkeyPatch):
         raise torch.distributed.DistStoreError("Timed out after 601 seconds waiting for clients. 1/2 clients joined.")
 
     monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(init_distributed=init))
-    for name in (*distributed.LAUNCHER_VARS, "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
     env = DistEnv(0, 2, 0, 2, "10.0.0.5", 29999, "n")
-    with pytest.raises(InputError, match=r"rendezvous at 10\.0\.0\.5:29999 did not complete"):
+    before = dict(os.environ)
+    # init_distributed exports RANK, WORLD_SIZE, ...: left behind, they would reach every later mpiexec
+    with (
+        mock.patch.dict(os.environ),
+        pytest.raises(InputError, match=r"rendezvous at 10\.0\.0\.5:29999 did not complete"),
+    ):
         init_distributed(env, timeout=datetime.timedelta(seconds=5))
+    assert dict(os.environ) == before
     assert calls == [
         {
             "dist_backend": "nccl" if torch.cuda.is_available() else "gloo",

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from stk.errors import BatchCheckFailed, InputError
+from stk.errors import BatchCheckFailed, ExitCode, InputError
 from stk.train.checkpoint import CheckpointDir, tag_for
 from stk.train.dsconfig import PRESETS, builds_own_optimizer, load_deepspeed_config, training_config, zero_stage
 from stk.train.metrics import MetricsLog
 from stk.train.optim import OptimizerSettings, client_optimizer, lr_schedule, optimizer_section
 from stk.train.preflight import _ranges, check_buckets
-from stk.train.stopping import StopSignals, is_gpu_error
+from stk.train.stopping import StopSignals, is_gpu_error, is_peer_failure, peer_failed
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -154,6 +154,25 @@ def test_gpu_errors_are_told_from_code_errors():
     assert not is_gpu_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not is_gpu_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_gpu_error(ValueError("CUDA error"))
+
+
+GLOO_RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:37091: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+)
+
+
+def test_a_peer_that_went_away_is_infra_in_one_line_not_a_gpu_fault_or_a_bug():
+    timeout = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation")
+    assert is_peer_failure(RuntimeError(GLOO_RESET)) and is_peer_failure(timeout)
+    nccl = torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error")
+    assert is_peer_failure(nccl)
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    error = peer_failed(RuntimeError(GLOO_RESET), 0, "node1", 15)
+    assert error.exit_code == ExitCode.INFRA
+    assert str(error).startswith("rank 0 on node1: a peer rank failed, stopped answering or was cut off: Read error ")
+    assert "Connection reset by peer;" in str(error) and "GLHF" not in str(error) and "\n" not in str(error)
+    assert "(no answer within --collective-timeout 15 s)" in str(peer_failed(timeout, 1, "node2", 15))
 
 
 def test_stop_signals_are_recorded_not_fatal():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,12 +17,14 @@ from stk.cache.encode import Counters, EncodeSettings, encode_latents, encode_te
 from stk.cache.keys import digest
 from stk.cache.parts import PartRecorder, read_parts, remove_parts, shard_entry
 from stk.cache.plan import ImageJob, assign, jobs_for, latent_batches, load_scan, local_work_dir, text_batches
-from stk.errors import InputError
+from stk.errors import InputError, check_max_errors, parse_max_errors
 from stk.log import get_logger
 from stk.metadata import to_json_lines
 from stk.models import Encoders, Family, load_encoders
 from stk.progress import Progress
 from stk.shards import CacheReader, Manifest, ShardWriter
+from stk.shards.staging import STAGED_SUFFIX
+from stk.storage.failures import as_stk_error
 from stk.world import World
 
 __all__ = ["CacheOptions", "CacheSummary", "run_cache"]
@@ -42,6 +45,7 @@ class CacheOptions:
     threads: int = 4
     settings: EncodeSettings = field(default_factory=EncodeSettings)
     force: bool = False
+    max_errors: str = "1%"  # as stk-scan's: a count, or a percentage of the scan's images
 
 
 @dataclass
@@ -118,6 +122,7 @@ class _Plan:
     latent: list[list[list[ImageJob]]]  # per rank
     text: list[list[list[tuple[str, str]]]]  # per rank
     run_id: str
+    root: str  # where the scan's images are read from
     images: int
     captions: int
     reused_images: int
@@ -148,14 +153,36 @@ def _prepare_manifest(opts: CacheOptions, config: dict[str, Any]) -> Manifest:
 
 
 def _remove_unlisted(cache: str, listed: set[str]) -> None:
-    """Shards a killed run wrote but never listed (and its .tmp files): their samples are redone."""
+    """Shards a killed run wrote but never listed: their samples are redone. (Its .tmp files are
+    the shard writers' to remove: only they know whether a live run still writes one.)"""
     shards = storage.join(cache, "shards")
     if not storage.is_s3(cache) and not storage.exists(shards):
         return
     for info in storage.list_files(shards):
-        if "/" not in info.key and info.key.removesuffix(".tmp") not in listed:
+        if "/" not in info.key and not info.key.endswith(STAGED_SUFFIX) and info.key not in listed:
             log.info("removing %s: not listed in the manifest (left by an interrupted run)", info.key)
             storage.delete(info.location)
+
+
+def _rank_failure(exc: Exception, cache: str, world: World) -> Exception:
+    """What a rank's failure is reported as: disk failures as their StkError, naming the rank."""
+    where = f"rank {world.rank} on {world.node}"
+    failure = as_stk_error(exc, where=where)
+    if failure is None and isinstance(exc, OSError):
+        failure = InputError(f"{where}: cannot write the cache {cache}: {exc.strerror or exc}")
+    return failure or exc
+
+
+def _check_errors(opts: CacheOptions, errors: list[dict[str, Any]], images: int, root: str) -> None:
+    """Exit 4 past --max-errors: a scan read from the wrong place must not pass as a cache."""
+    check_max_errors(
+        opts.max_errors,
+        Counter(e["kind"] for e in errors),
+        images,
+        f"of {images} images could not be cached",
+        storage.join(opts.cache, "errors.jsonl"),
+        f"the images are read from {root or 'the paths in the scan'}; the finished shards were kept",
+    )
 
 
 def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> _Plan:
@@ -184,6 +211,7 @@ def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> _Plan:
         latent=[[lat[i] for i in owned] for owned in lat_owner],
         text=[[txt[i] for i in owned] for owned in txt_owner],
         run_id=uuid.uuid4().hex[:8],
+        root=scan.root,
         images=len(jobs),
         captions=len(captions),
         reused_images=len(jobs) - len(todo_jobs),
@@ -193,6 +221,7 @@ def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> _Plan:
 
 def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
     started = time.monotonic()
+    parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the encoding
 
     def load() -> tuple[Encoders, dict[str, Any]]:
         encoders = load_encoders(opts.model, opts.family, device=_device(opts.device, world))
@@ -221,10 +250,8 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
             encode_texts(encoders, mine_text, writer, opts.settings, counters, progress.update)
             encode_latents(encoders, mine_latent, writer, opts.settings, opts.threads, counters, progress.update)
         writer.close()
-    except OSError as exc:  # disk full, a failed upload...: nothing unfinished was listed
-        failure = InputError(f"rank {world.rank} on {world.node}: cannot write the cache {opts.cache}: {exc}")
-    except Exception as exc:  # reported through the gather so that no rank waits forever
-        failure = exc
+    except Exception as exc:  # reported through the gather so that no rank waits forever; nothing unfinished is listed
+        failure = _rank_failure(exc, opts.cache, world)
     gathered = world.gather((recorder.finished, counters, failure))
 
     def finish() -> CacheSummary:
@@ -265,6 +292,7 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
             images_per_second=round(encoded / seconds, 2) if seconds > 0 else 0.0,
         )
         log.info(summary.line())
+        _check_errors(opts, errors, images, kept["plan"].root)
         return summary
 
     return world.root_call(finish)

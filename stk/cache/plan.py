@@ -17,9 +17,12 @@ from typing import Any
 from stk import storage
 from stk.cache.keys import latent_key, text_key
 from stk.errors import InputError
+from stk.log import get_logger
 from stk.metadata import read_parquet
 
-__all__ = ["ImageJob", "ScanInput", "assign", "latent_batches", "load_scan", "text_batches"]
+__all__ = ["ImageJob", "ScanInput", "assign", "image_location", "latent_batches", "load_scan", "text_batches"]
+
+log = get_logger("cache")
 
 
 @dataclass(frozen=True)
@@ -53,17 +56,31 @@ def load_scan(scan_dir: str) -> ScanInput:
     root = ""
     if storage.exists(summary_path):
         root = json.loads(storage.read_bytes(summary_path)).get("root", "")
+    if root and not storage.is_s3(root) and not os.path.isabs(root):
+        log.warning(
+            "%s records the relative root %r (an older stk-scan): read from the current directory; "
+            "rerun stk-scan (it reuses unchanged rows) to record it absolutely", summary_path, root,
+        )  # fmt: skip
     missing = {"path", "caption", "bucket_width", "bucket_height", "bytes", "mtime"} - set(rows[0] if rows else {})
     if rows and missing:
         raise InputError(f"{table_path}: not an stk scan table (missing {sorted(missing)})")
     return ScanInput(rows, root)
 
 
+def image_location(root: str, path: str) -> str:
+    """Where a scan row's image is: under the scan's root, unless the row names it in full (an
+    absolute path or a URL from a list), or the scan has no root (one made by an older stk-scan
+    from a list)."""
+    if not root or os.path.isabs(path) or "://" in path:
+        return path
+    return storage.join(root, path)
+
+
 def jobs_for(scan: ScanInput, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> list[ImageJob]:
     return [
         ImageJob(
             path=row["path"],
-            location=storage.join(scan.root, row["path"]) if scan.root else row["path"],
+            location=image_location(scan.root, row["path"]),
             bucket_width=row["bucket_width"],
             bucket_height=row["bucket_height"],
             caption=row["caption"] or "",

@@ -9,7 +9,7 @@ import click
 from stk.cache.encode import EncodeSettings
 from stk.cache.inspect import cache_info, verify_cache
 from stk.cache.pipeline import CacheOptions, run_cache
-from stk.cli.common import CONTEXT, common_options, run_command
+from stk.cli.common import CONTEXT, common_options, max_errors_option, run_command
 from stk.models import Family, quiet_model_libraries
 from stk.preprocess import CropMode
 from stk.world import World
@@ -23,7 +23,8 @@ Examples:
 
 \b
 Exit codes: 0 done; 2 bad option; 3 scan, model or cache unusable (another config: --force);
-6 verify found missing or damaged shards or samples.
+4 more images failed than --max-errors (see CACHE/errors.jsonl); 6 verify found missing or
+damaged shards or samples; 69 a full or read-only disk (rerun once fixed).
 """
 
 
@@ -65,10 +66,12 @@ def main() -> None:
 @click.option("--trim-padding", is_flag=True, show_envvar=True,
               help="Store only the real tokens of sequence embeddings (see README for when it is exact).")  # fmt: skip
 @click.option("--force", is_flag=True, show_envvar=True, help="Replace a cache made with another model or config.")
+@max_errors_option("images")
 @common_options
 def build(scan_dir: str, model: str, out: str, family: str | None, device: str | None, batch_size: int,
           text_batch_size: int, shard_size: int, threads: int, crop: str, latents: str, dtype: str,
-          trim_padding: bool, force: bool, verbose: int, quiet: bool, s3_endpoint_url: str | None) -> None:  # fmt: skip
+          trim_padding: bool, force: bool, max_errors: str, verbose: int, quiet: bool,
+          s3_endpoint_url: str | None, s3_retry_seconds: float) -> None:  # fmt: skip
     """Encode every image and caption of SCAN_DIR (an stk-scan output) into the cache at --out.
 
     Rerunning the same command finishes an interrupted run: finished shards are kept and their
@@ -87,6 +90,7 @@ def build(scan_dir: str, model: str, out: str, family: str | None, device: str |
         threads=threads,
         settings=settings,
         force=force,
+        max_errors=max_errors,
     )
 
     def body(world: World) -> int:
@@ -96,7 +100,7 @@ def build(scan_dir: str, model: str, out: str, family: str | None, device: str |
             print(json.dumps(summary.__dict__))
         return 0
 
-    run_command("stk-cache", verbose, quiet, s3_endpoint_url, body)
+    run_command("stk-cache", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 
 
 @main.command("verify", context_settings=CONTEXT("cache"))

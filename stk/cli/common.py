@@ -13,9 +13,10 @@ from stk import storage
 from stk.config import load_command_config
 from stk.errors import ExitCode, StkError
 from stk.log import get_logger, setup_logging
-from stk.world import World, get_world
+from stk.storage.failures import storage_errors
+from stk.world import World, failed_rank, get_world, raised_on_every_rank
 
-__all__ = ["CONTEXT", "common_options", "run_command", "set_option_defaults"]
+__all__ = ["CONTEXT", "common_options", "max_errors_option", "run_command", "set_option_defaults"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = get_logger("cli")
@@ -69,10 +70,28 @@ def common_options(fn: F) -> F:
             help="S3-compatible endpoint (MinIO, R2, SeaweedFS). Credentials come from boto3's usual chain "
             "(environment, profile, instance role), never from options.",
         ),
+        click.option(
+            "--s3-retry-seconds",
+            default=storage.DEFAULT_RETRY_SECONDS,
+            type=click.FloatRange(0),
+            show_envvar=True,
+            help="How long S3 may stop answering (connection errors, timeouts, 5xx, throttling) before the "
+            "command gives up with exit 69.",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def max_errors_option(what: str) -> Callable[[F], F]:
+    """--max-errors, one option for stk-scan and stk-cache (parsed by stk.errors.parse_max_errors)."""
+    return click.option(
+        "--max-errors",
+        default="1%",
+        show_envvar=True,
+        help=f"Bad {what} tolerated: a count or a percentage of the {what}; more fail the command (exit 4).",
+    )
 
 
 def run_command(
@@ -83,6 +102,7 @@ def run_command(
     body: Callable[[World], int | None],
     failure_code: int | None = None,
     per_node: bool = False,
+    s3_retry_seconds: float = storage.DEFAULT_RETRY_SECONDS,
 ) -> None:
     """Set up the world and logging, run `body`, and exit with its code or the error's code.
 
@@ -95,14 +115,20 @@ def run_command(
         click.echo(f"{name}: error: {exc}", err=True)
         sys.exit(int(exc.exit_code if failure_code is None else failure_code))
     setup_logging(name, world, -1 if quiet else verbose)
-    storage.configure_s3(s3_endpoint_url)
+    storage.configure_s3(s3_endpoint_url, s3_retry_seconds)
     try:
-        code = body(world) or ExitCode.OK
+        with storage_errors():  # a full, read-only or forbidden disk anywhere: one line, not a traceback
+            code = body(world) or ExitCode.OK
     except StkError as exc:
-        if world.is_root:
-            for line in str(exc).splitlines():
-                log.error("%s", line)
         code = exc.exit_code if failure_code is None else failure_code
+        if world.size == 1 or raised_on_every_rank(exc):
+            # every rank has it and ends by itself: rank 0 says it once
+            if world.is_root:
+                origin = failed_rank(exc)
+                _log_lines(str(exc), "" if origin is None or origin[0] == 0 else _where(*origin))
+        else:  # this rank alone: its peers would wait for it in their next collective forever
+            _log_lines(f"{exc} (stopping all {world.size} ranks)", _where(world.rank, world.node))
+            world.abort(code)
     except KeyboardInterrupt:
         log.error("interrupted; rerun the same command to continue where it stopped")
         code = 130
@@ -112,3 +138,17 @@ def run_command(
         code = ExitCode.INTERNAL if failure_code is None else failure_code
     sys.stdout.flush()
     sys.exit(int(code))
+
+
+def _where(rank: int, node: str | None) -> str:
+    return f"rank {rank} on {node}: " if node else f"rank {rank}: "
+
+
+def _log_lines(text: str, where: str) -> None:
+    """An error as it reaches the log: each of its lines, the first one saying which rank had it
+    (unless the message already does)."""
+    lines = text.splitlines() or [""]
+    if where and not lines[0].startswith(where.rstrip(": ")):
+        lines[0] = where + lines[0]
+    for line in lines:
+        log.error("%s", line)

@@ -36,7 +36,7 @@ def _settings_from_config(ctx: click.Context, _param: click.Parameter, value: st
     """[health] table into click defaults; its [health.thresholds] sub-table into Thresholds."""
     if value:
         try:
-            table = load_command_config(value, "health")
+            table = load_command_config(value, "health", with_s3=False)
             thresholds = table.pop("thresholds", None)
             ctx.meta["thresholds"] = Thresholds.from_dict(thresholds or {})
         except StkError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import click
+from click.core import ParameterSource
 
 from stk.cli.common import CONTEXT, common_options, run_command
 from stk.launch import MPI_IMPLS, VIAS, LaunchSettings, execute, plan_launch, read_allocation
@@ -75,12 +76,15 @@ def main(
     verbose: int,
     quiet: bool,
     s3_endpoint_url: str | None,
+    s3_retry_seconds: float,
 ) -> None:
     """Start stk-train on every GPU of this Slurm allocation, from inside it.
 
     Run it once, from the batch script (the first node of the job). Arguments after the options
-    (or after --) go to stk-train unchanged; --s3-endpoint-url is passed on to it too.
+    (or after --) go to stk-train unchanged; --s3-endpoint-url and --s3-retry-seconds, when set, are
+    passed on to it too.
     """
+    retry_given = click.get_current_context().get_parameter_source("s3_retry_seconds") != ParameterSource.DEFAULT
     settings = LaunchSettings(
         via=via,
         mpi=mpi,
@@ -91,6 +95,7 @@ def main(
         nccl_socket_ifname=nccl_socket_ifname,
         nccl_ib_hca=nccl_ib_hca,
         s3_endpoint_url=s3_endpoint_url,
+        s3_retry_seconds=s3_retry_seconds if retry_given else None,
         hosts_given=bool(hosts),
     )
     args = list(train_args)
@@ -101,7 +106,7 @@ def main(
         allocation = read_allocation(os.environ, hosts, slots_per_node)
         return execute(plan_launch(settings, allocation, args, os.environ), os.environ, dry_run)
 
-    run_command("stk-launch", verbose, quiet, s3_endpoint_url, body)
+    run_command("stk-launch", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import click
 
 from stk.buckets import BucketSpec, ResolutionType
 from stk.captions import MissingCaption
-from stk.cli.common import CONTEXT, common_options, run_command
+from stk.cli.common import CONTEXT, common_options, max_errors_option, run_command
 from stk.errors import InputError
 from stk.metadata import to_json_lines
 from stk.scan import ScanOptions, run_scan
@@ -139,9 +139,7 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
     show_envvar=True,
     help="Give short buckets the repeats they need (recorded in buckets.json) instead of failing.",
 )
-@click.option(
-    "--max-errors", default="1%", show_envvar=True, help="Bad files tolerated: a count or a percentage of the files."
-)
+@max_errors_option("files")
 @click.option(
     "--jsonl",
     is_flag=True,
@@ -175,6 +173,7 @@ def main(
     verbose: int,
     quiet: bool,
     s3_endpoint_url: str | None,
+    s3_retry_seconds: float,
 ) -> None:
     """Find every image under SOURCE and write its size, caption and aspect bucket to --out.
 
@@ -231,7 +230,7 @@ def main(
                 print(json.dumps(summary.__dict__))
         return 0
 
-    run_command("stk-scan", verbose, quiet, s3_endpoint_url, body)
+    run_command("stk-scan", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import click
 
 from stk.cli.common import CONTEXT, common_options, run_command
 from stk.models import Family
+from stk.train.distributed import COLLECTIVE_TIMEOUT_S
 from stk.train.dsconfig import PRECISIONS, PRESETS
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
@@ -30,9 +31,11 @@ only after every rank saved), metrics.jsonl (one line per step), final/ (diffuse
 A summary JSON line goes to stdout.
 
 \b
-Exit codes: 0 finished; 2 bad option; 3 unusable input (cache, model, config);
-5 a bucket cannot fill one effective batch; 6 the cache does not cover the scan;
-7 preflight failed (output dir not shared, uneven GPUs); 75 checkpointed on SIGUSR2/SIGTERM,
+Exit codes: 0 finished; 2 bad option; 3 unusable input (cache, model, config; a cache made with
+another VAE or text encoders: --force); 5 a bucket cannot fill one effective batch; 6 the cache
+does not cover the scan, or a shard is damaged (stk-cache verify CACHE --repair, then stk-cache);
+7 preflight failed (output dir not shared or in use by another run, uneven GPUs); 69 a peer
+rank, storage or the network failed (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM,
 requeue the job to continue; 76 GPU fault (circuit breaker open); 1 a bug (traceback in the log).
 """
 
@@ -91,13 +94,24 @@ def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
 @click.option("--keep-checkpoints", default=3, type=click.IntRange(1), show_envvar=True, help="Newest kept.")
 @click.option("--resume", default="auto", show_envvar=True,
               help="auto: from OUTPUT/checkpoints/latest if any; none; or a checkpoint directory.")  # fmt: skip
+@click.option("--override-resume", is_flag=True, show_envvar=True,
+              help="Resume although seed, optimizer, lr, schedule, batch or accumulation differ from the "
+                   "checkpoint's: this run's values apply from the resumed step on.")  # fmt: skip
 @click.option("--compile", "compile_mode", default=None, show_envvar=True,
               type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
               help="torch.compile the denoiser with this mode [default: eager].")  # fmt: skip
 @click.option("--local-cache-dir", default=None, show_envvar=True,
-              help="Node-local directory for whole S3 shards [default: a temp dir per rank].")  # fmt: skip
+              help="Node-local directory for whole S3 shards, may be shared by the node's ranks "
+                   "[default: a temp dir per rank].")  # fmt: skip
 @click.option("--local-cache-size", default=None, type=click.FloatRange(0, min_open=True), show_envvar=True,
-              help="GiB of S3 shards kept locally, least recently used out [default: no limit].")  # fmt: skip
+              help="GiB of S3 shards kept in --local-cache-dir, least recently used out, shards in use "
+                   "by any rank kept [default: no limit].")  # fmt: skip
+@click.option("--check-shards/--no-check-shards", default=True, show_envvar=True,
+              help="Check each shard's sha256 against the manifest before its first sample is used (a local cache: "
+                   "one read of each shard per rank; S3: as it downloads).")  # fmt: skip
+@click.option("--force", is_flag=True, show_envvar=True,
+              help="Train on a cache made with another VAE or other text encoders than --model's "
+                   "(weights, scaling or shift factor).")  # fmt: skip
 @click.option("--loader-threads", default=4, type=click.IntRange(1, 64), show_envvar=True)
 @click.option("--prefetch", default=8, type=click.IntRange(1), show_envvar=True, help="Micro-batches loaded ahead.")
 @click.option("--notify", "notify_urls", multiple=True, show_envvar=True,
@@ -106,8 +120,12 @@ def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
               help="Apprise config file with the alert targets.")  # fmt: skip
 @click.option("--health-interval", default=10.0, type=click.FloatRange(0.1), show_envvar=True,
               help="Seconds between GPU health samples in each rank.")  # fmt: skip
+@click.option("--collective-timeout", default=COLLECTIVE_TIMEOUT_S, type=click.FloatRange(1), show_envvar=True,
+              help="Seconds a rank waits for its peers in one collective (and the rendezvous): a rank that "
+              "died or hangs ends the job with exit 69 after this long. Longer than rank 0 takes to export "
+              "the model.")  # fmt: skip
 @common_options
-def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, **options: Any) -> None:
+def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_seconds: float, **options: Any) -> None:
     """Fine-tune a diffusion model (SD 1.x/2.x, SDXL, Flux) with DeepSpeed from an stk-cache cache.
 
     Run it under mpiexec, srun --mpi=pmi2|pmix, or stk-launch: it finds its rank and rendezvous
@@ -137,7 +155,7 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, **options: Any)
             print(json.dumps(summary.to_dict()), file=summary_out, flush=True)
         return int(code)
 
-    run_command("stk-train", verbose, quiet, s3_endpoint_url, body)
+    run_command("stk-train", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 
 
 def _keep_stdout_for_data() -> TextIO:

@@ -13,7 +13,11 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from stk.models.components import TextEncoder, vae_config
 from stk.models.detect import Family
 
-__all__ = ["Encoders", "TextEmbedding"]
+__all__ = ["Encoders", "TextEmbedding", "identity_differences"]
+
+# how identity_differences names a field; factors are shown with both values
+_FIELDS = {"weights_sample_sha256": "weights", "config_sha256": "config", "vocab_sha256": "vocabulary"}
+_SHOWN = ("scaling_factor", "shift_factor", "latent_channels")
 
 
 @dataclass
@@ -94,3 +98,35 @@ class Encoders(abc.ABC):
                 "encoders": [encoder.config() for encoder in self.text],
             },
         }
+
+
+def identity_differences(cached: dict[str, Any], model: dict[str, Any]) -> list[str]:
+    """How the `Encoders.config()` a cache records differs from a model's, one item per component
+    that differs ("vae: weights, scaling_factor 0.13 in the cache, 0.18 in the model",
+    "text_encoder_2: weights"); empty when both give the same outputs. The model's path or hub id
+    is not compared: a copy elsewhere is the same model."""
+    pairs = [("vae", cached.get("vae") or {}, model.get("vae") or {})]
+    before = {e.get("subfolder"): e for e in (cached.get("text") or {}).get("encoders", [])}
+    after = {e.get("subfolder"): e for e in (model.get("text") or {}).get("encoders", [])}
+    pairs += [(str(name), before.get(name) or {}, after.get(name) or {}) for name in sorted({*before, *after}, key=str)]
+    out = []
+    for component, old, new in pairs:
+        if not old or not new:
+            out.append(f"{component}: {'not in the cache' if not old else 'not in the model'}")
+        elif old != new:
+            out.append(f"{component}: {', '.join(_fields(old, new))}")
+    return out
+
+
+def _fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """The fields that differ, named for people; nested tables (the tokenizer) with their name in front."""
+    out = []
+    for name in sorted(k for k in {*old, *new} if old.get(k) != new.get(k)):
+        before, after = old.get(name), new.get(name)
+        if isinstance(before, dict) and isinstance(after, dict):
+            out += _fields(before, after, f"{prefix}{name} ")
+        elif name in _SHOWN:
+            out.append(f"{prefix}{name} {before} in the cache, {after} in the model")
+        else:
+            out.append(prefix + _FIELDS.get(name, name))
+    return out

@@ -59,8 +59,13 @@ class Assembled:
     latest: list[Record] = field(default_factory=list)  # one record per path, as probed (for reuse)
 
     @property
+    def fault_kinds(self) -> dict[str, int]:
+        """Bad files by kind: what --max-errors counts."""
+        return {kind: n for kind, n in self.error_kinds.items() if kind not in SKIP_KINDS}
+
+    @property
     def faults(self) -> int:
-        return sum(n for kind, n in self.error_kinds.items() if kind not in SKIP_KINDS)
+        return sum(self.fault_kinds.values())
 
     @property
     def skipped(self) -> int:

@@ -9,12 +9,11 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from stk import metadata, storage
 from stk.buckets import BucketSpec, effective_batch_size, make_buckets
-from stk.errors import BatchCheckFailed, InputError, TooManyErrors
+from stk.errors import BatchCheckFailed, InputError, check_max_errors, parse_max_errors
 from stk.log import get_logger
 from stk.progress import Progress
 from stk.scan import candidates as cands
@@ -24,7 +23,7 @@ from stk.scan.records import Record
 from stk.scan.state import Journal, clear_previous, load_previous, save_state
 from stk.world import World
 
-__all__ = ["ScanOptions", "ScanSummary", "parse_max_errors", "run_scan", "split_by_bytes"]
+__all__ = ["ScanOptions", "ScanSummary", "run_scan", "split_by_bytes"]
 
 log = get_logger("scan")
 
@@ -53,7 +52,7 @@ class ScanOptions:
 @dataclass
 class ScanSummary:
     source: str
-    root: str  # image location = root + "/" + path ("" for a list on stdin: paths are locations)
+    root: str  # absolute; image location = root + "/" + path (stk.cache.plan.image_location)
     out_dir: str
     files: int
     images: int
@@ -90,30 +89,21 @@ def split_by_bytes(items: list[cands.Candidate], parts: int) -> list[list[cands.
     return out
 
 
-def parse_max_errors(value: str, files: int) -> int:
-    """'100' -> 100; '1%' -> 1% of the files (at least 0)."""
-    text = str(value).strip()
-    try:
-        # exact arithmetic: with floats, 29% of 100 files came out as 28
-        limit = int(Fraction(text[:-1]) * files / 100) if text.endswith("%") else int(text)
-    except (ValueError, ZeroDivisionError) as exc:
-        raise InputError(f"--max-errors {value!r}: give a count (100) or a percentage (1%)") from exc
-    if limit < 0:
-        raise InputError(f"--max-errors {value!r}: must not be negative")
-    return limit
-
-
 def _is_table(source: str) -> bool:
     return source.endswith((".parquet", ".jsonl"))
 
 
 def source_root(opts: ScanOptions) -> str:
-    """What the table's paths are relative to: the tree, the table's root, or nothing (lists)."""
+    """What the table's paths are relative to: the tree, the table's root, or (for a list) the
+    directory its relative paths were given in. Absolute, so that the scan can be used from any
+    working directory (stk-cache and stk-train run wherever their job starts)."""
     if opts.source == "-":
-        return ""
-    if _is_table(opts.source):
-        return opts.table_root if opts.table_root is not None else os.path.dirname(opts.source)
-    return opts.source
+        root = ""
+    elif _is_table(opts.source):
+        root = opts.table_root if opts.table_root is not None else os.path.dirname(opts.source)
+    else:
+        root = opts.source
+    return root if storage.is_s3(root) else os.path.abspath(root)
 
 
 def _list(opts: ScanOptions) -> list[cands.Candidate]:
@@ -237,13 +227,8 @@ def _finish(
     write_outputs(opts.out_dir, assembled, doc, asdict(summary))
     save_state(opts.out_dir, assembled.latest, opts.probe.settings_key())
     log.info(summary.line())
-    limit = parse_max_errors(opts.max_errors, files)
-    if assembled.faults > limit:
-        kinds = ", ".join(f"{kind}: {n}" for kind, n in assembled.error_kinds.items())
-        raise TooManyErrors(
-            f"{assembled.faults} bad files exceed --max-errors {opts.max_errors} ({limit}): see "
-            f"{os.path.join(opts.out_dir, 'errors.jsonl')} ({kinds}); the outputs were written"
-        )
+    errors_file, written = os.path.join(opts.out_dir, "errors.jsonl"), "the outputs were written"
+    check_max_errors(opts.max_errors, assembled.fault_kinds, files, "bad files", errors_file, written)
     if not assembled.check.ok:
         if opts.oversubscribe:
             log.warning(

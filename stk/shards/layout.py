@@ -44,6 +44,7 @@ the shard is closed; the payloads are appended (resize along the first axis) as 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import threading
 from typing import Any, BinaryIO
@@ -88,7 +89,7 @@ def shard_location(cache: str, name: str) -> str:
     return storage.join(cache, f"{SHARDS_DIR}/{name}")
 
 
-def open_h5(target: str | BinaryIO, mode: str, **kwargs: Any) -> h5py.File:
+def open_h5(target: str | BinaryIO | io.RawIOBase, mode: str, **kwargs: Any) -> h5py.File:
     """h5py.File with file locking as HDF5_USE_FILE_LOCKING says, passed explicitly: HDF5 reads
     the variable only once, when h5py is first imported, which may be before stk.shards is."""
     setting = os.environ.get("HDF5_USE_FILE_LOCKING", "FALSE").upper()

@@ -9,7 +9,13 @@ decompressed outside it, so reader threads decompress in parallel.
 Local caches are read in place. For an s3:// cache the keys are read with ranged GETs, and a
 whole shard is downloaded into `local_dir` the first time a sample from it is read, or ahead of
 time by `prefetch` (see localcopies.py). Downloads happen outside the lock, so other threads keep
-reading the shards they have meanwhile. h5py files stay open per process (at most
+reading the shards they have meanwhile.
+
+No sample is served from a shard before the shard's sha256 matched the manifest's (integrity.py):
+a local cache's shard is hashed the first time this process reads a sample from it, or ahead of
+time by `prefetch`, outside the lock; an S3 shard when it is downloaded. A damaged shard raises
+CacheIncomplete, then and on every later read of it. `check_sha256=False` skips the hash (the size
+is still checked). h5py files stay open per process (at most
 `max_open_files`, least recently used closed first) and are reopened after a fork (DataLoader
 workers).
 
@@ -19,6 +25,7 @@ calls back into the reader (`_forget`, which takes the reader's lock) without ho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
@@ -29,9 +36,10 @@ import h5py
 import numpy as np
 
 from stk import storage
-from stk.errors import InputError
+from stk.errors import CacheIncomplete, InputError
+from stk.shards.integrity import damaged, problem
 from stk.shards.layout import TEXT, decompress, open_h5, shard_keys, shard_location
-from stk.shards.localcopies import LocalCopies
+from stk.shards.localcopies import TRIES, LocalCopies
 from stk.shards.manifest import Manifest
 from stk.shards.samples import LatentSample, TextSample
 
@@ -109,7 +117,12 @@ class CacheReader:
     """Read a cache written by stk-cache. Thread-safe; open one per process."""
 
     def __init__(
-        self, cache: str, local_dir: str | None = None, max_local_bytes: int | None = None, max_open_files: int = 128
+        self,
+        cache: str,
+        local_dir: str | None = None,
+        max_local_bytes: int | None = None,
+        max_open_files: int = 128,
+        check_sha256: bool = True,
     ) -> None:
         manifest = Manifest.load(cache)
         if manifest is None:
@@ -117,7 +130,11 @@ class CacheReader:
         self.cache = cache
         self.manifest = manifest
         self._max_open = max(max_open_files, 1)
-        self._copies = LocalCopies(local_dir, max_local_bytes) if storage.is_s3(cache) else None
+        self._copies = LocalCopies(local_dir, max_local_bytes, check_sha256) if storage.is_s3(cache) else None
+        self._check_sha256 = check_sha256
+        self._checked: set[int] = set()  # shards whose bytes matched the manifest (local caches)
+        self._checking = [threading.Lock() for _ in manifest.shards]  # one hash per shard at a time
+        self._damaged: dict[int, CacheIncomplete] = {}
         self._lock = threading.RLock()
         self._pid = os.getpid()
         self._open: OrderedDict[int, _Open] = OrderedDict()
@@ -196,11 +213,11 @@ class CacheReader:
         return str(group.latent_meta.text_key[row])
 
     def prefetch(self, keys: Iterable[str]) -> None:
-        """Download the shards holding these keys (latent or text keys) that are not local yet, in the
-        order the keys first need them; a no-op for a local cache. No lock is held while a shard
-        downloads, so other threads keep reading meanwhile. Each shard counts as used now for the
+        """Download (S3) or check (a local cache's sha256) the shards holding these keys (latent or
+        text keys) that are not ready yet, in the order the keys first need them. No lock is held
+        meanwhile, so other threads keep reading. Each S3 shard counts as used now for the
         `max_local_bytes` limit: prefetch no more than the limit holds beside the shards being read."""
-        if self._copies is None:
+        if self._copies is None and not self._check_sha256:
             return
         shards: dict[int, None] = {}  # an ordered set
         for key in keys:
@@ -209,7 +226,7 @@ class CacheReader:
                 raise KeyError(f"{key} is neither a latent nor a text embedding in the cache {self.cache}")
             shards.setdefault(self._groups[found[0]].shard, None)
         for shard in shards:
-            self._local_copy(shard)
+            self._fetch(shard)
 
     def latent_keys(self) -> list[str]:
         return sorted(self._latents)
@@ -273,24 +290,50 @@ class CacheReader:
         if os.getpid() != self._pid:
             self._pid = os.getpid()
             self._lock = threading.RLock()
+            self._checking = [threading.Lock() for _ in self.manifest.shards]
             self._open = OrderedDict()
         return self._lock
 
     def _fetch(self, shard: int) -> None:
-        """Before taking the lock: an S3 shard that is not open gets its local copy here, so that its
-        download does not hold up the other threads (`_opened` fetches it again under the lock only
-        if it was evicted in between); one that is open counts as used, for the LRU limit."""
+        """Before taking the lock: a local cache's shard is checked here on first use; an S3 shard
+        that is not open gets its local copy here, so that its download does not hold up the other
+        threads (`_opened` fetches it again under the lock only if it was evicted in between); one
+        that is open counts as used, for the LRU limit."""
+        self._locked()
         if self._copies is None:
-            return
-        if shard in self._open:
+            self._check(shard)
+        elif shard in self._open:
             self._copies.touch(self.manifest.shards[shard])
         else:
             self._local_copy(shard)
 
+    def _check(self, shard: int) -> None:
+        """A local cache's shard against the manifest's sha256, once per process."""
+        if not self._check_sha256 or shard in self._checked:
+            return
+        with self._checking[shard]:
+            if shard in self._damaged:
+                raise self._damaged[shard]
+            if shard in self._checked:
+                return
+            entry = self.manifest.shards[shard]
+            location = shard_location(self.cache, str(entry["name"]))
+            why = problem(location, entry)
+            if why is not None:
+                self._damaged[shard] = damaged(location, why)
+                raise self._damaged[shard]
+            self._checked.add(shard)
+
     def _local_copy(self, shard: int) -> str:
         assert self._copies is not None
+        if shard in self._damaged:
+            raise self._damaged[shard]
         entry = self.manifest.shards[shard]
-        return self._copies.get(shard_location(self.cache, str(entry["name"])), entry, self._forget)
+        try:
+            return self._copies.get(shard_location(self.cache, str(entry["name"])), entry, self._forget)
+        except CacheIncomplete as exc:  # damaged: not downloaded again for every sample
+            self._damaged[shard] = exc
+            raise
 
     @staticmethod
     def _latent_meta(group: _Group, opened: _Open) -> _LatentMeta:
@@ -306,15 +349,21 @@ class CacheReader:
         if self._copies is None:
             opened = _Open(shard_location(self.cache, str(self.manifest.shards[shard]["name"])))
         else:
-            try:
-                opened = _Open(self._local_copy(shard))
-            except FileNotFoundError:  # another process deleted the shared copy between fetch and open
-                opened = _Open(self._local_copy(shard))
+            opened = self._open_copy(shard)
         self._open[shard] = opened
         while len(self._open) > self._max_open:
             _, oldest = self._open.popitem(last=False)
             oldest.file.close()
         return opened
+
+    def _open_copy(self, shard: int) -> _Open:
+        """The local copy of an S3 shard, opened. The copy this process holds is deleted by no other
+        process, but another thread of this one may give it up between fetch and open (a limit
+        below two shards): then it is fetched again."""
+        for _ in range(TRIES - 1):
+            with contextlib.suppress(FileNotFoundError):
+                return _Open(self._local_copy(shard))
+        return _Open(self._local_copy(shard))  # the last try raises
 
     def _forget(self, path: str) -> None:
         """Close the shard whose local copy is about to be deleted (LocalCopies calls this without its

@@ -7,10 +7,12 @@ import os
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from stk import storage
 from stk.errors import InputError
-from stk.shards.layout import file_sha256, open_h5, shard_keys, shard_location
+from stk.shards.integrity import MISSING, problem
+from stk.shards.layout import open_h5, shard_keys, shard_location
 from stk.shards.manifest import Manifest
 
 __all__ = ["VerifyReport", "verify"]
@@ -32,14 +34,11 @@ class VerifyReport:
         return not (self.missing_shards or self.damaged_shards or self.missing_latent_keys or self.missing_text_keys)
 
 
-def _check(path: str, entry: dict[str, object]) -> tuple[str | None, list[str], list[str]]:
+def _check(path: str, entry: dict[str, Any]) -> tuple[str | None, list[str], list[str]]:
     """Why a local shard file is damaged (or None), and its latent and text keys."""
-    size = os.path.getsize(path)
-    if size != entry["bytes"]:
-        return f"{size} bytes, the manifest lists {entry['bytes']}", [], []
-    digest = file_sha256(path)
-    if digest != entry["sha256"]:
-        return f"sha256 {digest}, the manifest lists {entry['sha256']}", [], []
+    why = problem(path, entry)
+    if why is not None:
+        return why, [], []
     try:
         with open_h5(path, "r") as file:
             latents, texts = shard_keys(file)
@@ -79,7 +78,9 @@ def verify(
             finally:
                 if path != location and os.path.exists(path):
                     os.unlink(path)
-            if why is not None:
+            if why == MISSING:
+                report.missing_shards.append(name)
+            elif why is not None:
                 report.damaged_shards.append(f"{name}: {why}")
             latent_keys.update(latents)
             text_keys.update(texts)

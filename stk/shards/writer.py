@@ -3,11 +3,13 @@
 A shard is written as WORK_DIR/<prefix>-<seq>.h5.tmp and becomes CACHE/shards/<prefix>-<seq>.h5
 (renamed in place, copied across filesystems, or uploaded to S3) only once it is closed and its
 sha256 taken; only then does the caller hear of it (`on_shard_done`) and list it in the manifest.
-A writer killed before that leaves a .tmp file that nothing lists.
+A writer killed before that leaves a .tmp file that nothing lists, and that the next writer in
+the same WORK_DIR removes (stk.shards.staging); one whose disk fails removes it itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -36,6 +38,7 @@ from stk.shards.layout import (
     shard_location,
 )
 from stk.shards.samples import LatentSample, TextSample
+from stk.shards.staging import STAGED_SUFFIX, StagedFile, remove_stale
 from stk.storage.local import fsync_dir
 
 __all__ = ["ShardInfo", "ShardWriter"]
@@ -183,8 +186,9 @@ class _TextGroup:
 class _Shard:
     def __init__(self, path: str) -> None:
         self.path = path
+        self.staged = StagedFile(path)
         # a chunk cache that holds the text arrays' current chunks until they are full
-        self.file = open_h5(path, "w", rdcc_nbytes=16 * TEXT_CHUNK)
+        self.file = open_h5(self.staged, "w", rdcc_nbytes=16 * TEXT_CHUNK)
         self.file.attrs["format"] = FORMAT
         self.file.attrs["version"] = VERSION
         self.latents: dict[tuple[int, ...], _LatentGroup] = {}
@@ -197,12 +201,26 @@ class _Shard:
     def text_keys(self) -> list[str]:
         return [k.decode() for k in self.text.keys] if self.text else []
 
+    def check(self) -> None:
+        """Raise the write that failed, if one did (HDF5 never sees it: see stk.shards.staging)."""
+        if self.staged.error is not None:
+            raise self.staged.error
+
     def close(self) -> None:
+        """Write what is kept until the end, close and fsync; the staging file stays locked."""
         for group in self.latents.values():
             group.finish()
         if self.text is not None:
             self.text.finish()
         self.file.close()
+        self.staged.sync()
+        self.check()
+
+    def discard(self) -> None:
+        """Give up this shard: close what is open and remove its staging file."""
+        with contextlib.suppress(Exception):  # the shard is lost either way; the first error is raised
+            self.file.close()
+        self.staged.discard()
 
 
 def _check_latent(sample: LatentSample) -> None:
@@ -233,9 +251,9 @@ class ShardWriter:
     time. Starts a new shard when the current one passes `shard_size` bytes of stored samples.
 
     Shard numbers continue after any `<prefix>-<seq>.h5` already in the cache, so a rerun with
-    the same prefix never replaces a listed shard; .tmp files left by an earlier writer with the
-    same prefix are deleted. If writing to a shard fails, that shard is abandoned: `close`
-    raises and nothing is listed.
+    the same prefix never replaces a listed shard; .tmp files in `work_dir` that no live writer
+    holds are deleted. If writing to a shard fails, that shard is abandoned (its .tmp file
+    removed): `close` raises and nothing is listed.
     """
 
     def __init__(
@@ -251,30 +269,23 @@ class ShardWriter:
         self._shard: _Shard | None = None
         self._failed: BaseException | None = None
         os.makedirs(work_dir, exist_ok=True)
+        remove_stale(work_dir)
         self._seq = self._next_seq()
 
     def _next_seq(self) -> int:
-        pattern = re.compile(rf"{re.escape(self.prefix)}-(\d+)\.h5(\.tmp)?")
+        pattern = re.compile(rf"{re.escape(self.prefix)}-(\d+)\.h5")
         shards_dir = storage.join(self.cache, SHARDS_DIR)
         names = os.listdir(self.work_dir)
         if storage.is_s3(self.cache) or os.path.isdir(shards_dir):
             names += [info.key for info in storage.list_files(shards_dir)]
-        seqs = [-1]
-        for name in names:
-            match = pattern.fullmatch(name)
-            if match:
-                seqs.append(int(match.group(1)))
-                if match.group(2):
-                    stale = os.path.join(self.work_dir, name)
-                    if os.path.exists(stale):
-                        os.unlink(stale)
+        seqs = [-1] + [int(m.group(1)) for m in map(pattern.fullmatch, names) if m]
         return max(seqs) + 1
 
     def _current(self) -> _Shard:
         if self._failed is not None:
             raise RuntimeError(f"shard writer {self.prefix} failed earlier: {self._failed}")
         if self._shard is None:
-            self._shard = _Shard(os.path.join(self.work_dir, f"{self.prefix}-{self._seq:05d}.h5.tmp"))
+            self._shard = _Shard(os.path.join(self.work_dir, f"{self.prefix}-{self._seq:05d}{STAGED_SUFFIX}"))
         return self._shard
 
     def add_latent(self, sample: LatentSample) -> None:
@@ -287,8 +298,9 @@ class ShardWriter:
             if group is None:
                 group = shard.latents[tuple(sample.mean.shape)] = _LatentGroup(shard.file, sample)
             shard.bytes += group.add(sample, self._cctx)
+            shard.check()
         except BaseException as exc:
-            self._failed = exc
+            self._abandon(exc)
             raise
         self._roll_over_if_full()
 
@@ -301,8 +313,9 @@ class ShardWriter:
             if shard.text is None:
                 shard.text = _TextGroup(shard.file, sample)
             shard.bytes += shard.text.add(sample, self._cctx)
+            shard.check()
         except BaseException as exc:
-            self._failed = exc
+            self._abandon(exc)
             raise
         self._roll_over_if_full()
 
@@ -321,17 +334,21 @@ class ShardWriter:
         if exc_type is None or self._failed is None:
             self.close()
 
+    def _abandon(self, exc: BaseException) -> None:
+        self._failed = exc
+        shard, self._shard = self._shard, None
+        if shard is not None:
+            shard.discard()
+
     def _roll_over_if_full(self) -> None:
         if self._shard is not None and self._shard.bytes >= self.shard_size:
             self._finish()
 
     def _finish(self) -> None:
-        shard, self._shard = self._shard, None
+        shard = self._shard
         assert shard is not None
         try:
             shard.close()
-            with open(shard.path, "rb+") as f:
-                os.fsync(f.fileno())
             info = ShardInfo(
                 name=os.path.basename(shard.path).removesuffix(".tmp"),
                 latents=sum(len(g.keys) for g in shard.latents.values()),
@@ -343,8 +360,10 @@ class ShardWriter:
             )
             self._publish(shard.path, info.name)
         except BaseException as exc:
-            self._failed = exc
+            self._abandon(exc)
             raise
+        self._shard = None
+        shard.staged.close()
         self._seq += 1
         self._on_shard_done(info)
 

@@ -11,9 +11,10 @@ from typing import BinaryIO
 
 from stk.storage.base import Backend, FileInfo
 from stk.storage.local import LocalBackend
-from stk.storage.s3 import S3Backend, configure_s3
+from stk.storage.s3 import DEFAULT_RETRY_SECONDS, S3Backend, configure_s3
 
 __all__ = [
+    "DEFAULT_RETRY_SECONDS",
     "FileInfo",
     "configure_s3",
     "delete",

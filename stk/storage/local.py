@@ -11,6 +11,7 @@ from typing import BinaryIO
 
 from stk.errors import InputError
 from stk.storage.base import FileInfo
+from stk.storage.failures import storage_errors
 
 __all__ = ["LocalBackend", "fsync_dir"]
 
@@ -94,19 +95,21 @@ def _copy_atomic(source: str, destination: str) -> None:
 
 
 def _write_atomic(destination: str, fill: Callable[[BinaryIO], object]) -> None:
-    """Fill a temp file beside `destination`, fsync, rename: readers never see a partial file."""
+    """Fill a temp file beside `destination`, fsync, rename: readers never see a partial file.
+    A disk that fails names `destination` (not the temp file) in its one-line error."""
     directory = os.path.dirname(destination) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
-        with os.fdopen(fd, "wb") as out:
-            fill(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, destination)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
+    with storage_errors(destination):
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+            with os.fdopen(fd, "wb") as out:
+                fill(out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, destination)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        fsync_dir(directory)

@@ -2,24 +2,41 @@
 
 Credentials come only from boto3's standard chain (environment, profile, instance role); the
 endpoint from `configure_s3(endpoint_url=...)`, or boto3's own AWS_ENDPOINT_URL(_S3) / profile.
-Transient errors are retried by botocore's standard retry mode, with backoff.
+
+Outages are ridden through in two layers. botocore's standard retry mode absorbs blips (a few
+attempts, its own backoff and throttling handling). Past that, every call goes through `_call`,
+which retries transient failures (no connection, timeouts, 5xx, throttling: botocore's own
+classification) with backoff until `retry_seconds` have passed since the call, or the endpoint,
+stopped answering; then it raises InfraError. Each waiting period is logged once per process,
+when it starts and when it ends, whatever the number of threads waiting in it. Errors that a
+retry cannot fix (no bucket, access denied, no such key) are raised at once.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import random
+import re
 import tempfile
 import threading
-from collections.abc import Iterator
-from typing import Any, BinaryIO
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any, BinaryIO, TypeVar
 
-from stk.errors import InputError
+from stk.errors import InfraError, InputError
+from stk.log import get_logger
 from stk.storage.base import FileInfo
 
-__all__ = ["S3Backend", "configure_s3", "split_url"]
+__all__ = ["DEFAULT_RETRY_SECONDS", "S3Backend", "configure_s3", "split_url"]
 
-_settings: dict[str, Any] = {"endpoint_url": None}
+DEFAULT_RETRY_SECONDS = 120.0
+
+T = TypeVar("T")
+log = get_logger("storage.s3")
+
+_settings: dict[str, Any] = {"endpoint_url": None, "retry_seconds": DEFAULT_RETRY_SECONDS}
 _lock = threading.Lock()
 _client: Any = None
 
@@ -27,13 +44,17 @@ _READ_BLOCK = 64 * 1024
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _NO_BUCKET = {"NoSuchBucket"}
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"}
+_BACKOFF = (0.5, 8.0)  # seconds: first wait between retries, longest wait
+_SETTLE_S = 10.0  # failures this soon after the endpoint answered again are the tail of the same outage
 
 
-def configure_s3(endpoint_url: str | None = None) -> None:
-    """Set the endpoint for this process (before the first S3 call)."""
-    global _client
+def configure_s3(endpoint_url: str | None = None, retry_seconds: float = DEFAULT_RETRY_SECONDS) -> None:
+    """Set the endpoint and the retry budget for this process (before the first S3 call)."""
+    global _client, _outage
     _settings["endpoint_url"] = endpoint_url or None
+    _settings["retry_seconds"] = float(retry_seconds)
     _client = None
+    _outage = _Outage()  # another endpoint: nothing is known of its outages
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -45,7 +66,10 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def client() -> Any:
-    """One boto3 client per process (boto3 clients are thread-safe; sessions are not)."""
+    """One boto3 client per process (boto3 clients are thread-safe; sessions are not).
+
+    Timeouts scale with the retry budget (at most 10 s): an endpoint that accepts connections but
+    never answers (a stopped process, a dead load balancer) must be noticed well within it."""
     global _client
     with _lock:
         if _client is None:
@@ -53,8 +77,11 @@ def client() -> Any:
             from botocore.config import Config
 
             endpoint = _settings["endpoint_url"]
+            timeout = min(10.0, max(1.0, _settings["retry_seconds"] / 12))
             config = Config(
-                retries={"mode": "standard", "max_attempts": 8},
+                retries={"mode": "standard", "max_attempts": 2},
+                connect_timeout=timeout,
+                read_timeout=timeout,
                 max_pool_connections=64,
                 s3={"addressing_style": "path"} if endpoint else {},
             )
@@ -66,13 +93,133 @@ def _endpoint() -> str:
     return str(client().meta.endpoint_url)
 
 
-def _translate(exc: Exception, bucket: str, key: str = "") -> Exception:
-    """botocore errors -> a FileNotFoundError/OSError for one object, or an InputError for the
-    bucket as a whole (one clear line naming the bucket and the endpoint)."""
-    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+def _cause(exc: Exception) -> Exception:
+    """The botocore error under boto3's transfer wrappers (RetriesExceededError, S3UploadFailedError)."""
+    last = getattr(exc, "last_exception", None)
+    if isinstance(last, Exception):
+        return last
+    if type(exc).__name__ == "S3UploadFailedError" and isinstance(exc.__context__, Exception):
+        return exc.__context__
+    return exc
 
+
+def _transient(exc: Exception) -> bool:
+    """Whether a retry may fix it, by botocore's standard-mode rules: no connection, a timeout, a
+    cut stream, HTTP 5xx or 429, a throttling or request-timeout code."""
+    from botocore.exceptions import ClientError, IncompleteReadError
+    from botocore.retries import standard
+
+    if getattr(exc, "last_exception", None) is not None:
+        return True  # s3transfer ran out of its attempts at socket errors it retries itself
+    exc = _cause(exc)
     if isinstance(exc, ClientError):
-        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        response = SimpleNamespace(status_code=status)
+        context = standard.RetryContext(1, parsed_response=exc.response, http_response=response)
+    elif isinstance(exc, (IncompleteReadError, ConnectionError, TimeoutError)):
+        return True  # a body cut short, or a socket error below botocore
+    else:
+        context = standard.RetryContext(1, caught_exception=exc)
+    checkers = [
+        standard.TransientRetryableChecker(),
+        standard.ThrottledRetryableChecker(),
+        standard.ThrottlingStatusCodeChecker(),  # type: ignore[attr-defined]  # missing from the stubs
+    ]
+    return any(checker.is_retryable(context) for checker in checkers)
+
+
+def _reason(exc: Exception) -> str:
+    from botocore.exceptions import ClientError
+
+    exc = _cause(exc)
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return f"HTTP {status} {error.get('Code', '')}".strip()
+    # botocore ends its messages with the URL; the endpoint is named beside the reason already
+    return re.sub(r' (on|to|from) (the )?endpoint URL: ".*"$', "", str(exc)) or type(exc).__name__
+
+
+class _Outage:
+    """The waiting period the endpoint is in, shared by every thread of the process, so that it is
+    logged once when it starts and once when it ends, not once per thread or per attempt.
+
+    A server that comes back often fails a few more requests while it warms up (SeaweedFS answers
+    HTTP 500 for a few seconds after a restart): failures within `_SETTLE_S` of the end of a
+    waiting period are logged only if they last that long themselves."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.since: float | None = None
+        self._logged = False
+        self._ended = float("-inf")
+
+    def failed(self, reason: str) -> float:
+        """Note a transient failure; returns when the current waiting period began."""
+        with self._lock:
+            now = time.monotonic()
+            if self.since is None:
+                self.since, self._logged = now, False
+            if not self._logged and (now - self._ended >= _SETTLE_S or now - self.since >= _SETTLE_S):
+                self._logged = True
+                log.warning(
+                    "S3 endpoint %s is not answering (%s); retrying for up to %g s (--s3-retry-seconds)",
+                    _endpoint(),
+                    reason,
+                    _settings["retry_seconds"],
+                )
+            return self.since
+
+    def answered(self) -> None:
+        if self.since is None:  # the common case, without the lock
+            return
+        with self._lock:
+            if self.since is None:
+                return
+            if self._logged:
+                log.warning("S3 endpoint %s answers again, after %.0f s", _endpoint(), time.monotonic() - self.since)
+            self.since, self._ended = None, time.monotonic()
+
+
+_outage = _Outage()
+
+
+def _call(fn: Callable[[], T], bucket: str, key: str) -> T:
+    """fn() (one S3 request, with its body read), retried with backoff through transient failures
+    until the budget has passed since this call or the endpoint started failing; errors in the
+    terms of storage (FileNotFoundError, OSError, InputError, InfraError)."""
+    first_failure: float | None = None
+    delay = _BACKOFF[0]
+    while True:
+        try:
+            result = fn()
+        except Exception as exc:
+            if not _transient(exc):
+                raise _translate(exc, bucket, key) from exc
+            now = time.monotonic()
+            first_failure = first_failure or now
+            budget = _settings["retry_seconds"]
+            left = min(first_failure, _outage.failed(_reason(exc))) + budget - now
+            if left <= 0:
+                raise InfraError(
+                    f"S3 endpoint {_endpoint()} did not answer for {budget:g} s (s3://{bucket}/{key}: {_reason(exc)}): "
+                    "rerun when it is back, or raise --s3-retry-seconds"
+                ) from exc
+            time.sleep(min(left, delay * random.uniform(0.5, 1.0)))
+            delay = min(delay * 2, _BACKOFF[1])
+            continue
+        _outage.answered()
+        return result
+
+
+def _translate(exc: Exception, bucket: str, key: str = "") -> Exception:
+    """A botocore error that a retry cannot fix -> a FileNotFoundError/OSError for one object, or an
+    InputError for the bucket as a whole (one clear line naming the bucket and the endpoint)."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    cause = _cause(exc)
+    if isinstance(cause, ClientError):
+        code = str(cause.response.get("Error", {}).get("Code", ""))
         if code in _NO_BUCKET:
             return InputError(f"S3 bucket '{bucket}' does not exist at {_endpoint()}")
         if code in _DENIED:
@@ -83,11 +230,9 @@ def _translate(exc: Exception, bucket: str, key: str = "") -> Exception:
         if code in _MISSING:
             return FileNotFoundError(f"s3://{bucket}/{key}: no such object")
         return OSError(f"s3://{bucket}/{key}: S3 error {code}")
-    if isinstance(exc, EndpointConnectionError):
-        return InputError(f"cannot reach the S3 endpoint {_endpoint()} (bucket '{bucket}')")
-    if isinstance(exc, NoCredentialsError):
+    if isinstance(cause, NoCredentialsError):
         return InputError(f"no S3 credentials found for bucket '{bucket}' at {_endpoint()}")
-    if isinstance(exc, BotoCoreError):
+    if isinstance(cause, BotoCoreError) or cause is not exc:
         return OSError(f"s3://{bucket}/{key}: {exc}")
     return exc
 
@@ -133,29 +278,28 @@ class S3Backend:
         bucket, prefix = split_url(root)
         if prefix and not prefix.endswith("/"):
             prefix += "/"
-        pages = client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-        try:
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    key = obj["Key"]
-                    if key.endswith("/"):
-                        continue
-                    yield FileInfo(
-                        key[len(prefix) :],
-                        f"s3://{bucket}/{key}",
-                        int(obj["Size"]),
-                        obj["LastModified"].timestamp(),
-                        etag=str(obj.get("ETag", "")).strip('"'),
-                    )
-        except Exception as exc:
-            raise _translate(exc, bucket, prefix) from exc
+        # page by page rather than through boto3's paginator, so that a failed page is retried alone
+        request = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            page = _call(lambda: client().list_objects_v2(**request), bucket, prefix)
+            for obj in page.get("Contents", []):
+                key = obj["Key"]
+                if key.endswith("/"):
+                    continue
+                yield FileInfo(
+                    key[len(prefix) :],
+                    f"s3://{bucket}/{key}",
+                    int(obj["Size"]),
+                    obj["LastModified"].timestamp(),
+                    etag=str(obj.get("ETag", "")).strip('"'),
+                )
+            if not page.get("IsTruncated"):
+                return
+            request["ContinuationToken"] = page["NextContinuationToken"]
 
     def stat(self, location: str) -> FileInfo:
         bucket, key = split_url(location)
-        try:
-            head = client().head_object(Bucket=bucket, Key=key)
-        except Exception as exc:
-            raise _translate(exc, bucket, key) from exc
+        head = _call(lambda: client().head_object(Bucket=bucket, Key=key), bucket, key)
         return FileInfo(
             location,
             location,
@@ -179,48 +323,30 @@ class S3Backend:
 
     def read_bytes(self, location: str) -> bytes:
         bucket, key = split_url(location)
-        try:
-            return bytes(client().get_object(Bucket=bucket, Key=key)["Body"].read())
-        except Exception as exc:
-            raise _translate(exc, bucket, key) from exc
+        return _call(lambda: bytes(client().get_object(Bucket=bucket, Key=key)["Body"].read()), bucket, key)
 
     def read_range(self, location: str, start: int, end: int) -> bytes:
         if end <= start:
             return b""
         bucket, key = split_url(location)
-        try:
-            body = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
-            return bytes(body.read())
-        except Exception as exc:
-            raise _translate(exc, bucket, key) from exc
+        byte_range = f"bytes={start}-{end - 1}"
+        return _call(
+            lambda: bytes(client().get_object(Bucket=bucket, Key=key, Range=byte_range)["Body"].read()), bucket, key
+        )
 
     def write_atomic(self, location: str, data: bytes) -> None:
         bucket, key = split_url(location)
-        try:
-            client().put_object(Bucket=bucket, Key=key, Body=data)
-        except Exception as exc:
-            raise _translate(exc, bucket, key) from exc
+        _call(lambda: client().put_object(Bucket=bucket, Key=key, Body=data), bucket, key)
 
     def delete(self, location: str) -> None:
         bucket, key = split_url(location)
-        try:
-            client().delete_object(Bucket=bucket, Key=key)
-        except Exception as exc:
-            raise _translate(exc, bucket, key) from exc
+        _call(lambda: client().delete_object(Bucket=bucket, Key=key), bucket, key)
 
     def upload_file(self, local_path: str, location: str) -> None:
         """boto3's managed transfer: multipart above 8 MiB, parts in parallel; the object appears
-        only once every part is there."""
+        only once every part is there (a retry starts the upload again)."""
         bucket, key = split_url(location)
-        try:
-            client().upload_file(local_path, bucket, key)
-        except Exception as exc:
-            # boto3 wraps the ClientError of a failed upload in S3UploadFailedError
-            cause = exc.__context__ if type(exc).__name__ == "S3UploadFailedError" else None
-            error = _translate(cause if isinstance(cause, Exception) else exc, bucket, key)
-            if not isinstance(error, (OSError, InputError)):
-                error = OSError(f"s3://{bucket}/{key}: upload failed: {exc}")
-            raise error from exc
+        _call(lambda: client().upload_file(local_path, bucket, key), bucket, key)
 
     def download_file(self, location: str, local_path: str) -> None:
         bucket, key = split_url(location)
@@ -229,10 +355,8 @@ class S3Backend:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
         os.close(fd)
         try:
-            client().download_file(bucket, key, tmp)
+            _call(lambda: client().download_file(bucket, key, tmp), bucket, key)
             os.replace(tmp, local_path)
-        except Exception as exc:
-            raise _translate(exc, bucket, key) from exc
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

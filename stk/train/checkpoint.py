@@ -6,10 +6,15 @@ still be writing their ZeRO shards; a job killed then resumes from a torn checkp
 rank saves and syncs its files, all ranks meet at a barrier, and only then does rank 0 replace
 `latest` atomically. A checkpoint without `latest` pointing at it is never resumed from, and is
 removed by the next save.
+
+Each checkpoint also holds `stk-run.json`, the run settings it was trained with
+(`TrainOptions.run_settings`), read before any model loads so that a resume with another seed,
+learning rate or batch is refused in seconds with one line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,12 +24,15 @@ from typing import Any
 from stk.errors import InputError
 from stk.log import get_logger
 from stk.storage import write_atomic
+from stk.storage.failures import storage_errors
 
 __all__ = ["CheckpointDir", "Resume"]
 
 log = get_logger("train.checkpoint")
 
 LATEST = "latest"
+SETTINGS = "stk-run.json"
+FIXED_SETTINGS = ("family",)  # weights of another family cannot be loaded, whatever the user says
 _TAG = re.compile(r"^step-(\d{8,})$")
 
 
@@ -71,12 +79,15 @@ class CheckpointDir:
             raise InputError(f"--resume {resume}: no such checkpoint directory (or give auto / none)")
         return Resume(os.path.dirname(path), os.path.basename(path))
 
-    def save(self, engine: Any, step: int, client_state: dict[str, Any]) -> str:
+    def save(self, engine: Any, step: int, client_state: dict[str, Any], settings: dict[str, Any]) -> str:
         """Save on every rank, then move `latest` (rank 0) once all have finished; prune old ones."""
         import torch.distributed as dist
 
         tag = tag_for(step)
-        engine.save_checkpoint(self.path, tag=tag, client_state=client_state, save_latest=False)
+        with storage_errors(os.path.join(self.path, tag)):  # torch.save's errors on a full disk name no errno
+            engine.save_checkpoint(self.path, tag=tag, client_state=client_state, save_latest=False)
+            if self.rank == 0:
+                write_atomic(os.path.join(self.path, tag, SETTINGS), json.dumps(settings, sort_keys=True).encode())
         os.sync()  # this rank's files on stable storage before `latest` can point at them
         dist.barrier()
         if self.rank == 0:
@@ -86,15 +97,41 @@ class CheckpointDir:
         dist.barrier()
         return tag
 
-    def load(self, engine: Any, resume: Resume) -> dict[str, Any]:
-        """Load parameters, optimizer and LR schedule; returns the client state saved with them."""
+    def load(self, engine: Any, resume: Resume, keep_schedule: bool = True) -> dict[str, Any]:
+        """Load parameters, optimizer and (with `keep_schedule`) the LR schedule; returns the client
+        state saved with them."""
         path, client_state = engine.load_checkpoint(
-            resume.directory, tag=resume.tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            resume.directory, tag=resume.tag, load_optimizer_states=True, load_lr_scheduler_states=keep_schedule
         )
         if path is None or not client_state or "stk" not in client_state:
             raise InputError(f"{resume.directory}/{resume.tag}: not a complete stk-train checkpoint")
         state: dict[str, Any] = client_state["stk"]
         return state
+
+    def check_settings(self, resume: Resume, current: dict[str, Any], override: bool) -> list[str]:
+        """The settings that differ from the checkpoint's ("seed 0 -> 1"); raise InputError unless
+        `override` (and always for FIXED_SETTINGS). Checkpoints without the record are not checked."""
+        try:
+            with open(os.path.join(resume.directory, resume.tag, SETTINGS), encoding="utf-8") as f:
+                saved: dict[str, Any] = json.load(f)
+        except FileNotFoundError:
+            return []
+        changed = [k for k in current if k in saved and saved[k] != current[k]]
+        if not changed:
+            return []
+        described = [f"{k.replace('_', '-')} {saved[k]} -> {current[k]}" for k in changed]
+        where = f"{resume.directory}/{resume.tag}"
+        fixed = [k for k in changed if k in FIXED_SETTINGS]
+        if fixed:
+            other = ", ".join(described)
+            raise InputError(f"cannot resume {where}: it trained another model ({other}); use another --output-dir")
+        if not override:
+            raise InputError(
+                f"resuming {where} with other settings than it was trained with ({', '.join(described)}): "
+                "rerun with the checkpoint's values, use another --output-dir, or add --override-resume"
+            )
+        log.warning("--override-resume: continuing %s with %s", where, ", ".join(described))
+        return changed
 
     def _prune(self, keep_tag: str) -> None:
         """Keep the newest `keep` complete checkpoints; incomplete ones (newer than `latest`, from a

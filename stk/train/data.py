@@ -22,7 +22,7 @@ import torch
 
 from stk import storage
 from stk.cache.plan import ImageJob, jobs_for, load_scan
-from stk.errors import InputError
+from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
 from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
 from stk.shards import CacheReader, Manifest, TextSample
@@ -53,10 +53,12 @@ class TrainData(Protocol):
 class CacheData:
     """TrainData from a cache made by stk-cache (a directory or s3://); thread-safe.
 
+    Every shard is checked against the manifest's sha256 before its first sample is used (unless
+    `check_sha256` is off): a damaged one raises CacheIncomplete (see stk/shards/integrity.py).
     `keys` restricts training to those latent keys (a scan table's rows); a Mapping from key to
     the image's path also names the image in errors. None trains on every latent in the cache.
-    For an s3:// cache, whole shards are kept in `local_dir` (a temp dir if None), at most
-    `max_local_bytes` of them per process (see stk/shards/localcopies.py).
+    For an s3:// cache, whole shards are kept in `local_dir` (a temp dir if None; the ranks of a node
+    may share one), at most `max_local_bytes` of them in it (see stk/shards/localcopies.py).
     """
 
     def __init__(
@@ -65,9 +67,12 @@ class CacheData:
         keys: Collection[str] | None = None,
         local_dir: str | None = None,
         max_local_bytes: int | None = None,
+        check_sha256: bool = True,
     ) -> None:
         self.cache = cache
-        self.reader = CacheReader(cache, local_dir=local_dir, max_local_bytes=max_local_bytes)
+        self.reader = CacheReader(
+            cache, local_dir=local_dir, max_local_bytes=max_local_bytes, check_sha256=check_sha256
+        )
         try:
             self.manifest: Manifest = self.reader.manifest
             config = self.manifest.config
@@ -111,10 +116,8 @@ class CacheData:
         )
 
     def prefetch(self, keys: list[str]) -> None:
-        """Download the shards that hold these latents, then those that hold their captions' embeddings;
-        nothing to do for a local cache."""
-        if not storage.is_s3(self.cache):
-            return
+        """Download (S3) or check (local) the shards that hold these latents, then those that hold their
+        captions' embeddings."""
         self.reader.prefetch(keys)
         self.reader.prefetch({self.reader.text_key(key) for key in keys})
 
@@ -358,5 +361,7 @@ class BatchLoader:
             return
         try:
             self.data.prefetch(keys)
+        except CacheIncomplete:  # a damaged shard: the batch's load raises it, with the same message
+            return
         except Exception as exc:  # the batch's own load fetches again, and raises if it fails too
             log.warning("prefetching batch %d failed (its load will try again): %s", index, exc)

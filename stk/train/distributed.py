@@ -18,11 +18,22 @@ from dataclasses import dataclass
 from stk.errors import InputError
 from stk.world import World
 
-__all__ = ["DistEnv", "expand_nodelist", "export_dist_env", "init_distributed", "resolve_dist_env"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "DistEnv",
+    "expand_nodelist",
+    "export_dist_env",
+    "init_distributed",
+    "resolve_dist_env",
+]
 
 # Variables a launcher (torchrun, the deepspeed launcher) sets; with all of them set, stk keeps them.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+# How long a rank waits for its peers in one collective (and in the rendezvous) before it gives up
+# on them: a peer that died or stopped answering ends the job within this time, not never. It must
+# exceed the longest time one rank works alone (rank 0 exporting the final model).
+COLLECTIVE_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -67,12 +78,14 @@ def export_dist_env(env: DistEnv, environ: MutableMapping[str, str] = os.environ
 
 
 def init_distributed(env: DistEnv, backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
-    """Export `env` and start torch.distributed through DeepSpeed (nccl on GPUs, else gloo)."""
+    """Export `env` and start torch.distributed through DeepSpeed (nccl on GPUs, else gloo), with
+    `timeout` for the rendezvous and for every collective after it."""
     import deepspeed
     import torch
 
     export_dist_env(env)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    _default_group_timeout(timeout)
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     except (torch.distributed.DistStoreError, torch.distributed.DistNetworkError, TimeoutError) as exc:
@@ -81,6 +94,18 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout: datetime
             f"(rank {env.rank} of {env.world_size} on {env.node}): check that all ranks started and that the "
             f"address is reachable from every node (STK_MASTER_ADDR / STK_MASTER_PORT choose another) ({exc})"
         ) from exc
+
+
+def _default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Give the process groups that DeepSpeed makes itself (ZeRO's data-parallel group, with no
+    timeout of its own) `timeout` too. torch gives such groups its module default (30 min for
+    gloo, 10 for NCCL), not the world group's: a rank SIGSTOPped in ZeRO's gradient all-reduce
+    held its peer for 30 minutes although the world group's timeout was 15 s. torch has no public
+    setting for that default, so stk sets the module's."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

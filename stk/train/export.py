@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from stk.storage.failures import storage_errors
+
 __all__ = ["export_pipeline"]
 
 
@@ -54,28 +56,29 @@ def export_pipeline(
     out = Path(out_dir)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        shutil.copy2(source / "model_index.json", tmp / "model_index.json")
-        for name in components:
-            shutil.copytree(source / name, tmp / name)  # hub snapshots hold symlinks: this copies the files
-        # Built on the meta device and given the tensors themselves: no random init, no second copy of a 12B model.
-        with torch.device("meta"):
-            denoiser = denoiser_class.from_config(config)
-        denoiser.load_state_dict(state_dict, strict=True, assign=True)
-        denoiser.save_pretrained(tmp / denoiser_subfolder, safe_serialization=True)
-        if out.exists():
-            old = out.with_name(f"{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            try:
+    with storage_errors(out_dir):  # a full disk: one line, and the previous export stays
+        try:
+            tmp.mkdir(parents=True)
+            shutil.copy2(source / "model_index.json", tmp / "model_index.json")
+            for name in components:
+                shutil.copytree(source / name, tmp / name)  # hub snapshots hold symlinks: this copies the files
+            # Built on the meta device and given the tensors themselves: no random init, no second copy of a 12B model.
+            with torch.device("meta"):
+                denoiser = denoiser_class.from_config(config)
+            denoiser.load_state_dict(state_dict, strict=True, assign=True)
+            denoiser.save_pretrained(tmp / denoiser_subfolder, safe_serialization=True)
+            if out.exists():
+                old = out.with_name(f"{out.name}.old-{os.getpid()}")
+                out.rename(old)
+                try:
+                    tmp.rename(out)
+                except BaseException:
+                    old.rename(out)
+                    raise
+                shutil.rmtree(old)
+            else:
                 tmp.rename(out)
-            except BaseException:
-                old.rename(out)
-                raise
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out_dir

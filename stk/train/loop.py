@@ -8,6 +8,7 @@ never disagree about the step they stop at.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import math
 import os
@@ -23,19 +24,22 @@ from stk.health.breaker import GpuWatch
 from stk.log import get_logger
 from stk.progress import Progress
 from stk.train.batch import Batch, StepInputs
+from stk.train.cachemodel import check_cache_model
 from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.data import BatchLoader
 from stk.train.distributed import init_distributed, resolve_dist_env
 from stk.train.dsconfig import load_deepspeed_config
 from stk.train.engine import build_engine, full_state_dict
 from stk.train.export import export_pipeline
+from stk.train.lease import Lease
 from stk.train.metrics import MetricsLog
 from stk.train.objectives import Objective, objective_for
+from stk.train.optim import apply_optimizer_settings
 from stk.train.options import TrainOptions
 from stk.train.plan import TrainPlan, plan_training
 from stk.train.preflight import check_gpu_layout, check_shared_output
 from stk.train.sampler import BucketSampler
-from stk.train.stopping import StopSignals, agree, is_gpu_error
+from stk.train.stopping import StopSignals, agree, is_gpu_error, is_peer_failure, peer_failed
 from stk.world import World
 
 __all__ = ["TrainSummary", "run_train"]
@@ -91,6 +95,10 @@ def run_train(opts: TrainOptions, world: World) -> tuple[TrainSummary, ExitCode]
     signals = StopSignals().install()  # from the start: a signal while models load stops at the first step
     try:
         return _prepared_run(opts, world, signals, started)
+    except Exception as exc:
+        if not is_peer_failure(exc):
+            raise
+        raise peer_failed(exc, world.rank, world.node, opts.collective_timeout) from exc
     finally:
         signals.restore()
 
@@ -99,13 +107,32 @@ def _prepared_run(
     opts: TrainOptions, world: World, signals: StopSignals, started: float
 ) -> tuple[TrainSummary, ExitCode]:
     check_shared_output(world, opts.output_dir)
+    lease = Lease(opts.output_dir)
+    world.root_call(lease.acquire)  # before anything is written into the output directory
+    try:
+        if world.is_root:
+            lease.start_heartbeat()
+        return _leased_run(opts, world, signals, started)
+    finally:
+        if world.is_root:
+            lease.release()
+
+
+def _leased_run(
+    opts: TrainOptions, world: World, signals: StopSignals, started: float
+) -> tuple[TrainSummary, ExitCode]:
     check_gpu_layout(world, torch.cuda.device_count())
     deepspeed_config = load_deepspeed_config(opts.deepspeed)
     checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank)
     resume = world.root_call(lambda: checkpoints.resolve(opts.resume))
     plan = world.run_everywhere(lambda: plan_training(opts, world.size))
+    overridden: list[str] = []
+    if resume is not None:
+        settings = opts.run_settings(plan.family)
+        overridden = world.root_call(lambda: checkpoints.check_settings(resume, settings, opts.override_resume))
     try:
-        return _run(opts, world, plan, deepspeed_config, checkpoints, resume, signals, started)
+        world.root_call(lambda: check_cache_model(opts, plan))
+        return _run(opts, world, plan, deepspeed_config, checkpoints, (resume, overridden), signals, started)
     finally:
         plan.data.close()
         _end_distributed()
@@ -126,12 +153,13 @@ def _run(
     plan: TrainPlan,
     deepspeed_config: dict[str, Any],
     checkpoints: CheckpointDir,
-    resume: Resume | None,
+    resuming: tuple[Resume | None, list[str]],
     signals: StopSignals,
     started: float,
 ) -> tuple[TrainSummary, ExitCode]:
+    resume, overridden = resuming
     env = resolve_dist_env(world, os.environ)
-    init_distributed(env)
+    init_distributed(env, timeout=datetime.timedelta(seconds=opts.collective_timeout))
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -162,12 +190,7 @@ def _run(
         encoders = world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
     engine = build_engine(denoiser, opts, deepspeed_config, precision, total_steps)
 
-    step = 0
-    if resume is not None:
-        state = checkpoints.load(engine, resume)
-        sampler.load_state_dict(state["sampler"])
-        step = int(state["step"])
-        log.info("resumed from %s/%s at step %d", resume.directory, resume.tag, step)
+    step = _resume(engine, sampler, checkpoints, resume, opts, overridden) if resume is not None else 0
 
     run = _Run(
         opts, plan, sampler, objective, engine, encoders, device, dtype, env.rank, env.world_size, checkpoints,
@@ -204,6 +227,29 @@ def _run(
     return summary, code
 
 
+def _resume(
+    engine: Any, sampler: BucketSampler, checkpoints: CheckpointDir, resume: Resume, opts: TrainOptions,
+    overridden: list[str],
+) -> int:  # fmt: skip
+    """Load the checkpoint and return its step. With settings overridden (--override-resume) this
+    run's optimizer settings and schedule replace the checkpoint's, and a sample order that no
+    longer matches starts its epoch over."""
+    where = f"{resume.directory}/{resume.tag}"
+    state = checkpoints.load(engine, resume, keep_schedule=not overridden)
+    step = int(state["step"])
+    try:
+        sampler.load_state_dict(state["sampler"])
+    except ValueError as exc:
+        if not overridden:
+            raise InputError(f"{where}: {exc}; use another --output-dir") from None
+        log.warning("%s: %s; the sample order starts epoch %d over", where, exc, state["sampler"]["epoch"])
+        sampler.set_epoch(int(state["sampler"]["epoch"]))
+    if overridden:
+        apply_optimizer_settings(engine.optimizer, opts.optimizer, engine.lr_scheduler, step)
+    log.info("resumed from %s at step %d", where, step)
+    return step
+
+
 def _train(run: _Run) -> str:
     """Steps until done, a stop signal (checkpoint; "requeue") or a GPU fault ("gpu_fault")."""
     accum = run.opts.grad_accum
@@ -220,7 +266,7 @@ def _train(run: _Run) -> str:
                     run.engine.step()
                     loss_sum += float(loss.detach())
                 except Exception as exc:
-                    if not is_gpu_error(exc):
+                    if not is_gpu_error(exc) or is_peer_failure(exc):
                         raise
                     run.watch.report_error(f"{type(exc).__name__} in the training step: {exc}".splitlines()[0])
                     return "gpu_fault"  # no collective now: the others stop when this process ends
@@ -240,7 +286,9 @@ def _train(run: _Run) -> str:
                 position = {**run.sampler.state_dict(), "step": trained_in_epoch}
                 every = run.opts.checkpoint_every
                 if agreed.stop or (every and run.step % every == 0) or run.step >= run.total_steps:
-                    run.last_checkpoint = run.checkpoints.save(run.engine, run.step, _client_state(run, position))
+                    run.last_checkpoint = run.checkpoints.save(
+                        run.engine, run.step, _client_state(run, position), run.opts.run_settings(run.plan.family)
+                    )
                 if agreed.stop:
                     return "requeue"
                 if run.step >= run.total_steps:

@@ -7,6 +7,8 @@ import json
 import os
 from typing import IO, Any
 
+from stk.storage.failures import storage_errors
+
 __all__ = ["MetricsLog"]
 
 
@@ -21,6 +23,10 @@ class MetricsLog:
         are trained again (a run killed after its last checkpoint)."""
         if not self.enabled:
             return
+        with storage_errors(self.path):
+            self._start(resumed_step)
+
+    def _start(self, resumed_step: int) -> None:
         if os.path.exists(self.path):
             with open(self.path, encoding="utf-8") as f:
                 rows = [line for line in f if line.strip() and _step(line) <= resumed_step]
@@ -32,8 +38,9 @@ class MetricsLog:
 
     def write(self, row: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
-            self._file.flush()
+            with storage_errors(self.path):
+                self._file.write(json.dumps(row) + "\n")
+                self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:

@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "OptimizerSettings", "client_optimizer", "lr_schedule", "optimizer_section"]
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "OptimizerSettings",
+    "apply_optimizer_settings",
+    "client_optimizer",
+    "lr_schedule",
+    "optimizer_section",
+]
 
 OPTIMIZERS = ("adamw", "lion")
 SCHEDULES = ("constant", "cosine")
@@ -68,3 +76,14 @@ def lr_schedule(kind: str, warmup_steps: int, total_steps: int) -> Callable[[tor
         return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1))
 
     return build
+
+
+def apply_optimizer_settings(optimizer: Any, settings: OptimizerSettings, schedule: Any, step: int) -> None:
+    """Put this run's settings back after a checkpoint's optimizer state was loaded (loading restores
+    the saved learning rate, betas and weight decay with the moments), and move the schedule, built
+    for this run, to `step`."""
+    for group in optimizer.param_groups:
+        group.update(lr=settings.lr, initial_lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    schedule.base_lrs = [settings.lr] * len(optimizer.param_groups)
+    schedule.last_epoch = step - 1
+    schedule.step()  # sets each group's lr for `step`

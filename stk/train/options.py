@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from stk.models import Family
+from stk.train.distributed import COLLECTIVE_TIMEOUT_S
 from stk.train.optim import OptimizerSettings
 
 __all__ = ["TrainOptions"]
@@ -38,8 +40,30 @@ class TrainOptions:
     compile_mode: str | None = None  # torch.compile mode; None: eager
     local_cache_dir: str | None = None  # node-local directory for whole S3 shards
     local_cache_bytes: int | None = None
+    check_shards: bool = True  # each shard's sha256 against the manifest before its first sample is used
+    force: bool = False  # train on a cache made with other VAE / text-encoder weights than the model's
     loader_threads: int = 4
     prefetch: int = 8
     notify_urls: tuple[str, ...] = ()
     notify_config: str | None = None
     health_interval: float = 10.0
+    collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds a rank waits for its peers in one collective
+    override_resume: bool = False  # resume although run_settings differ from the checkpoint's
+
+    def run_settings(self, family: Family) -> dict[str, Any]:
+        """What decides a run's math and sample order. A checkpoint records them: resuming with
+        other values would silently train another run, or fail deep inside DeepSpeed. Length
+        (--epochs, --max-steps) is not among them: extending a run is what resume is for."""
+        opt = self.optimizer
+        return {
+            "family": family.value,
+            "seed": self.seed,
+            "optimizer": opt.name,
+            "lr": opt.lr,
+            "betas": list(opt.betas),
+            "weight_decay": opt.weight_decay,
+            "lr_schedule": self.lr_schedule,
+            "warmup_steps": self.warmup_steps,
+            "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
+        }

@@ -64,7 +64,12 @@ def _from_cache(
 ) -> tuple[TrainData, dict[BucketShape, list[str]], float, float | None]:
     if not opts.cache:
         raise InputError("give --cache (made by stk-cache), or --vae-on-the-fly with --scan")
-    data = CacheData(opts.cache, local_dir=opts.local_cache_dir, max_local_bytes=opts.local_cache_bytes)
+    data = CacheData(
+        opts.cache,
+        local_dir=opts.local_cache_dir,
+        max_local_bytes=opts.local_cache_bytes,
+        check_sha256=opts.check_shards,
+    )
     try:
         if data.family != family.value:
             raise InputError(

@@ -7,6 +7,7 @@ Each check is collective where it needs to be and ends every rank the same way o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -52,8 +53,10 @@ def check_shared_output(world: World, output_dir: str) -> None:
     missing = [r for r in range(world.size) if f"rank-{r}" not in seen]
     reports = world.allgather((world.rank, world.node, missing))
     world.barrier()
-    if world.is_root:
-        shutil.rmtree(os.path.join(output_dir, ".preflight"), ignore_errors=True)
+    if world.is_root:  # only this run's tokens: another run may be checking the same directory
+        shutil.rmtree(tokens, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(tokens))
     blind = [(rank, node, miss) for rank, node, miss in reports if miss]
     if blind:
         lines = [f"--output-dir {output_dir} is not one directory shared by every rank:"]

@@ -8,19 +8,32 @@ when the signal reached only one process.
 
 from __future__ import annotations
 
+import re
 import signal
 import types
 from dataclasses import dataclass
 
 import torch
 
+from stk.errors import InfraError
 from stk.log import get_logger
 
-__all__ = ["STOP_SIGNALS", "Agreement", "StopSignals", "agree", "is_gpu_error"]
+__all__ = ["STOP_SIGNALS", "Agreement", "StopSignals", "agree", "is_gpu_error", "is_peer_failure", "peer_failed"]
 
 log = get_logger("train.stop")
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+# What a collective raises when a peer rank died (its sockets closed or reset) or stopped answering
+# (the process group's timeout): gloo's transport messages, and NCCL's for a peer that exited.
+PEER_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Software caused connection abort",  # this rank's side of a connection to a peer torn down
+    "Broken pipe",
+    "Timed out waiting",
+    "remote process exited",
+    "Watchdog caught collective operation timeout",
+)
 
 
 class StopSignals:
@@ -67,6 +80,26 @@ def agree(stop: bool, fault: bool, loss: float, device: torch.device) -> Agreeme
         size = dist.get_world_size()
     stop_sum, fault_sum, loss_sum = values.tolist()
     return Agreement(stop=stop_sum > 0, fault=fault_sum > 0, loss=loss_sum / size)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective that failed because of another rank: it died, its socket was reset, or it did
+    not answer within the collective timeout. Checked before is_gpu_error: NCCL reports a dead
+    peer as an NCCL error, which is no fault of this rank's GPU."""
+    return isinstance(exc, (RuntimeError, ConnectionError)) and any(m in str(exc) for m in PEER_MARKERS)
+
+
+def peer_failed(exc: BaseException, rank: int, node: str, timeout_s: float) -> InfraError:
+    """The one line for a peer failure. This rank only knows that the peer went away: the peer's
+    own reason, if it lived to give one, is in its log lines."""
+    text = str(exc)
+    # gloo's "[.../pair.cc:598] Read error [addr]:port: Connection reset by peer. This is typically ..."
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]).split(". ")[0]
+    waited = f" (no answer within --collective-timeout {timeout_s:g} s)" if "Timed out" in text else ""
+    return InfraError(
+        f"rank {rank} on {node}: a peer rank failed, stopped answering or was cut off{waited}: {detail}; look "
+        "for its reason in its own log lines; rerun the same command to resume from the last checkpoint"
+    )
 
 
 def is_gpu_error(exc: BaseException) -> bool:

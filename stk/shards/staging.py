@@ -1,0 +1,138 @@
+"""A shard's staging file (`<run>-r<rank>-<seq>.h5.tmp`) from creation to removal.
+
+Two facts shape it. HDF5 cannot close a file once one of its writes has failed: the close
+flushes again, fails again, and the process crashes (h5py issue 914; measured with HDF5 2.0 on
+a full tmpfs: exit 139 instead of an error). So HDF5 writes through `StagedFile`, which keeps
+the first failure instead of raising it into HDF5 and skips later writes; the shard writer
+raises it after the sample and abandons the shard, and the HDF5 file closes cleanly.
+
+And a staging file is owned while its writer lives: `StagedFile` holds an exclusive flock on
+it until it is closed, which the kernel releases when the process dies however it dies. A later
+run removes `.h5.tmp` files nobody holds (`remove_stale`), never one a live run or rank is
+writing, even when several runs share one staging directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import os
+from typing import Any
+
+from stk.log import get_logger
+
+__all__ = ["STAGED_SUFFIX", "StagedFile", "remove_stale"]
+
+STAGED_SUFFIX = ".h5.tmp"
+
+log = get_logger("shards")
+
+
+def _create_locked(path: str) -> int:
+    """A new file at `path`, opened read-write and locked. A stale-file cleanup may have locked
+    and removed it between the open and the lock: then the inode we hold is not at `path` any
+    more, and we create it again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        os.close(fd)
+
+
+class StagedFile(io.RawIOBase):
+    """The file object HDF5 writes a shard through (h5py's file-object driver). `error` holds
+    the first failed write (an OSError naming the path); once set, writes are skipped."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.error: OSError | None = None
+        self._file = io.FileIO(_create_locked(path), "r+")
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        return self._file.readinto(buffer) or 0
+
+    def write(self, data: Any) -> int:
+        """Everything or nothing: h5py does not look at the count (a short write would be lost)."""
+        view = memoryview(data).cast("B")
+        done = 0
+        if self.error is None:
+            try:
+                while done < len(view):
+                    done += self._file.write(view[done:]) or 0
+            except OSError as exc:
+                self._fail(exc)
+        self._file.seek(len(view) - done, os.SEEK_CUR)
+        return len(view)
+
+    def truncate(self, size: int | None = None) -> int:
+        if self.error is None:
+            try:
+                return self._file.truncate(size)
+            except OSError as exc:
+                self._fail(exc)
+        return self.tell() if size is None else size
+
+    def sync(self) -> None:
+        """fsync, so that a shard listed later survives a crash of the node."""
+        if self.error is None:
+            try:
+                os.fsync(self._file.fileno())
+            except OSError as exc:
+                self._fail(exc)
+
+    def close(self) -> None:
+        """Close the file and give up its lock (a rename or upload should come first)."""
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+    def discard(self) -> None:
+        """Close and remove the file: an abandoned shard frees its space at once."""
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _fail(self, exc: OSError) -> None:
+        self.error = OSError(exc.errno, exc.strerror, self.path)
+
+
+def remove_stale(work_dir: str) -> None:
+    """Remove staging files in `work_dir` that no live writer holds: those of killed or failed
+    runs, which would otherwise fill the disk one shard per rank per failure."""
+    for name in sorted(os.listdir(work_dir)):
+        if not name.endswith(STAGED_SUFFIX):
+            continue
+        path = os.path.join(work_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # removed meanwhile by another rank's cleanup
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live run or rank is writing it
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                log.info("removed %s: left by an earlier run that did not finish", path)
+        finally:
+            os.close(fd)

@@ -1,0 +1,61 @@
+"""The cache belongs to its model: stk-train refuses a cache whose latents or text embeddings were
+made by another VAE or other text encoders than --model's. A cache of the same family made with
+other weights (another fine-tune, another release) trains without any error on inputs the model
+never produces, so the family check alone is not enough.
+
+stk-cache records its encoders' identity in the manifest (`Encoders.config()`: digests of each
+component's config and of an evenly strided sample of its weights, the VAE's scaling and shift
+factors, the tokenizers' vocabularies). The same identity is computed here from --model with the
+same code, on rank 0 only and on the CPU, in the dtype the cache recorded (the digests are of the
+loaded weights, so the dtype must match). That costs one load of the VAE and text encoders per
+run: seconds, up to a minute for Flux's T5 on a slow disk. `--force` skips it.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from stk.errors import InputError
+from stk.log import get_logger
+from stk.models.base import identity_differences
+from stk.train.data import CacheData
+from stk.train.options import TrainOptions
+from stk.train.plan import TrainPlan
+
+__all__ = ["check_cache_model"]
+
+log = get_logger("train")
+
+
+def check_cache_model(opts: TrainOptions, plan: TrainPlan) -> None:
+    """Raise InputError (exit 3) naming each component whose identity differs; nothing to do when
+    training from images, or with --force."""
+    if not isinstance(plan.data, CacheData):
+        return
+    if opts.force:
+        log.warning(
+            "--force: not checking that %s was made with the VAE and text encoders of %s", opts.cache, opts.model
+        )
+        return
+    recorded: Any = plan.data.manifest.config.get("model")
+    dtype = getattr(torch, str(recorded.get("vae", {}).get("dtype")), None) if isinstance(recorded, dict) else None
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(
+            f"{opts.cache}/manifest.json does not record the VAE and text encoders it was made with: "
+            "cache again with this stk-cache, or pass --force to train on it anyway"
+        )
+    from stk.models import load_encoders
+
+    encoders = load_encoders(opts.model, plan.family, device="cpu", dtype=dtype)
+    current = encoders.config()
+    del encoders
+    gc.collect()
+    differences = identity_differences(recorded, current)
+    if differences:
+        raise InputError(
+            f"{opts.cache} was made with other model components than {opts.model} ({'; '.join(differences)}): "
+            "cache with the model you train, or pass --force to train on this cache anyway"
+        )

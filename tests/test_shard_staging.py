@@ -1,0 +1,109 @@
+"""Staging files (stk.shards.staging): a later writer removes the .h5.tmp files of runs that died or failed, never one
+a live writer holds; and, through the real CLI with an S3 cache, a build whose ranks are killed mid-shard leaves its
+local staging files, which the next run removes before it completes (`stk-cache verify` clean)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import cache_command, cache_env, mpi_rank_pids, s3_client, scan_command, scan_env, summary_of
+from test_shards import Rank0, make_latent, make_text
+
+from stk.datagen import make_image
+from stk.models import Family, build_tiny_model
+from stk.shards import ShardWriter
+
+IMAGES = 120
+# Flux latents at 128 px with mean and logvar in float32: 32 KiB a sample, about 30 to a 1 MiB shard.
+CACHE_ARGS = ["--dtype", "float32", "--latents", "params", "--shard-size", "1", "--batch-size", "1", "--threads", "1"]
+
+
+def staged(work: Path) -> list[Path]:
+    return sorted(work.rglob("*.h5.tmp"))
+
+
+def test_a_new_writer_removes_dead_runs_staging_files_but_not_a_live_writers(tmp_path: Path) -> None:
+    cache, work = str(tmp_path / "cache"), tmp_path / "work"
+    live_rank0 = Rank0(cache)
+    live = ShardWriter(cache, str(work), "live-r00000", 1 << 30, live_rank0)
+    live.add_text(make_text(0, 5))  # its shard is open: live-r00000-00000.h5.tmp, locked
+    dead = work / "dead-r00000-00003.h5.tmp"  # what a killed run leaves: nobody holds it
+    dead.write_bytes(b"\0" * 4096)
+    other = work / "notes.txt"
+    other.write_text("not a staging file")
+    assert [p.name for p in staged(work)] == [dead.name, "live-r00000-00000.h5.tmp"]
+
+    ShardWriter(cache, str(work), "next-r00000", 1 << 30, Rank0(cache))
+    assert [p.name for p in staged(work)] == ["live-r00000-00000.h5.tmp"]
+    assert other.exists()
+
+    live.add_latent(make_latent(1))  # the live writer goes on and publishes its shard
+    live.close()
+    assert [info.name for info in live_rank0.infos] == ["live-r00000-00000.h5"]
+    assert staged(work) == []
+
+
+@pytest.mark.integration
+def test_killed_s3_build_leaves_staging_files_that_the_next_run_removes(
+    s3_server: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    data = tmp_path_factory.mktemp("data")
+    for i in range(IMAGES):
+        make_image(128, 128, seed=i).save(data / f"im{i:03d}.png")
+    scan = tmp_path / "scan"
+    scanned = subprocess.run(
+        scan_command([data, "--out", scan, "--resolution", "128", "--alignment", "16", "-q"]),
+        capture_output=True, text=True, env=scan_env(), timeout=120,
+    )  # fmt: skip
+    assert scanned.returncode == 0, scanned.stderr
+    model = build_tiny_model(Family.FLUX, str(tmp_path / "flux"))
+    bucket = f"stk-staging-{uuid.uuid4().hex[:10]}"
+    s3_client(s3_server).create_bucket(Bucket=bucket)
+    cache, work = f"s3://{bucket}/cache", tmp_path / "work"
+    args = [scan, "--model", model, "--out", cache, *CACHE_ARGS, "--s3-endpoint-url", s3_server]
+    env = {**cache_env(), "STK_CACHE_WORK_DIR": str(work)}
+
+    proc = subprocess.Popen(
+        cache_command(args, mpi=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while {p.parent.name for p in staged(work)} != {"rank00000", "rank00001"}:  # both ranks mid-shard
+            assert proc.poll() is None, f"the build ended before it could be killed: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no shard open on both ranks after 120 s"
+            time.sleep(0.01)
+        ranks = mpi_rank_pids(proc.pid, "stk.cli.cache")
+        assert sorted(ranks) == [0, 1], ranks
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode != 0
+    left = staged(work)
+    assert {p.parent.name for p in left} == {"rank00000", "rank00001"}, left
+
+    started = time.monotonic()
+    rerun = subprocess.run(cache_command(args, mpi=2), capture_output=True, text=True, env=env, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert time.monotonic() - started < 200
+    assert staged(work) == [], "the killed run's staging files are still there"
+    assert "left by an earlier run that did not finish" in rerun.stderr  # rank 0 says what it removed
+    summary = summary_of(rerun)
+    assert summary["encoded_images"] + summary["reused_images"] == IMAGES
+    verify = subprocess.run(
+        cache_command(["verify", cache, "--scan", scan, "--s3-endpoint-url", s3_server]),
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert verify.returncode == 0, verify.stderr
+    assert summary_of(verify)["ok"] is True
