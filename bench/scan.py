@@ -19,12 +19,17 @@ can be dropped (root, /proc/sys/vm/drop_caches writable), a cold pass is measure
 The dataset is a pool of distinct textured JPEG and PNG images of 512-4096 px sides (some with
 EXIF orientation 6), written as byte copies over sub-directories, each copy made unique by a
 JPEG COM segment or a PNG tEXt chunk. It is cached under --data and reused while complete.
+A second table takes one 3000x2000 file of every format stk reads (`--formats-only` runs just that
+part): microseconds per header read against a full decode of the same file, and the bytes the
+header read took against the file size.
+
 The script always exits 0: it is a report, and a missed target is printed as FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -46,7 +51,9 @@ import PIL
 import pyarrow.parquet as pq
 from PIL import Image, ImageChops, ImageOps
 
-from stk.datagen import save
+from stk.datagen import FORMAT_SAMPLES, FORMATS, save
+from stk.imageformats import open_image, ready_pillow
+from stk.imageinfo import read_header
 
 DATASET_VERSION = 1
 FILES_PER_DIR = 500
@@ -445,6 +452,57 @@ def report(results: Results, files: int, cannot_drop: str | None) -> None:
     print(f"page cache: warm rows after a warm-up pass; cold rows {cold}")
 
 
+class CountingFile(io.FileIO):
+    """A file that counts the bytes read through it."""
+
+    read_bytes = 0
+
+    def readinto(self, buffer: Any) -> int:  # type: ignore[override]
+        count = super().readinto(buffer) or 0
+        self.read_bytes += count
+        return count
+
+    def read(self, size: int = -1) -> bytes:
+        data = super().read(size)
+        self.read_bytes += len(data)
+        return data
+
+
+def per_format(root: Path, repeat: int) -> None:
+    """One file per format: header read against full decode, and bytes read against file size."""
+    root.mkdir(parents=True, exist_ok=True)
+    image = textured_image(3000, 2000, seed=5, grain=0.5)
+    files = {fmt: root / f"big{ext}" for fmt, ext in FORMATS.items()}
+    files.update({fmt: root / f"big{ext}" for fmt, (ext, _) in FORMAT_SAMPLES.items()})
+    ready_pillow()  # the HEIC and JPEG XL writers
+    for fmt, path in files.items():
+        if path.exists():
+            continue
+        if fmt in FORMATS:
+            save(image, str(path), fmt)
+        else:
+            image.save(path, fmt)
+    print(f"\nper format: one 3000x2000 file each, best of {repeat} runs")
+    columns = ("file KB", 9), ("header us", 10), ("decode us", 11), ("ratio", 8), ("read KB", 8), ("read %", 7)
+    print(f"{'format':<10}" + "".join(f" {name:>{width}}" for name, width in columns))
+    for fmt, path in files.items():
+        size = path.stat().st_size
+        header_s, decode_s, read = math.inf, math.inf, 0
+        for _ in range(repeat):
+            with CountingFile(path) as f:
+                started = time.perf_counter()
+                header = read_header(f, size)  # type: ignore[arg-type]
+                header_s = min(header_s, time.perf_counter() - started)
+                read = f.read_bytes
+            started = time.perf_counter()
+            with open(path, "rb") as f, open_image(f) as im:
+                decoded = ImageOps.exif_transpose(im).size
+            decode_s = min(decode_s, time.perf_counter() - started)
+        check = "" if decoded == (header.width, header.height) else f"  SIZE DIFFERS: {decoded}"
+        print(f"{fmt:<10} {size / 1e3:>9,.0f} {header_s * 1e6:>10,.0f} {decode_s * 1e6:>11,.0f} "
+              f"{decode_s / header_s:>7,.0f}x {read / 1e3:>8.1f} {100 * read / size:>6.2f}%{check}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -457,7 +515,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per warm measurement; the median is reported")
     parser.add_argument("--seed", type=int, default=0, help="seed of the dataset plan and of the sample")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2000 images, 100 sampled, 1 run each")
+    parser.add_argument("--formats-only", action="store_true", help="only the per-format table")
     args = parser.parse_args()
+    if args.formats_only:
+        per_format(args.data / "formats", args.repeat)
+        return
     if args.quick:
         args.images, args.sample, args.repeat = 2000, min(args.sample, 100), 1
 
@@ -479,6 +541,7 @@ def main() -> None:
     print(f"load average before: {load_average()}; other work on the machine slows every row\n", flush=True)
     results, cannot_drop = measure(source, paths, sample, args)
     report(results, len(paths), cannot_drop)
+    per_format(args.data / "formats", args.repeat)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,19 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image
 
-__all__ = ["FORMATS", "GeneratedImage", "generate_dataset", "make_image"]
+__all__ = [
+    "FORMATS",
+    "FORMAT_SAMPLES",
+    "FormatSample",
+    "GeneratedImage",
+    "generate_dataset",
+    "generate_format_samples",
+    "make_image",
+]
 
 FORMATS = {"JPEG": ".jpg", "PNG": ".png", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp", "TIFF": ".tif"}
 _ORIENTATION = 0x0112
@@ -74,4 +83,69 @@ def generate_dataset(
             with open(os.path.join(root, os.path.splitext(rel)[0] + ext), "w", encoding="utf-8") as f:
                 f.write(caption + "\n")
         made.append(GeneratedImage(rel, width, height, fmt, caption))
+    return made
+
+
+# Formats beyond the common six, each written with and without orientation transforms where the
+# format has them (AVIF/HEIC as irot/imir boxes, JPEG XL as an Exif box), and files whose
+# metadata is damaged but whose pixels decode.
+FORMAT_SAMPLES = {
+    "AVIF": (".avif", range(1, 9)),
+    "HEIF": (".heic", range(1, 9)),
+    "JXL": (".jxl", (1, 6, 3)),
+    "JPEG2000": (".jp2", (1,)),
+    "TGA": (".tga", (1,)),
+    "PPM": (".ppm", (1,)),
+}
+
+
+@dataclass(frozen=True)
+class FormatSample:
+    path: str  # relative to the root
+    width: int  # as a decode that applies the orientation shows it
+    height: int
+    format: str  # Pillow's name
+    verdict: str  # image | warning | error
+    kind: str | None = None  # the errors.jsonl kind, for warning and error
+
+
+def generate_format_samples(root: str, width: int = 72, height: int = 48) -> list[FormatSample]:
+    """One file per format and orientation, plus the variants (J2K codestream, RLE TGA, PGM, PBM),
+    damaged EXIF blocks, and formats stk does not train on; with what a scan must make of each."""
+    from stk.imageformats import ready_pillow
+
+    ready_pillow()
+    made: list[FormatSample] = []
+    image = make_image(width, height, seed=7)
+
+    def write(name: str, fmt: str, turned: bool = False, verdict: str = "image", kind: str | None = None,
+              pixels: Image.Image = image, save_as: str = "", **options: Any) -> None:  # fmt: skip
+        path = os.path.join(root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if fmt == "SVG":
+            with open(path, "w", encoding="utf-8") as f:
+                f.write('<svg xmlns="http://www.w3.org/2000/svg"/>')
+        else:
+            pixels.save(path, save_as or fmt, **options)
+        shown = (height, width) if turned else (width, height)
+        made.append(FormatSample(name, *shown, fmt, verdict, kind))
+
+    for fmt, (ext, orientations) in FORMAT_SAMPLES.items():
+        for orientation in orientations:
+            exif = Image.Exif()
+            exif[_ORIENTATION] = orientation
+            options: dict[str, Any] = {"exif": exif.tobytes()} if orientation != 1 else {}
+            write(f"{fmt.lower()}/o{orientation}{ext}", fmt, orientation >= 5, **options)
+    write("jpeg2000/codestream.j2k", "JPEG2000", no_jp2=True)
+    write("tga/rle.tga", "TGA", compression="tga_rle")
+    write("ppm/grey.pgm", "PPM", pixels=image.convert("L"))
+    write("ppm/bits.pbm", "PPM", pixels=image.convert("1"))
+    good = Image.Exif()
+    good[_ORIENTATION] = 6
+    cut = good.tobytes()[:-6]  # the IFD entry is cut short
+    garbage = b"Exif\x00\x00" + bytes(random.Random(3).randrange(256) for _ in range(40))
+    for name, raw in (("exif-cut.jpg", cut), ("exif-garbage.jpg", garbage)):
+        write(f"damaged/{name}", "JPEG", False, "warning", "exif_unreadable", exif=raw)
+    write("other/icon.ico", "ICO", False, "error", "unsupported_format")
+    write("other/vector.svg", "SVG", False, "error", "unsupported_format")
     return made

@@ -1,110 +1,120 @@
-"""Image size, format and EXIF orientation from the header alone, without decoding pixels.
+"""Image size, format and orientation from the header alone, without decoding pixels.
 
-Pillow's lazy `Image.open` reads only the header. Two details keep it header-only: EXIF is
-parsed from the bytes Pillow already holds (`getexif()` on a PNG would decode the image), and
-a truncated file is caught by looking at its last bytes (an end marker or a declared length)
-instead of decoding it.
+Pillow's lazy `Image.open` reads only the header of most formats; WebP, AVIF/HEIC and JPEG XL are
+read by stk.imageheaders, whose Pillow plugins would read the whole file. Two details keep the
+rest header-only: EXIF is parsed from the bytes Pillow already holds (`getexif()` on a PNG would
+decode the image), and a truncated file is caught by looking at its last bytes (an end marker or
+a declared length) instead of decoding it.
 """
 
 from __future__ import annotations
 
-import io
+import os
 import struct
-import warnings
-from dataclasses import dataclass
 from typing import BinaryIO
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageMode, UnidentifiedImageError
 
 from stk.errors import InfraError
-
-__all__ = [
-    "IMAGE_EXTENSIONS",
-    "SUPPORTED_FORMATS",
-    "ImageError",
-    "ImageHeader",
-    "is_image_name",
-    "read_header",
-]
-
-# Files with these extensions are treated as images; the ones Pillow cannot read or that stk
-# does not train on become error rows instead of being skipped silently.
-IMAGE_EXTENSIONS = frozenset(
-    [
-        ".jpg",
-        ".jpeg",
-        ".jpe",
-        ".jfif",
-        ".png",
-        ".webp",
-        ".gif",
-        ".bmp",
-        ".tif",
-        ".tiff",
-        ".heic",
-        ".heif",
-        ".avif",
-        ".jxl",
-        ".jp2",
-        ".ppm",
-        ".tga",
-    ]
+from stk.imageformats import ACCEPTED, EXTENSION_FORMATS, IMAGE_EXTENSIONS, open_image
+from stk.imageheaders import (
+    ORIENTATION_TAG,
+    SWAPS_AXES,
+    ExifUnreadable,
+    ImageError,
+    ImageHeader,
+    heif_header,
+    isobmff_truncation,
+    jxl_header,
+    orientation_from_exif,
+    webp_header,
 )
-SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
-_ORIENTATION_TAG = 0x0112
-_TIFF_WIDTH, _TIFF_LENGTH = 256, 257  # ImageWidth, ImageLength
-_SWAPS_AXES = frozenset({5, 6, 7, 8})
-_TAIL_BYTES = 32
 
-# stk enforces its own --max-pixels; Pillow's bomb check would otherwise raise on big headers.
-Image.MAX_IMAGE_PIXELS = None
-# Pillow warns about odd files (corrupt EXIF...); stk reports bad files itself. One filter for the
-# process: warnings.catch_warnings() per call is not thread-safe and leaks filters across threads.
-warnings.filterwarnings("ignore", module=r"PIL\.")
+__all__ = ["ImageError", "ImageHeader", "is_image_name", "read_header"]
+
+_TIFF_WIDTH, _TIFF_LENGTH = 256, 257  # ImageWidth, ImageLength
+_TAIL_BYTES = 32
+_AVIF_BRANDS = frozenset({b"avif", b"avis"})
+_HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"})
 
 
 def is_image_name(name: str) -> bool:
-    dot = name.rfind(".")
-    return dot >= 0 and name[dot:].lower() in IMAGE_EXTENSIONS
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-@dataclass(frozen=True)
-class ImageHeader:
-    width: int  # after EXIF orientation
-    height: int
-    format: str
-    orientation: int
-
-
-class ImageError(Exception):
-    """A file that cannot be used; `kind` is a short stable name for errors.jsonl."""
-
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
-
-
-def read_header(f: BinaryIO, size: int, max_pixels: int | None = None) -> ImageHeader:
-    """Probe an open, seekable file of `size` bytes. Raises ImageError for any unusable file."""
+def read_header(
+    f: BinaryIO, size: int, max_pixels: int | None = None, accepted: frozenset[str] = ACCEPTED, name: str = ""
+) -> ImageHeader:
+    """Probe an open, seekable file of `size` bytes (`name` for formats told by extension only).
+    Raises ImageError for any unusable file; damaged metadata is a `warning` on the header."""
     if size == 0:
         raise ImageError("empty", "empty file (0 bytes)")
     head = f.read(16)
     f.seek(0)
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return _checked(_webp_header(f, size), head, f, size, max_pixels)
     try:
-        im = Image.open(f)
-        fmt = str(im.format)
-        width, height = _stored_size(im)
-        orientation = _orientation(im)
-    except UnidentifiedImageError as exc:
-        raise ImageError("not_image", "not an image: content not recognised by Pillow") from exc
+        header = _own_header(f, head, size) or _pillow_header(f, name)
     except (SyntaxError, ValueError, EOFError, struct.error, OSError, IndexError, KeyError) as exc:
+        if isinstance(exc, InfraError):
+            raise
         raise ImageError("corrupt", f"corrupt or truncated header: {exc}") from exc
-    if fmt not in SUPPORTED_FORMATS:
-        raise ImageError("unsupported_format", f"unsupported format {fmt}")
-    return _checked(ImageHeader(width, height, fmt, orientation), head, f, size, max_pixels)
+    if header.format not in accepted:
+        allowed = "" if accepted == ACCEPTED else " (not in --formats)"
+        raise ImageError("unsupported_format", f"unsupported format {header.format}{allowed}")
+    return _checked(header, head, f, size, max_pixels)
+
+
+def _own_header(f: BinaryIO, head: bytes, size: int) -> ImageHeader | None:
+    """The formats stk.imageheaders reads; None for the rest."""
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return webp_header(f, size)
+    if head[4:8] == b"ftyp":
+        fmt = _isobmff_format(f, head)
+        return heif_header(f, size, fmt) if fmt else None
+    if head[:2] == b"\xff\x0a" or head[:12] == b"\x00\x00\x00\x0cJXL \r\n\x87\n":
+        return jxl_header(f, size)
+    return None
+
+
+def _isobmff_format(f: BinaryIO, head: bytes) -> str | None:
+    """AVIF or HEIF by the `ftyp` brands (an AVIF may name `mif1` first and `avif` among the
+    compatible ones); None for other ISOBMFF files."""
+    length = int.from_bytes(head[:4], "big")
+    f.seek(8)
+    brands = f.read(min(max(length - 8, 0), 256))
+    f.seek(0)
+    names = {brands[:4]} | {brands[i : i + 4] for i in range(8, len(brands) - 3, 4)}  # 4..8: the minor version
+    if names & _AVIF_BRANDS:
+        return "AVIF"
+    return "HEIF" if names & _HEIF_BRANDS else None
+
+
+def _pillow_header(f: BinaryIO, name: str) -> ImageHeader:
+    try:
+        im = open_image(f)
+    except UnidentifiedImageError as exc:
+        fmt = EXTENSION_FORMATS.get(os.path.splitext(name)[1].lower())
+        if fmt:
+            raise ImageError("unsupported_format", f"unsupported format {fmt}") from exc
+        raise ImageError("not_image", "not an image: content not recognised by Pillow") from exc
+    width, height = _stored_size(im)
+    orientation, warning = 1, None
+    try:
+        orientation = _orientation(im)
+    except ExifUnreadable as exc:
+        warning = exc.warning()
+    return ImageHeader(width, height, str(im.format), orientation, warning, _raw_bytes(im))
+
+
+def _raw_bytes(im: ImageFile.ImageFile) -> int:
+    """Where the pixels of an uncompressed image (PNM, plain TGA) end, by its header; 0 for others.
+    An estimate from above at worst (a 16-bit TGA counted as 24): that only costs a full decode."""
+    tile = im.tile[0] if len(im.tile) == 1 else None
+    if tile is None or tile.codec_name != "raw" or not tile.args or not tile.extents:
+        return 0
+    rawmode = tile.args if isinstance(tile.args, str) else tile.args[0]
+    bits = 1 if im.mode == "1" else 8 * len(ImageMode.getmode(im.mode).bands) * (2 if "16" in rawmode else 1)
+    width, height = tile.extents[2] - tile.extents[0], tile.extents[3] - tile.extents[1]
+    return tile.offset + (width * bits + 7) // 8 * height
 
 
 def _checked(header: ImageHeader, head: bytes, f: BinaryIO, size: int, max_pixels: int | None) -> ImageHeader:
@@ -118,68 +128,12 @@ def _checked(header: ImageHeader, head: bytes, f: BinaryIO, size: int, max_pixel
         )
     f.seek(max(size - _TAIL_BYTES, 0))
     tail = f.read(_TAIL_BYTES)
-    problem = _truncation(fmt, head, tail, size)
+    problem = _truncation(header, head, tail, size, f)
     if problem and not _decodes(f):
         raise ImageError("truncated", f"truncated {fmt}: {problem}")
-    if orientation in _SWAPS_AXES:
+    if orientation in SWAPS_AXES:
         width, height = height, width
-    return ImageHeader(width, height, fmt, orientation)
-
-
-def _webp_header(f: BinaryIO, size: int) -> ImageHeader:
-    """Size and orientation from a WebP's RIFF chunks, seeking past the bitstream.
-
-    Pillow's WebP plugin reads the whole file before it reports a size (one full download
-    per image on S3); the header fields are few and fixed (RFC 9649), so they are read here."""
-    width = height = 0
-    orientation, pos, wants_exif = 1, 12, False
-    while pos + 8 <= size:
-        f.seek(pos)
-        chunk = f.read(8)
-        if len(chunk) < 8:
-            break
-        fourcc, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
-        if fourcc == b"VP8X":
-            data = f.read(10)
-            if len(data) < 10:
-                break
-            wants_exif = bool(data[0] & 0x08)
-            width = 1 + int.from_bytes(data[4:7], "little")
-            height = 1 + int.from_bytes(data[7:10], "little")
-        elif fourcc == b"VP8 " and not width:
-            data = f.read(10)
-            if len(data) < 10 or data[3:6] != b"\x9d\x01\x2a":
-                raise ImageError("corrupt", "corrupt or truncated header: bad VP8 start code")
-            width = struct.unpack("<H", data[6:8])[0] & 0x3FFF
-            height = struct.unpack("<H", data[8:10])[0] & 0x3FFF
-        elif fourcc == b"VP8L" and not width:
-            data = f.read(5)
-            if len(data) < 5 or data[0] != 0x2F:
-                raise ImageError("corrupt", "corrupt or truncated header: bad VP8L signature")
-            bits = int.from_bytes(data[1:5], "little")
-            width, height = (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
-        elif fourcc == b"EXIF":
-            exif = Image.Exif()
-            try:
-                exif.load(f.read(length))
-            except (SyntaxError, ValueError, struct.error, OSError, KeyError, IndexError):
-                break  # unreadable EXIF: no orientation, as with other formats
-            orientation = _valid_orientation(exif.get(_ORIENTATION_TAG, 1))
-            break
-        if width and not wants_exif:
-            break
-        pos += 8 + length + (length & 1)
-    if not width:
-        raise ImageError("corrupt", "corrupt or truncated header: no WebP image chunk")
-    return ImageHeader(width, height, "WEBP", orientation)
-
-
-def _valid_orientation(value: object) -> int:
-    try:
-        number = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        return 1
-    return number if 1 <= number <= 8 else 1
+    return ImageHeader(width, height, fmt, orientation, header.warning)
 
 
 def _stored_size(im: Image.Image) -> tuple[int, int]:
@@ -192,16 +146,12 @@ def _stored_size(im: Image.Image) -> tuple[int, int]:
 
 
 def _orientation(im: Image.Image) -> int:
+    """EXIF orientation from the tags or the EXIF block Pillow read with the header."""
     if im.format == "TIFF":
-        value = im.tag_v2.get(_ORIENTATION_TAG, 1)  # type: ignore[attr-defined]
-    else:
-        raw = im.info.get("exif")
-        if not raw:
-            return 1
-        exif = Image.Exif()
-        exif.load(raw)
-        value = exif.get(_ORIENTATION_TAG, 1)
-    return _valid_orientation(value)
+        value = im.tag_v2.get(ORIENTATION_TAG, 1)  # type: ignore[attr-defined]
+        return int(value) if isinstance(value, int) and 1 <= value <= 8 else 1
+    raw = im.info.get("exif")
+    return orientation_from_exif(raw) if raw else 1
 
 
 def _decodes(f: BinaryIO) -> bool:
@@ -209,7 +159,7 @@ def _decodes(f: BinaryIO) -> bool:
     (data after the end marker, as in phone "motion photos", is whole; a cut file is not)."""
     f.seek(0)
     try:
-        with Image.open(f) as im:
+        with open_image(f) as im:
             im.load()
     except InfraError:  # the storage failed while Pillow read, not the image
         raise
@@ -218,13 +168,16 @@ def _decodes(f: BinaryIO) -> bool:
     return True
 
 
-def _truncation(fmt: str, head: bytes, tail: bytes, size: int) -> str | None:
+def _truncation(header: ImageHeader, head: bytes, tail: bytes, size: int, f: BinaryIO) -> str | None:
     """Why the file may be cut short, from its first and last bytes; None if it looks whole.
 
-    TIFF has no end marker and is not checked."""
+    TIFF, a bare JPEG XL codestream and compressed TGA have no end marker and are not checked."""
+    fmt = header.format
     trimmed = tail.rstrip(b"\x00")  # some writers pad after the end marker
     if fmt in ("JPEG", "MPO") and not trimmed.endswith(b"\xff\xd9"):
         return "no end-of-image marker (FF D9)"
+    if fmt == "JPEG2000" and not trimmed.endswith(b"\xff\xd9"):
+        return "no end-of-codestream marker (FF D9)"
     if fmt == "PNG" and not tail.endswith(b"IEND\xaeB`\x82"):
         return "does not end with an IEND chunk"
     if fmt == "GIF" and not trimmed.endswith(b";"):
@@ -237,9 +190,8 @@ def _truncation(fmt: str, head: bytes, tail: bytes, size: int) -> str | None:
         declared = struct.unpack("<I", head[2:6])[0]
         if declared > size:
             return f"header declares {declared} bytes, file has {size}"
+    if fmt in ("AVIF", "HEIF") or (fmt == "JXL" and head[4:8] == b"JXL "):
+        return isobmff_truncation(f, size, fmt)
+    if header.min_bytes > size:
+        return f"header declares at least {header.min_bytes} bytes, file has {size}"
     return None
-
-
-def read_header_bytes(data: bytes, max_pixels: int | None = None) -> ImageHeader:
-    """read_header for bytes already in memory (tests, tables)."""
-    return read_header(io.BytesIO(data), len(data), max_pixels)

@@ -11,7 +11,6 @@ import enum
 import hashlib
 import math
 import random
-import warnings
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -19,12 +18,10 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from stk.errors import InfraError
+from stk.imageformats import open_image
+from stk.imageheaders import EXIF_ERRORS, ORIENTATION_TAG, SWAPS_AXES
 
 __all__ = ["CropMode", "PreprocessError", "Preprocessed", "preprocess"]
-
-warnings.filterwarnings("ignore", module=r"PIL\.")  # as in imageinfo: stk reports bad files itself
-_ORIENTATION_TAG = 0x0112
-_SWAPS_AXES = frozenset({5, 6, 7, 8})
 
 
 class CropMode(str, enum.Enum):
@@ -50,17 +47,27 @@ def _crop_offsets(excess_h: int, excess_w: int, mode: CropMode, seed: str) -> tu
     return rng.randint(0, excess_h), rng.randint(0, excess_w)
 
 
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation; 1 for an EXIF block that cannot be read, as the scan assumed."""
+    try:
+        value = image.getexif().get(ORIENTATION_TAG, 1)
+    except EXIF_ERRORS:
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
 def preprocess(f: BinaryIO, bucket_width: int, bucket_height: int, crop: CropMode, seed: str) -> Preprocessed:
     """Decode `f` and fit it to the bucket. Raises PreprocessError for any undecodable image."""
     try:
-        source = Image.open(f)
+        source = open_image(f)
         width, height = source.size
-        if source.getexif().get(_ORIENTATION_TAG, 1) in _SWAPS_AXES:
+        orientation = _orientation(source)
+        if orientation in SWAPS_AXES:
             width, height = height, width
         scale = max(bucket_width / width, bucket_height / height)
         # JPEG: let libjpeg decode at a reduced scale that still covers the bucket (much faster)
         source.draft("RGB", (math.ceil(source.width * scale), math.ceil(source.height * scale)))
-        im = ImageOps.exif_transpose(source).convert("RGB")
+        im = (ImageOps.exif_transpose(source) if orientation != 1 else source).convert("RGB")
     except InfraError:  # the storage failed while Pillow read, not the image
         raise
     except Exception as exc:  # Pillow raises many types for bad data; all mean "cannot decode"

@@ -72,8 +72,8 @@ def corpus(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     (bad / "notes.png").write_text("this is a text file with an image extension\n" * 5)
     expected["bad/notes.png"] = "not_image"
 
-    make_image(32, 32).save(bad / "pixmap.jpg", "PPM")  # Pillow reads PPM; stk does not train on it
-    expected["bad/pixmap.jpg"] = "unsupported_format"
+    make_image(32, 32).save(bad / "icon.jpg", "ICO")  # Pillow reads ICO; stk does not train on it
+    expected["bad/icon.jpg"] = "unsupported_format"
 
     _save_png(bad / "huge.png", 300, 300)  # 90,000 pixels > --max-pixels 20000
     (bad / "huge.txt").write_text("huge\n")

@@ -58,7 +58,7 @@ def test_two_ranks_give_the_same_outputs_as_one(tmp_path: Path, run_scan: RunSca
     buffer = io.BytesIO()
     make_image(256, 256, seed=1).save(buffer, "JPEG", quality=90)
     (root / "bad" / "cut.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-    make_image(32, 32).save(root / "bad" / "pixmap.png", "PPM")
+    make_image(32, 32).save(root / "bad" / "icon.png", "ICO")
 
     args = ["--gpus", "1", "--max-errors", "100", "--threads", "2", "--commit-every", "7"]
     one = run_scan([root, "--out", tmp_path / "one", *args])

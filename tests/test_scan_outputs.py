@@ -48,6 +48,8 @@ def image(path: str, width: int, height: int, **extra: Any) -> Record:
         "fingerprint": f"fp-{path}",
         "kind": None,
         "reason": None,
+        "warning_kind": None,
+        "warning": None,
     }
     record.update(extra)
     assert set(record) == set(RECORD_SCHEMA.names)
@@ -102,8 +104,9 @@ def test_duplicate_path_keeps_the_later_record() -> None:
         ("c.jpg", "caption of c.jpg", 120),
     ]
     assert out.errors == [
-        {"path": "b.jpg", "location": "/data/b.jpg", "kind": "truncated", "reason": "truncated reason"}
-    ]
+        {"path": "b.jpg", "location": "/data/b.jpg", "kind": "truncated", "reason": "truncated reason",
+         "severity": "error"}
+    ]  # fmt: skip
     assert out.error_kinds == {"truncated": 1}
     assert out.faults == 1
 
@@ -140,7 +143,23 @@ def test_filtered_images_are_skipped_not_faults() -> None:
     assert out.skipped == 3
     assert out.faults == 3
     assert [e["path"] for e in out.errors] == sorted(e["path"] for e in out.errors)
-    assert all(set(e) == {"path", "location", "kind", "reason"} for e in out.errors)
+    assert all(set(e) == {"path", "location", "kind", "reason", "severity"} for e in out.errors)
+    assert {e["severity"] for e in out.errors} == {"error"}  # filtered out or bad: not in the table
+
+
+def test_damaged_metadata_keeps_the_image_and_adds_a_warning_row() -> None:
+    records = [
+        image("a.jpg", 300, 300, warning_kind="exif_unreadable", warning="unreadable EXIF block (x)"),
+        error("b.jpg", "corrupt"),
+        image("c.jpg", 10, 300, warning_kind="exif_unreadable", warning="unreadable EXIF block (y)"),  # filtered
+    ]
+    out = assemble(records, BUCKETS_256, Filters(min_size=50), 1, 1)
+    assert [r["path"] for r in out.rows] == ["a.jpg"]
+    assert [(e["path"], e["kind"], e["severity"]) for e in out.errors] == [
+        ("a.jpg", "exif_unreadable", "warning"), ("b.jpg", "corrupt", "error"), ("c.jpg", "too_small", "error"),
+    ]  # fmt: skip
+    assert out.warning_kinds == {"exif_unreadable": 1} and out.warnings == 1
+    assert out.fault_kinds == {"corrupt": 1}  # what --max-errors counts: not the warning
 
 
 def test_assemble_does_not_change_its_input() -> None:
@@ -203,7 +222,8 @@ def test_write_outputs(tmp_path: Path) -> None:
     assert table.column("bucket").to_pylist() == [bucket_of(512, 256).id, bucket_of(256, 256).id]
     assert "kind" not in table.column_names
     errors = [json.loads(line) for line in (tmp_path / ERRORS).read_text().splitlines()]
-    assert errors == [{"path": "c.jpg", "location": "/data/c.jpg", "kind": "corrupt", "reason": "corrupt reason"}]
+    assert errors == [{"path": "c.jpg", "location": "/data/c.jpg", "kind": "corrupt", "reason": "corrupt reason",
+                       "severity": "error"}]  # fmt: skip
     assert json.loads((tmp_path / BUCKETS).read_text()) == doc
     assert json.loads((tmp_path / SUMMARY).read_text()) == {"files": 3}
 

@@ -11,10 +11,12 @@ from stk.buckets import BucketSpec, ResolutionType
 from stk.captions import MissingCaption
 from stk.cli.common import CONTEXT, common_options, max_errors_option, run_command
 from stk.errors import InputError
+from stk.imageformats import FORMAT_NAMES, accepted_formats
 from stk.metadata import to_json_lines
 from stk.scan import ScanOptions, run_scan
+from stk.scan.gpus import training_gpus
 from stk.scan.probe import ProbeOptions
-from stk.world import World, slurm_gpu_count
+from stk.world import World
 
 EPILOG = """\b
 Examples:
@@ -77,6 +79,13 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
     help="Images whose header declares more pixels are errors.",
 )
 @click.option(
+    "--formats",
+    default=None,
+    show_envvar=True,
+    help=f"Accept only these formats, a comma list of {','.join(FORMAT_NAMES)} [default: all of them]; "
+    "the others become unsupported_format rows.",
+)
+@click.option(
     "--missing-caption",
     type=click.Choice([m.value for m in MissingCaption]),
     default="filename",
@@ -127,7 +136,7 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
     default=None,
     type=click.IntRange(1),
     show_envvar=True,
-    help="GPUs in the training job [default: the Slurm allocation, else the number of ranks].",
+    help="GPUs in the training job [default: the Slurm allocation, else this node's GPUs (NVML), else 1].",
 )
 @click.option("--grad-accum", default=1, type=click.IntRange(1), show_envvar=True, help="Gradient accumulation steps.")
 @click.option(
@@ -156,6 +165,7 @@ def main(
     threads: int,
     commit_every: int,
     max_pixels: int,
+    formats: str | None,
     missing_caption: str,
     resolution: float,
     resolution_type: str,
@@ -183,6 +193,10 @@ def main(
     rank of the job.
     """
     mapping = _columns(column)
+    try:
+        accepted = accepted_formats(formats)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--formats") from None
     spec = BucketSpec(resolution, ResolutionType(resolution_type), alignment, min_aspect, max_aspect)
 
     def body(world: World) -> int:
@@ -191,6 +205,7 @@ def main(
         except ValueError as exc:
             raise InputError(str(exc)) from exc
         stdin_lines = sys.stdin.read().splitlines() if source == "-" and world.is_root else None
+        training, training_from = training_gpus(gpus)
         opts = ScanOptions(
             source=source,
             out_dir=out,
@@ -200,11 +215,12 @@ def main(
             full=full,
             threads=threads,
             commit_every=commit_every,
-            probe=ProbeOptions(max_pixels, MissingCaption(missing_caption)),
+            probe=ProbeOptions(max_pixels, MissingCaption(missing_caption), accepted),
             buckets=spec,
             min_size=min_size,
             batch_size=batch_size,
-            gpus=gpus or slurm_gpu_count() or world.size,
+            gpus=training,
+            gpus_from=training_from,
             grad_accum=grad_accum,
             repeats=repeats,
             oversubscribe=allow_oversubscription,

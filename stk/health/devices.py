@@ -23,6 +23,7 @@ __all__ = [
     "NvmlFailed",
     "ScriptedBackend",
     "backend_from_env",
+    "node_gpu_count",
 ]
 
 SCRIPT_ENV = "STK_HEALTH_SCRIPT"
@@ -47,6 +48,10 @@ class NvmlFailed(Exception):
 class DeviceBackend(Protocol):
     def sample(self) -> list[GpuSample]:
         """One reading of every GPU on the node; raises NoDriver where there is no driver."""
+        ...
+
+    def gpu_count(self) -> int:
+        """How many GPUs the node has, reading nothing else; raises NoDriver or NvmlFailed."""
         ...
 
 
@@ -78,6 +83,14 @@ class NvmlBackend:
             self._watch_xids(indices)
         xids = self._drain_xids()
         return [self._sample_one(index, xids.get(index, ())) for index in indices]
+
+    def gpu_count(self) -> int:
+        nvml = self._nvml
+        self._start()
+        try:
+            return int(nvml.nvmlDeviceGetCount())
+        except nvml.NVMLError as exc:
+            raise NvmlFailed(f"nvmlDeviceGetCount: {exc}") from exc
 
     def _start(self) -> None:
         """nvmlInit, once per backend; NoDriver where there is no driver at all."""
@@ -224,6 +237,11 @@ class ScriptedBackend:
         temp.replace(self.position_path)
         return samples
 
+    def gpu_count(self) -> int:
+        """The GPUs of the current run, without moving on to the next."""
+        runs = self._runs()
+        return len(runs[min(self._position(), len(runs) - 1)])
+
     def _runs(self) -> list[list[dict[str, Any]]]:
         try:
             runs = json.loads(self.path.read_text())
@@ -242,6 +260,14 @@ class ScriptedBackend:
             return 0
         except ValueError as exc:
             raise InputError(f"{self.position_path}: not a run number") from exc
+
+
+def node_gpu_count() -> int | None:
+    """GPUs on this node by NVML (or the test script); None where there is no driver or NVML fails."""
+    try:
+        return backend_from_env().gpu_count()
+    except (NoDriver, NvmlFailed):
+        return None
 
 
 def backend_from_env(environ: dict[str, str] | None = None, devices: Collection[int] | None = None) -> DeviceBackend:

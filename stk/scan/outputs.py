@@ -56,6 +56,7 @@ class Assembled:
     counts: dict[int, int]
     check: BatchCheck
     error_kinds: dict[str, int] = field(default_factory=dict)
+    warning_kinds: dict[str, int] = field(default_factory=dict)  # on images that were kept
     latest: list[Record] = field(default_factory=list)  # one record per path, as probed (for reuse)
 
     @property
@@ -66,6 +67,10 @@ class Assembled:
     @property
     def faults(self) -> int:
         return sum(self.fault_kinds.values())
+
+    @property
+    def warnings(self) -> int:
+        return sum(self.warning_kinds.values())
 
     @property
     def skipped(self) -> int:
@@ -86,8 +91,14 @@ def _filter_reason(rec: Record, filters: Filters) -> tuple[str, str] | None:
 
 
 def _error_row(rec: Record) -> Record:
-    """What errors.jsonl keeps of a failed or skipped record."""
-    return {k: rec[k] for k in ("path", "location", "kind", "reason")}
+    """What errors.jsonl keeps of a failed or skipped record: the image is not in the table."""
+    return {**{k: rec[k] for k in ("path", "location", "kind", "reason")}, "severity": "error"}
+
+
+def _warning_row(rec: Record) -> Record:
+    """What errors.jsonl keeps of an image kept in the table despite damaged metadata."""
+    return {"path": rec["path"], "location": rec["location"], "kind": rec["warning_kind"], "reason": rec["warning"],
+            "severity": "warning"}  # fmt: skip
 
 
 def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, effective: int, repeats: int) -> Assembled:
@@ -104,6 +115,7 @@ def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, eff
     index = BucketIndex(buckets)
     rows: list[Record] = []
     errors: list[Record] = []
+    warnings: list[Record] = []
     for path in sorted(by_path):
         rec = dict(by_path[path])
         if rec["kind"] is None:
@@ -116,13 +128,19 @@ def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, eff
         bucket = index.nearest(rec["width"], rec["height"])
         rec.update(filename=path, bucket=bucket.id, bucket_width=bucket.width, bucket_height=bucket.height)
         rows.append(rec)
+        if rec["warning_kind"] is not None:
+            warnings.append(_warning_row(rec))
     errors.extend(_error_row(rec) for rec in relisted)
+    kinds = Counter(e["kind"] for e in errors)
+    warning_kinds = Counter(w["kind"] for w in warnings)
+    errors.extend(warnings)
     errors.sort(key=lambda e: e["path"])  # stable: a path's own error stays before its repeats
     counts = Counter(r["bucket"] for r in rows)
     check = check_batches(dict(counts), buckets, effective, repeats)
-    kinds = Counter(e["kind"] for e in errors)
     latest = [by_path[path] for path in sorted(by_path)]
-    return Assembled(rows, errors, dict(counts), check, dict(sorted(kinds.items())), latest)
+    return Assembled(
+        rows, errors, dict(counts), check, dict(sorted(kinds.items())), dict(sorted(warning_kinds.items())), latest
+    )
 
 
 def buckets_document(

@@ -43,6 +43,7 @@ class ScanOptions:
     min_size: int = 0
     batch_size: int = 1
     gpus: int = 1
+    gpus_from: str = "default"  # where `gpus` came from: option | slurm | nvml | default
     grad_accum: int = 1
     repeats: int = 1
     oversubscribe: bool = False
@@ -57,12 +58,16 @@ class ScanSummary:
     files: int
     images: int
     errors: int
+    warnings: int  # images kept despite damaged metadata (errors.jsonl rows with severity warning)
     skipped: int
     error_kinds: dict[str, int]
+    warning_kinds: dict[str, int]
     reused: int
     scanned: int
     buckets: int
     effective_batch_size: int
+    gpus: int
+    gpus_from: str
     short_buckets: int
     ranks: int
     seconds: float
@@ -70,7 +75,8 @@ class ScanSummary:
 
     def line(self) -> str:
         return (
-            f"{self.files} files: {self.images} images, {self.errors} errors, {self.skipped} skipped, "
+            f"{self.files} files: {self.images} images, {self.errors} errors, {self.warnings} warnings, "
+            f"{self.skipped} skipped, "
             f"{self.buckets} buckets used; {self.scanned} scanned + {self.reused} reused in {self.seconds:.1f} s "
             f"({self.images_per_second:.0f}/s on {self.ranks} rank(s))"
         )
@@ -212,12 +218,16 @@ def _finish(
         files=files,
         images=len(assembled.rows),
         errors=assembled.faults,
+        warnings=assembled.warnings,
         skipped=assembled.skipped,
         error_kinds=assembled.error_kinds,
+        warning_kinds=assembled.warning_kinds,
         reused=files - scanned,
         scanned=scanned,
         buckets=len(assembled.counts),
         effective_batch_size=effective,
+        gpus=opts.gpus,
+        gpus_from=opts.gpus_from,
         short_buckets=len(assembled.check.short),
         ranks=world.size,
         seconds=round(seconds, 3),

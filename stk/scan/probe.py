@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stk import storage
 from stk.captions import (
@@ -13,6 +13,7 @@ from stk.captions import (
     decode_caption,
     sidecar_stem,
 )
+from stk.imageformats import ACCEPTED
 from stk.imageinfo import ImageError, read_header
 from stk.scan.candidates import Candidate
 from stk.scan.records import Record, error_record
@@ -24,10 +25,13 @@ __all__ = ["ProbeOptions", "probe"]
 class ProbeOptions:
     max_pixels: int | None = 178_956_970
     missing_caption: MissingCaption = MissingCaption.FILENAME
+    formats: frozenset[str] = field(default=ACCEPTED)  # Pillow format names (--formats)
 
     def settings_key(self) -> str:
-        """Records made under other settings would differ: they are not reused."""
-        return f"max_pixels={self.max_pixels};missing_caption={self.missing_caption.value}"
+        """Records made under other settings, or by a reader that knew fewer formats, would
+        differ: they are not reused."""
+        formats = ",".join(sorted(self.formats))
+        return f"max_pixels={self.max_pixels};missing_caption={self.missing_caption.value};formats={formats}"
 
 
 def _find_sidecar(location: str) -> str | None:
@@ -62,11 +66,11 @@ def probe(cand: Candidate, opts: ProbeOptions) -> Record:
         return error_record(cand.path, cand.location, fp, cand.error_kind, cand.error or cand.error_kind)
     try:
         if cand.width and cand.height:
-            width, height, fmt = cand.width, cand.height, None
+            width, height, fmt, warning = cand.width, cand.height, None, None
         else:
             with storage.open_read(cand.location, cand.size) as f:
-                header = read_header(f, cand.size, opts.max_pixels)
-            width, height, fmt = header.width, header.height, header.format
+                header = read_header(f, cand.size, opts.max_pixels, opts.formats, cand.path)
+            width, height, fmt, warning = header.width, header.height, header.format, header.warning
     except ImageError as exc:
         return error_record(cand.path, cand.location, fp, exc.kind, exc.reason)
     except FileNotFoundError:
@@ -94,4 +98,6 @@ def probe(cand: Candidate, opts: ProbeOptions) -> Record:
         "fingerprint": fp,
         "kind": None,
         "reason": None,
+        "warning_kind": warning.kind if warning else None,
+        "warning": warning.reason if warning else None,
     }

@@ -29,6 +29,8 @@ RECORD_SCHEMA = pa.schema(
         ("fingerprint", pa.string()),
         ("kind", pa.string()),  # error kind; null for a good image
         ("reason", pa.string()),
+        ("warning_kind", pa.string()),  # damaged metadata on a good image (exif_unreadable)
+        ("warning", pa.string()),
     ]
 )
 
