@@ -1,6 +1,7 @@
 """`make demo`: the main job on a built-in default, so a new user sees stk work in a minute.
 
-Generates a small mixed dataset (every format, rotated photos, captions, one broken file) and
+Generates a small mixed dataset (every format stk reads, rotated photos, captions, a broken file,
+a damaged EXIF block, formats stk does not train on) and
 a tiny random-weight SDXL-like model, then runs the pipeline with 2 MPI ranks exactly as a
 cluster job would: stk-scan, stk-cache, then stk-train (DeepSpeed ZeRO-2 on the CPU).
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 import click
 
-from stk.datagen import generate_dataset
+from stk.datagen import generate_dataset, generate_format_samples
 from stk.models import Family, build_tiny_model
 
 
@@ -45,10 +46,15 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
     data, scan, cache, run = (os.path.join(workdir, name) for name in ("images", "scan", "cache", "run"))
     generate_dataset(data, images)
+    formats = generate_format_samples(os.path.join(data, "formats"))  # AVIF, HEIC, JPEG XL, JPEG 2000, ...
     with open(os.path.join(data, "broken.jpg"), "wb") as f:
         f.write(b"not really a jpeg")
     model = build_tiny_model(Family.SDXL, os.path.join(workdir, "tiny-sdxl"))
-    click.echo(f"generated {images} images (+1 broken file) in {data} and a tiny SDXL model in {model}", err=True)
+    click.echo(
+        f"generated {images} images, {len(formats)} more in every other format (+1 broken file) in {data} "
+        f"and a tiny SDXL model in {model}",
+        err=True,
+    )
 
     scanned = _run(
         ranks,
@@ -65,7 +71,8 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
     )  # fmt: skip
     click.echo(
         f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images in "
-        f"{scanned['buckets']} buckets, {scanned['errors']} error(s) -> {scan}/metadata.parquet\n"
+        f"{scanned['buckets']} buckets, {scanned['errors']} error(s), {scanned['warnings']} warning(s) "
+        f"-> {scan}/metadata.parquet; why: {scan}/errors.jsonl\n"
         f"cache: {cached['encoded_images']} latents and {cached['encoded_captions']} caption embeddings in "
         f"{cached['shards_written']} shard(s) -> {cache}/manifest.json\n"
         f"train: {trained['steps']} steps on {ranks} ranks, last loss {trained['loss']:.4f}, "

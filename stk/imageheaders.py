@@ -17,7 +17,6 @@ from typing import BinaryIO
 from PIL import Image
 
 __all__ = [
-    "EXIF_ERRORS",
     "ORIENTATION_TAG",
     "SWAPS_AXES",
     "ExifUnreadable",
@@ -25,6 +24,7 @@ __all__ = [
     "ImageHeader",
     "MetadataWarning",
     "heif_header",
+    "image_orientation",
     "isobmff_truncation",
     "jxl_header",
     "orientation_from_exif",
@@ -33,7 +33,7 @@ __all__ = [
 
 ORIENTATION_TAG = 0x0112
 SWAPS_AXES = frozenset({5, 6, 7, 8})  # orientations that turn the image a quarter
-EXIF_ERRORS = (SyntaxError, ValueError, struct.error, OSError, KeyError, IndexError, TypeError)
+_EXIF_ERRORS = (SyntaxError, ValueError, struct.error, OSError, KeyError, IndexError, TypeError)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def orientation_from_exif(raw: bytes) -> int:
     try:
         exif.load(tiff)
         value = exif.get(ORIENTATION_TAG, 1)
-    except EXIF_ERRORS as exc:
+    except _EXIF_ERRORS as exc:
         problem = problem or f"{exc or type(exc).__name__}"
     if problem:
         raise ExifUnreadable(f"unreadable EXIF block ({problem}): orientation 1 assumed")
@@ -111,6 +111,16 @@ def _ifd0_problem(tiff: bytes) -> str | None:
         if size > 4 and struct.unpack(order + "I", value)[0] + size > len(tiff):
             return f"a value runs past the end of its {len(tiff)} bytes"
     return None
+
+
+def image_orientation(image: Image.Image) -> int:
+    """The orientation of an image Pillow has opened, from what it read with the header: a TIFF's
+    tag or the EXIF block (never `getexif()`, which decodes a PNG); raises ExifUnreadable."""
+    if image.format == "TIFF":
+        value = image.tag_v2.get(ORIENTATION_TAG, 1)  # type: ignore[attr-defined]
+        return int(value) if isinstance(value, int) and 1 <= value <= 8 else 1
+    raw = image.info.get("exif")
+    return orientation_from_exif(raw) if raw else 1
 
 
 def _corrupt(what: str) -> ImageError:

@@ -18,15 +18,14 @@ from PIL import Image, ImageFile, ImageMode, UnidentifiedImageError
 from stk.errors import InfraError
 from stk.imageformats import ACCEPTED, EXTENSION_FORMATS, IMAGE_EXTENSIONS, open_image
 from stk.imageheaders import (
-    ORIENTATION_TAG,
     SWAPS_AXES,
     ExifUnreadable,
     ImageError,
     ImageHeader,
     heif_header,
+    image_orientation,
     isobmff_truncation,
     jxl_header,
-    orientation_from_exif,
     webp_header,
 )
 
@@ -99,7 +98,7 @@ def _pillow_header(f: BinaryIO, name: str) -> ImageHeader:
     width, height = _stored_size(im)
     orientation, warning = 1, None
     try:
-        orientation = _orientation(im)
+        orientation = image_orientation(im)
     except ExifUnreadable as exc:
         warning = exc.warning()
     return ImageHeader(width, height, str(im.format), orientation, warning, _raw_bytes(im))
@@ -143,15 +142,6 @@ def _stored_size(im: Image.Image) -> tuple[int, int]:
         tags = im.tag_v2  # type: ignore[attr-defined]
         return int(tags.get(_TIFF_WIDTH, im.width)), int(tags.get(_TIFF_LENGTH, im.height))
     return im.size
-
-
-def _orientation(im: Image.Image) -> int:
-    """EXIF orientation from the tags or the EXIF block Pillow read with the header."""
-    if im.format == "TIFF":
-        value = im.tag_v2.get(ORIENTATION_TAG, 1)  # type: ignore[attr-defined]
-        return int(value) if isinstance(value, int) and 1 <= value <= 8 else 1
-    raw = im.info.get("exif")
-    return orientation_from_exif(raw) if raw else 1
 
 
 def _decodes(f: BinaryIO) -> bool:

@@ -19,7 +19,7 @@ from PIL import Image, ImageOps
 
 from stk.errors import InfraError
 from stk.imageformats import open_image
-from stk.imageheaders import EXIF_ERRORS, ORIENTATION_TAG, SWAPS_AXES
+from stk.imageheaders import SWAPS_AXES, ExifUnreadable, image_orientation
 
 __all__ = ["CropMode", "PreprocessError", "Preprocessed", "preprocess"]
 
@@ -48,12 +48,11 @@ def _crop_offsets(excess_h: int, excess_w: int, mode: CropMode, seed: str) -> tu
 
 
 def _orientation(image: Image.Image) -> int:
-    """The EXIF orientation; 1 for an EXIF block that cannot be read, as the scan assumed."""
+    """The orientation the scan read; 1 for an EXIF block that cannot be read, as the scan assumed."""
     try:
-        value = image.getexif().get(ORIENTATION_TAG, 1)
-    except EXIF_ERRORS:
+        return image_orientation(image)
+    except ExifUnreadable:
         return 1
-    return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
 def preprocess(f: BinaryIO, bucket_width: int, bucket_height: int, crop: CropMode, seed: str) -> Preprocessed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ T = TypeVar("T")
 _EVERYWHERE = "stk_raised_on_every_rank"
 _ORIGIN = "stk_failed_rank"
 _abort_hooks: list[Callable[[int], None]] = []
+_ABORT_GRACE_SECONDS = 0.5  # for the launcher to forward a failing rank's last lines (World.abort)
 
 # Variables that MPI launchers set in every rank they start.
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
@@ -113,6 +115,9 @@ class World:
             hook(code)
         sys.stderr.flush()
         sys.stdout.flush()
+        # the launcher kills every process as soon as it hears of the abort, and output still on its
+        # way through its forwarding is lost with them: the one line saying why must get out first
+        time.sleep(_ABORT_GRACE_SECONDS)
         self.comm.Abort(code)
 
 

@@ -23,6 +23,7 @@ Examples:
   stk-scan /data/images --out /shared/scan --batch-size 4 --gpus 32
   stk-scan s3://bucket/images --out /shared/scan --s3-endpoint-url http://minio:9000
   find /data -name '*.jpg' | stk-scan - --out scan --jsonl | jq -r .caption
+  stk-scan /data/images --out scan --formats jpeg,png          # only JPEG and PNG
   mpiexec -n 8 stk-scan /data/images --out /shared/scan      # every rank shares the work
 
 \b
@@ -82,7 +83,7 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
     "--formats",
     default=None,
     show_envvar=True,
-    help=f"Accept only these formats, a comma list of {','.join(FORMAT_NAMES)} [default: all of them]; "
+    help=f"Accept only these formats, a comma list of: {', '.join(FORMAT_NAMES)} [default: all of them]; "
     "the others become unsupported_format rows.",
 )
 @click.option(
