@@ -112,7 +112,10 @@ def test_usr2_checkpoints_requeues_and_the_job_resumes_where_it_stopped(pipeline
             f"{state}\n{log(pipeline.root, 'train', job)}"
         )
         if state == "PENDING" and int(info["Restarts"]) == 1 and not hurried:
-            # Slurm holds a requeued job back for about two minutes (BeginTime); the test does not wait
+            # Slurm holds a requeued job back for about two minutes (BeginTime); the test does not wait.
+            # But slurmd revokes the old run's credential by the second: a restart within the second of
+            # the requeue is killed as "Job credential revoked" (FAILED), so let that second pass.
+            time.sleep(2)
             hurried = slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"]).returncode == 0
         time.sleep(0.5)
     first, second = summaries(log(pipeline.root, "train", job))

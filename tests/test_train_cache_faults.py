@@ -6,6 +6,7 @@ stk-cache (local and S3), and a cache made with another model's VAE and text enc
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -119,7 +120,10 @@ def test_a_flipped_byte_stops_training_until_verify_repair_and_a_rebuild(
     elapsed = time.monotonic() - started
     assert proc.returncode == ExitCode.INCOMPLETE, proc.stderr
     assert elapsed < 120, f"took {elapsed:.0f} s to stop"
-    (line,) = {line.split(" ERROR ", 1)[1] for line in error_lines(proc.stderr)}
+    # every rank that reached the shard reports the same damage
+    lines = {re.sub(r"^rank \d+ on \S+: ", "", line.split(" ERROR ", 1)[1]) for line in error_lines(proc.stderr)}
+    assert len(lines) == 1, proc.stderr
+    (line,) = lines
     assert f"shard {target}/shards/{shard.name} is damaged (sha256 " in line, line
     assert f"stk-cache verify {target} --repair" in line, line
     assert not (tmp_path / "run" / "final").exists()
