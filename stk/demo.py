@@ -60,6 +60,7 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
         ranks,
         "stk.cli.scan",
         [data, "--out", scan, "--resolution", "64", "--alignment", "16", "--batch-size", "2", "--max-errors", "5",
+         "--gpus", str(ranks),  # the training below runs on this many ranks
          "--allow-oversubscription"],  # small demo buckets: apply the repeats they need
     )  # fmt: skip
     cached = _run(ranks, "stk.cli.cache", [scan, "--model", model, "--out", cache, "--batch-size", "8"])
