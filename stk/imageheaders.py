@@ -17,6 +17,7 @@ from typing import BinaryIO
 from PIL import Image
 
 __all__ = [
+    "JXL_CONTAINER",
     "ORIENTATION_TAG",
     "SWAPS_AXES",
     "ExifUnreadable",
@@ -25,6 +26,7 @@ __all__ = [
     "MetadataWarning",
     "heif_header",
     "image_orientation",
+    "is_jxl",
     "isobmff_truncation",
     "jxl_header",
     "orientation_from_exif",
@@ -91,12 +93,13 @@ def orientation_from_exif(raw: bytes) -> int:
     return number if 1 <= number <= 8 else 1
 
 
+_TIFF_HEADERS = (b"II*\x00", b"MM\x00*")  # little- and big-endian
 _TIFF_TYPE_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4}
 
 
 def _ifd0_problem(tiff: bytes) -> str | None:
     """Why the first directory of a TIFF-structured EXIF block does not fit in it; None if it does."""
-    if tiff[:4] not in (b"II*\x00", b"MM\x00*"):
+    if tiff[:4] not in _TIFF_HEADERS:
         return "no TIFF header"
     order = "<" if tiff[:2] == b"II" else ">"
     offset = struct.unpack(order + "I", tiff[4:8])[0] if len(tiff) >= 8 else len(tiff)
@@ -299,9 +302,14 @@ def _item_properties(data: bytes) -> dict[int, list[int]]:
 # --- JPEG XL (ISO/IEC 18181): a bare codestream, or one in ISOBMFF boxes -------------------
 
 _JXL_CODESTREAM = b"\xff\x0a"
-_JXL_CONTAINER = b"\x00\x00\x00\x0cJXL \r\n\x87\n"
+JXL_CONTAINER = b"\x00\x00\x00\x0cJXL \r\n\x87\n"
 _JXL_RATIOS = {1: (1, 1), 2: (12, 10), 3: (4, 3), 4: (3, 2), 5: (16, 9), 6: (5, 4), 7: (2, 1)}
 _JXL_HEAD_BYTES = 64  # SizeHeader and the start of ImageMetadata fit in far fewer
+
+
+def is_jxl(head: bytes) -> bool:
+    """Whether the file's first 12 bytes start a JPEG XL codestream or container."""
+    return head.startswith(_JXL_CODESTREAM) or head.startswith(JXL_CONTAINER)
 
 
 class _Bits:
@@ -343,12 +351,12 @@ def _jxl_size_and_orientation(code: bytes) -> tuple[int, int, int]:
 def jxl_header(f: BinaryIO, size: int) -> ImageHeader:
     """Size after the codestream's orientation (libjxl applies it when decoding), and the
     orientation of an Exif box (Pillow reports it; stk applies it like a JPEG's)."""
-    head = f.read(len(_JXL_CONTAINER))
+    head = f.read(len(JXL_CONTAINER))
     code, exif = b"", None
     if head.startswith(_JXL_CODESTREAM):
         f.seek(0)
         code = f.read(_JXL_HEAD_BYTES)
-    elif head == _JXL_CONTAINER:
+    elif head == JXL_CONTAINER:
         for kind, start, end in _boxes(f, 0, size):
             if kind == b"jxlc" and not code:
                 code = _read(f, start, min(end, start + _JXL_HEAD_BYTES, size))
@@ -367,7 +375,7 @@ def jxl_header(f: BinaryIO, size: int) -> ImageHeader:
     if exif is not None:
         # a 4-byte offset to the TIFF header comes first, which some writers leave out; Pillow's
         # plugin accepts both, and so does this
-        tiff = exif[4:] if exif[4:8] in (b"II*\x00", b"MM\x00*") else exif
+        tiff = exif[4:] if exif[4:8] in _TIFF_HEADERS else exif
         try:
             orientation = orientation_from_exif(tiff)
         except ExifUnreadable as exc:

@@ -18,12 +18,14 @@ from PIL import Image, ImageFile, ImageMode, UnidentifiedImageError
 from stk.errors import InfraError
 from stk.imageformats import ACCEPTED, EXTENSION_FORMATS, IMAGE_EXTENSIONS, open_image
 from stk.imageheaders import (
+    JXL_CONTAINER,
     SWAPS_AXES,
     ExifUnreadable,
     ImageError,
     ImageHeader,
     heif_header,
     image_orientation,
+    is_jxl,
     isobmff_truncation,
     jxl_header,
     webp_header,
@@ -69,7 +71,7 @@ def _own_header(f: BinaryIO, head: bytes, size: int) -> ImageHeader | None:
     if head[4:8] == b"ftyp":
         fmt = _isobmff_format(f, head)
         return heif_header(f, size, fmt) if fmt else None
-    if head[:2] == b"\xff\x0a" or head[:12] == b"\x00\x00\x00\x0cJXL \r\n\x87\n":
+    if is_jxl(head):
         return jxl_header(f, size)
     return None
 
@@ -180,7 +182,7 @@ def _truncation(header: ImageHeader, head: bytes, tail: bytes, size: int, f: Bin
         declared = struct.unpack("<I", head[2:6])[0]
         if declared > size:
             return f"header declares {declared} bytes, file has {size}"
-    if fmt in ("AVIF", "HEIF") or (fmt == "JXL" and head[4:8] == b"JXL "):
+    if fmt in ("AVIF", "HEIF") or (fmt == "JXL" and head.startswith(JXL_CONTAINER)):
         return isobmff_truncation(f, size, fmt)
     if header.min_bytes > size:
         return f"header declares at least {header.min_bytes} bytes, file has {size}"

@@ -3,8 +3,10 @@ or under mpiexec), and a real S3 server (SeaweedFS `weed mini`) for the session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -170,6 +172,32 @@ def mpi_rank_pids(mpiexec_pid: int, module: str) -> dict[int, int]:
             if item.startswith(b"PMI_RANK="):
                 ranks[int(item.split(b"=", 1)[1])] = pid
     return ranks
+
+
+def kill_cache_ranks_when(
+    command: list[str], env: dict[str, str], ready: Callable[[], bool], what: str, victims: tuple[int, ...]
+) -> subprocess.CompletedProcess[str]:
+    """Run a 2-rank stk-cache, SIGKILL the `victims` ranks once `ready()` holds (`what` names that
+    moment in a failure), and return the finished run; nothing of it is left running."""
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready():
+            assert proc.poll() is None, f"the build ended before it could be killed: {proc.communicate()}"
+            assert time.monotonic() < deadline, f"{what} after 120 s"
+            time.sleep(0.01)
+        ranks = mpi_rank_pids(proc.pid, "stk.cli.cache")
+        assert sorted(ranks) == [0, 1], ranks
+        for victim in victims:
+            os.kill(ranks[victim], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 # --- a local HTTP receiver for apprise json:// alerts -----------------------------------

@@ -11,11 +11,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
-import time
 import uuid
 import zlib
 from collections import Counter
@@ -29,7 +27,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import S3_ENV, cache_command, cache_env, mpi_rank_pids, s3_client, scan_env, summary_of
+from conftest import (
+    S3_ENV,
+    cache_command,
+    cache_env,
+    kill_cache_ranks_when,
+    s3_client,
+    scan_env,
+    summary_of,
+)
 from diffusers import AutoencoderKL
 
 from stk import storage
@@ -344,23 +350,8 @@ def finished_parts(cache: Path) -> list[dict[str, Any]]:
 
 
 def kill_one_rank_after_a_shard(command: list[str], cache: Path, victim: int) -> None:
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cache_env(), start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not finished_parts(cache):
-            assert proc.poll() is None, f"the build ended before it could be killed: {proc.communicate()}"
-            assert time.monotonic() < deadline, "no finished shard after 120 s"
-            time.sleep(0.01)
-        ranks = mpi_rank_pids(proc.pid, "stk.cli.cache")
-        assert sorted(ranks) == [0, 1], ranks
-        os.kill(ranks[victim], signal.SIGKILL)
-        proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    proc = kill_cache_ranks_when(command, cache_env(), lambda: bool(finished_parts(cache)), "no finished shard",
+                                 (victim,))  # fmt: skip
     assert proc.returncode != 0
 
 

@@ -4,16 +4,13 @@ local staging files, which the next run removes before it completes (`stk-cache 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import cache_command, cache_env, mpi_rank_pids, s3_client, scan_command, scan_env, summary_of
+from conftest import cache_command, cache_env, kill_cache_ranks_when, s3_client, scan_command, scan_env, summary_of
 from test_shards import Rank0, make_latent, make_text
 
 from stk.datagen import make_image
@@ -70,25 +67,10 @@ def test_killed_s3_build_leaves_staging_files_that_the_next_run_removes(
     args = [scan, "--model", model, "--out", cache, *CACHE_ARGS, "--s3-endpoint-url", s3_server]
     env = {**cache_env(), "STK_CACHE_WORK_DIR": str(work)}
 
-    proc = subprocess.Popen(
-        cache_command(args, mpi=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while {p.parent.name for p in staged(work)} != {"rank00000", "rank00001"}:  # both ranks mid-shard
-            assert proc.poll() is None, f"the build ended before it could be killed: {proc.communicate()}"
-            assert time.monotonic() < deadline, "no shard open on both ranks after 120 s"
-            time.sleep(0.01)
-        ranks = mpi_rank_pids(proc.pid, "stk.cli.cache")
-        assert sorted(ranks) == [0, 1], ranks
-        for pid in ranks.values():
-            os.kill(pid, signal.SIGKILL)
-        proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    def both_mid_shard() -> bool:
+        return {p.parent.name for p in staged(work)} == {"rank00000", "rank00001"}
+
+    proc = kill_cache_ranks_when(cache_command(args, mpi=2), env, both_mid_shard, "no shard open on both ranks", (0, 1))
     assert proc.returncode != 0
     left = staged(work)
     assert {p.parent.name for p in left} == {"rank00000", "rank00001"}, left
