@@ -33,7 +33,7 @@ demo: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m stk.demo
 
 test: install test-deps
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 # Debian packages the integration tests drive (a real one-node Slurm), installed only when missing.
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null || echo sudo)

@@ -61,6 +61,9 @@ def test_two_ranks_share_one_local_shard_dir_under_a_limit_that_forces_evictions
     assert len(list((cache / "shards").iterdir())) == 2
     url = upload(s3_client(s3_server), cache)
     local, out = tmp_path / "shards", tmp_path / "run"
+    local.mkdir()
+    stale = local / "0123456789abcdef-an-earlier-run.h5"  # a copy no process holds: the first to evict
+    stale.write_bytes(b"\0" * 4096)
     started = time.monotonic()
     proc = run_train(
         ["--cache", url, "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "8",
@@ -71,10 +74,8 @@ def test_two_ranks_share_one_local_shard_dir_under_a_limit_that_forces_evictions
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - started < 300
     assert not error_lines(proc.stderr), proc.stderr
-    counts = [line for line in proc.stderr.splitlines() if f"local shard copies in {local}" in line]
-    assert counts, proc.stderr
-    evicted = int(counts[0].split(" downloaded, ")[1].split(" evicted")[0])
-    assert evicted > 0, counts
+    assert [line for line in proc.stderr.splitlines() if f"local shard copies in {local}" in line], proc.stderr
+    assert not stale.exists(), "the size limit evicted nothing"  # which rank evicts, and what else, is a race
     assert [r["step"] for r in metrics(out)] == list(range(1, 9))
     assert not [p for p in local.iterdir() if p.name.startswith(".")], "temp files left"
 
