@@ -49,6 +49,7 @@ from PIL import Image, ImageChops, ImageOps
 
 from stk.shards import CacheReader, LatentSample, Manifest, ShardInfo, ShardWriter, TextSample
 from stk.shards.layout import ZSTD_LEVEL, compress, decompress
+from stk.shards.manifest import shard_entry
 
 LATENT_SHAPE = (4, 64, 64)
 TOKENS, WIDTH, POOLED = 77, 768, 1280
@@ -101,7 +102,7 @@ def write_stk(samples: Samples, cache: Path) -> float:
     manifest = Manifest(config={"bench": True})
 
     def done(info: ShardInfo) -> None:
-        manifest.add_shard(info)
+        manifest.merge([shard_entry(info)])
         manifest.save(str(cache))
 
     started = time.perf_counter()
@@ -322,7 +323,7 @@ def decode_and_write(paths: list[Path], scratch: Path) -> float:
     manifest = Manifest(config={"bench": "write path"})
 
     def done(info: ShardInfo) -> None:
-        manifest.add_shard(info)
+        manifest.merge([shard_entry(info)])
         manifest.save(str(cache))
 
     started = time.perf_counter()

@@ -13,6 +13,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from stk.errors import InputError
+
 __all__ = [
     "BatchCheck",
     "Bucket",
@@ -44,20 +46,21 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    resolution: float = 1024
+    resolution: float = 1024.0
     resolution_type: ResolutionType = ResolutionType.PIXEL
     alignment: int = 64
     min_aspect: float = 0.5
     max_aspect: float = 2.0
 
     def validate(self) -> None:
+        """Checked before any work starts, so a bad spec fails at once rather than after a scan."""
         if self.alignment <= 0:
-            raise ValueError("alignment must be positive")
+            raise InputError("alignment must be positive")
         if not 0 < self.min_aspect <= 1 <= self.max_aspect:
-            raise ValueError("aspect range must satisfy 0 < min-aspect <= 1 <= max-aspect")
+            raise InputError("aspect range must satisfy 0 < min-aspect <= 1 <= max-aspect")
         side = self.resolution if self.resolution_type is ResolutionType.PIXEL else math.sqrt(self.resolution * 1e6)
         if side < self.alignment:
-            raise ValueError(
+            raise InputError(
                 f"resolution {self.resolution} ({self.resolution_type.value}) is below the alignment {self.alignment}"
             )
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from stk.errors import InputError
+from stk.slurm import step_size
 
 __all__ = [
     "World",
@@ -23,10 +24,14 @@ __all__ = [
     "launched_by_mpi",
     "on_abort",
     "raised_on_every_rank",
-    "slurm_gpu_count",
+    "split_work",
 ]
 
 T = TypeVar("T")
+P = TypeVar("P")
+S = TypeVar("S")
+R = TypeVar("R")
+U = TypeVar("U")
 
 # Set on an exception that World raised on every rank at once, and where it first happened.
 _EVERYWHERE = "stk_raised_on_every_rank"
@@ -147,8 +152,8 @@ def on_abort(hook: Callable[[int], None]) -> None:
 
 def get_world() -> World:
     if not launched_by_mpi():
-        tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
-        if tasks.isdigit() and int(tasks) > 1:
+        tasks = step_size(os.environ)
+        if tasks > 1:
             # srun without a PMI plugin: N processes that would each think they are alone
             raise InputError(
                 f"started by srun as {tasks} tasks without MPI: use `srun --mpi=pmi2` (MPICH) or "
@@ -170,17 +175,39 @@ def get_world() -> World:
     return world
 
 
-def slurm_gpu_count(environ: dict[str, str] | None = None) -> int | None:
-    """GPUs in the Slurm allocation, or None outside Slurm or when it holds no GPUs."""
-    env = os.environ if environ is None else environ
-    if "SLURM_JOB_ID" not in env:
-        return None
-    total = env.get("SLURM_GPUS", "").rsplit(":", 1)[-1]  # "32" or "h100:32"
-    if total.isdigit():
-        return int(total)
-    per_node = env.get("SLURM_GPUS_PER_NODE") or env.get("SLURM_GPUS_ON_NODE") or ""
-    per_node = per_node.rsplit(":", 1)[-1]  # "h100:8" -> "8"
-    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
-    if per_node.isdigit() and nodes.isdigit():
-        return int(per_node) * int(nodes)
-    return None
+def split_work(
+    world: World,
+    plan: Callable[[], tuple[P, list[S]]],
+    work: Callable[[P, S], R],
+    finish: Callable[[P, list[R]], U],
+    failure: Callable[[Exception], Exception] = lambda exc: exc,
+) -> U:
+    """Rank 0 plans (what every rank learns, one share per rank), each rank works on its share,
+    rank 0 gathers the results and finishes; every rank returns what `finish` returned.
+
+    A rank's failure (as `failure` reports it) travels through the gather instead of ending the
+    rank, so no rank waits forever on a collective; rank 0 raises the first one on every rank, as
+    it does its own planning and finishing errors (World.root_call)."""
+    shares: list[list[S]] = []
+
+    def root_plan() -> P:
+        shared, split = plan()
+        shares.append(split)
+        return shared
+
+    shared = world.root_call(root_plan)
+    share = world.scatter(shares[0] if world.is_root else None)
+    try:
+        result, failed = work(shared, share), None
+    except Exception as exc:  # reported through the gather
+        result, failed = None, failure(exc)
+    gathered = world.gather((result, failed))
+
+    def root_finish() -> U:
+        assert gathered is not None
+        for _, exc in gathered:
+            if exc is not None:
+                raise exc
+        return finish(shared, [r for r, _ in gathered])  # type: ignore[misc]  # no failure: every result is set
+
+    return world.root_call(root_finish)

@@ -1,58 +1,24 @@
-"""Shared fixtures: a generated dataset, a way to run stk-scan as users do (a subprocess, alone
-or under mpiexec), and a real S3 server (SeaweedFS `weed mini`) for the session."""
+"""Shared fixtures: a generated dataset, a way to run stk-scan as users do, a real S3 server
+(SeaweedFS `weed mini`) for the session, a real one-node Slurm, an apprise receiver, and the
+scan, tiny models and caches that stk-train's tests share. Helpers that are not fixtures live
+in helpers.py."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
 import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from weed_server import S3_ENV, WeedServer, s3_client  # noqa: F401  (s3_client: for the tests that import it from here)
+from helpers import TRAIN, TRAIN_IMAGES, Receiver, RunScan, cache_command, scan_command, scan_env
+from slurm_cluster import slurm_cluster  # noqa: F401  (the real Slurm fixture, tests/slurm_cluster.py)
+from weed_server import WeedServer
 
 from stk.datagen import GeneratedImage, generate_dataset
 
 if TYPE_CHECKING:
     from stk.models import Family
-
-BIN = Path(sys.executable).parent
-MPIEXEC = BIN / "mpiexec"
-SCAN = [sys.executable, "-m", "stk.cli.scan"]
-
-RunScan = Callable[..., "subprocess.CompletedProcess[str]"]
-
-
-def scan_env() -> dict[str, str]:
-    """The environment for a scan subprocess: no stray STK_/AWS_ settings, and no Slurm or MPI
-    variables (they would change the GPU count, or make a plain run think it is a rank)."""
-    dropped = ("STK_", "AWS_", "SLURM_", "PMI_", "PMIX_", "OMPI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
-    env.pop("MPI_LOCALNRANKS", None)
-    env.update(S3_ENV)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def scan_command(args: list[str], mpi: int = 0) -> list[str]:
-    command = [*SCAN, *map(str, args)]
-    return [str(MPIEXEC), "-n", str(mpi), *command] if mpi else command
-
-
-def summary_of(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    """The one JSON summary line stk-scan prints on stdout."""
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one summary line on stdout, got {proc.stdout!r}; stderr:\n{proc.stderr}"
-    summary: dict[str, Any] = json.loads(lines[0])
-    return summary
 
 
 @pytest.fixture
@@ -102,139 +68,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
-# --- stk-cache ------------------------------------------------------------------------
-
-CACHE = [sys.executable, "-m", "stk.cli.cache"]
-
-
-def cache_env() -> dict[str, str]:
-    """scan_env() with one torch thread per process. CPU results are bitwise equal across rank counts only at equal
-    threads per rank: under mpiexec, Intel's OpenMP divides the cores among the node's ranks (MPI_LOCALNRANKS), and
-    oneDNN's convolutions sum in another order with another thread count."""
-    env = scan_env()
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def cache_command(args: list[Any], mpi: int = 0) -> list[str]:
-    """stk-cache as users run it, alone or under `mpiexec -n MPI` (same clean env: scan_env())."""
-    command = [*CACHE, *map(str, args)]
-    return [str(MPIEXEC), "-n", str(mpi), *command] if mpi else command
-
-
-def descendant_pids(pid: int) -> list[int]:
-    """Every process below `pid` (mpiexec -> hydra proxy -> ranks), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def process_ended(pid: int, timeout: float) -> bool:
-    """Whether `pid` has exited (or is a zombie) within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return True
-        if stat[stat.rindex(")") + 2] == "Z":
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def mpi_rank_pids(mpiexec_pid: int, module: str) -> dict[int, int]:
-    """{rank: pid} of the `python -m MODULE` processes that mpiexec started."""
-    ranks = {}
-    for pid in descendant_pids(mpiexec_pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if module.encode() not in cmdline or any(part.endswith(b"mpiexec") for part in cmdline):
-            continue
-        for item in environ:
-            if item.startswith(b"PMI_RANK="):
-                ranks[int(item.split(b"=", 1)[1])] = pid
-    return ranks
-
-
-def kill_cache_ranks_when(
-    command: list[str], env: dict[str, str], ready: Callable[[], bool], what: str, victims: tuple[int, ...]
-) -> subprocess.CompletedProcess[str]:
-    """Run a 2-rank stk-cache, SIGKILL the `victims` ranks once `ready()` holds (`what` names that
-    moment in a failure), and return the finished run; nothing of it is left running."""
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not ready():
-            assert proc.poll() is None, f"the build ended before it could be killed: {proc.communicate()}"
-            assert time.monotonic() < deadline, f"{what} after 120 s"
-            time.sleep(0.01)
-        ranks = mpi_rank_pids(proc.pid, "stk.cli.cache")
-        assert sorted(ranks) == [0, 1], ranks
-        for victim in victims:
-            os.kill(ranks[victim], signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
 # --- a local HTTP receiver for apprise json:// alerts -----------------------------------
-
-
-class Receiver:
-    """An HTTP server on 127.0.0.1 that records the JSON bodies POSTed to it."""
-
-    def __init__(self, port: int = 0) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        received = self.bodies
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length", 0))
-                received.append({"path": self.path, **json.loads(self.rfile.read(length))})
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def url(self, path: str = "/hook") -> str:
-        return f"json://127.0.0.1:{self.port}{path}"
-
-    def events(self) -> list[str]:
-        return [b["type"] for b in self.bodies]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
 
 
 @pytest.fixture
@@ -250,32 +84,7 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
         r.close()
 
 
-from slurm_cluster import free_ports, slurm_cluster  # noqa: E402, F401  (the real Slurm fixture, tests/slurm_cluster.py)
-
-# --- stk-train --------------------------------------------------------------------------
-
-TRAIN = [sys.executable, "-m", "stk.cli.train"]
-# Persistent, so DeepSpeed's shared-memory op is built once (~40-60 s) and not in every run.
-EXTENSIONS_DIR = Path.home() / ".cache" / "stk-torch-extensions"
-
-
-def train_env() -> dict[str, str]:
-    """scan_env() for DeepSpeed on the CPU: one torch thread per rank (bitwise-equal runs), the
-    extension build cache kept between runs."""
-    env = scan_env()
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR))
-    return env
-
-
-def train_command(args: list[Any], mpi: int = 0) -> list[str]:
-    """stk-train as users run it, alone or under `mpiexec -n MPI`."""
-    command = [*TRAIN, *map(str, args)]
-    return [str(MPIEXEC), "-n", str(mpi), *command] if mpi else command
-
-
 # --- a scanned dataset, tiny models and caches for stk-train (test_train.py, test_launch.py) -------------------
-
-TRAIN_IMAGES = 24  # one 64x64 bucket (sides 64-80 px at alignment 64)
 
 
 @pytest.fixture(scope="module")

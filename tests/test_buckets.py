@@ -18,6 +18,7 @@ from stk.buckets import (
     effective_batch_size,
     make_buckets,
 )
+from stk.errors import InputError
 
 PIXEL_SPECS = [
     BucketSpec(1024, ResolutionType.PIXEL, 64, 0.5, 2.0),
@@ -148,9 +149,9 @@ def test_area_alignment_16_is_finer_than_64() -> None:
     ],
 )
 def test_validate_rejects_bad_specs(spec: BucketSpec, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         spec.validate()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         make_buckets(spec)
 
 

@@ -27,7 +27,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import (
+from diffusers import AutoencoderKL
+from helpers import (
     S3_ENV,
     cache_command,
     cache_env,
@@ -36,15 +37,14 @@ from conftest import (
     scan_env,
     summary_of,
 )
-from diffusers import AutoencoderKL
 
 from stk import storage
+from stk.cache.identity import ImageJob, jobs_for, latent_recipe, text_recipe
 from stk.cache.keys import text_key
-from stk.cache.pipeline import latent_recipe, text_recipe
-from stk.cache.plan import ImageJob, jobs_for, load_scan
 from stk.datagen import generate_dataset, make_image
 from stk.models import Family, build_tiny_model, load_encoders
 from stk.preprocess import CropMode, preprocess
+from stk.scan.reader import read_scan
 from stk.shards import CacheReader, Manifest
 
 pytestmark = pytest.mark.integration
@@ -81,7 +81,7 @@ def jobs_of(cache: Path | str, scan: Path) -> list[ImageJob]:
     """The scan's rows with the keys the cache's own config gives them (no model needed)."""
     manifest = Manifest.load(str(cache))
     assert manifest is not None
-    return jobs_for(load_scan(str(scan)), latent_recipe(manifest.config), text_recipe(manifest.config))
+    return jobs_for(read_scan(str(scan)), latent_recipe(manifest.config), text_recipe(manifest.config))
 
 
 def shard_rows(cache: Path) -> tuple[int, int]:

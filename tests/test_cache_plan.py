@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from stk.cache.identity import ImageJob, jobs_for
 from stk.cache.keys import latent_key, text_key
-from stk.cache.plan import ImageJob, ScanInput, assign, jobs_for, latent_batches, text_batches
+from stk.cache.plan import assign, latent_batches, text_batches
+from stk.scan.reader import ScanTable
 
 ROW = {"path": "a/b.jpg", "bytes": 1000, "mtime": 1.5, "bucket_width": 64, "bucket_height": 48, "caption": "a cat"}
 RECIPE = {"model": "abc", "latents": {"crop": "center"}}
@@ -28,14 +30,14 @@ def _jobs(n: int) -> list[ImageJob]:
         {**ROW, "path": f"img{i:03d}.jpg", "bucket_width": 64 if i % 3 else 48, "caption": f"c{i % 4}"}
         for i in range(n)
     ]
-    return jobs_for(ScanInput(rows, "/data"), RECIPE, RECIPE)
+    return jobs_for(ScanTable(rows, "/data"), RECIPE, RECIPE)
 
 
 def test_jobs_locate_images_under_the_scan_root_and_share_caption_keys() -> None:
     jobs = _jobs(12)
     assert jobs[0].location == "/data/img000.jpg"
     assert len({j.text_key for j in jobs}) == 4
-    assert jobs_for(ScanInput([ROW], ""), RECIPE, RECIPE)[0].location == "a/b.jpg"
+    assert jobs_for(ScanTable([ROW], ""), RECIPE, RECIPE)[0].location == "a/b.jpg"
 
 
 def test_latent_batches_hold_one_bucket_and_do_not_depend_on_input_order() -> None:

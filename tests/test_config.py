@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from helpers import scan_env
+from slurm_cluster import free_ports
 
 from stk.cli.scan import main as scan_main
 from stk.config import load_command_config
 from stk.datagen import generate_dataset
-from stk.errors import InputError
+from stk.errors import ExitCode, InputError
 
 
 def write_toml(path: Path, text: str) -> str:
@@ -236,3 +240,32 @@ class TestPrecedence:
         result = runner.invoke(scan_main, [str(tiny_dataset), "-q"], env=clean_env(STK_SCAN_OUT=str(tmp_path / "env")))
         assert result.exit_code == 0, result.output
         assert (tmp_path / "env" / "metadata.parquet").exists()
+
+
+# --- stk-cache: one [cache] table for build, verify and info ---------------------------------------------
+
+
+def test_stk_cache_info_and_verify_take_the_cache_table(tmp_path: Path) -> None:
+    """Keys of a sibling subcommand (build's --model) are not errors; the S3 settings reach
+    info and verify: an endpoint where nothing listens, a 0 s budget, exit 69 naming it."""
+    endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"
+    config = write_toml(
+        tmp_path / "stk.toml",
+        f'[cache]\nmodel = "m"\nbatch-size = 2\ns3-endpoint-url = "{endpoint}"\ns3-retry-seconds = 0\n',
+    )
+    for args in (["info", "s3://b/cache"], ["verify", "s3://b/cache"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "stk.cli.cache", *args, "--config", str(config)],
+            capture_output=True, text=True, env=scan_env(), timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == ExitCode.INFRA, proc.stderr
+        assert endpoint in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_stk_cache_rejects_a_key_no_subcommand_has(tmp_path: Path) -> None:
+    config = write_toml(tmp_path / "stk.toml", "[cache]\nbatch-sise = 2\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stk.cli.cache", "info", str(tmp_path), "--config", str(config)],
+        capture_output=True, text=True, env=scan_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "unknown key(s) in [cache]: batch-sise" in proc.stderr, proc.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
+from helpers import (
     CACHE,
     MPIEXEC,
     SCAN,
@@ -39,7 +39,7 @@ HOST = socket.gethostname()
 STK_LAUNCH = str(Path(__file__).resolve().parents[1] / "bin" / "stk-launch")
 TIMEOUT_S = 15  # --collective-timeout in these tests
 PEER = "a peer rank failed, stopped answering or was cut off"
-STEPS = 40
+STEPS = 20  # long enough that every fault, applied after step 3, lands mid-run
 TRAIN_ARGS = ["--batch-size", "1", "--lr", "1e-3", "--precision", "fp32", "-q", "--collective-timeout", TIMEOUT_S]
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import cache_command, cache_env, scan_command, scan_env, summary_of, train_command, train_env
+from helpers import cache_command, cache_env, scan_command, scan_env, summary_of, train_command, train_env
 from slurm_cluster import free_ports
 from weed_server import S3_ENV, WeedServer, s3_client
 

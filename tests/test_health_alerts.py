@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import Receiver
+from helpers import Receiver
 
 from stk.health.alerts import Event, apply, body, notify_report, payload, plan_events, redact, send, title
 from stk.health.model import Finding, Report, Severity

@@ -12,19 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_health_devices import H100, FakeNvml, nvml_present
+from fake_nvml import H100, FakeNvml, nvml_present
+from helpers import gpu
 
 from stk.errors import InputError
-from stk.health.breaker import GpuFault, GpuWatch, local_gpu_index
+from stk.health.breaker import GpuWatch, local_gpu_index
 from stk.health.devices import NvmlBackend, ScriptedBackend
 from stk.health.state import AlertState
 
 FAST = 0.01
-
-
-def gpu(index: int, **readings: Any) -> dict[str, Any]:
-    healthy = {"temperature": 40, "shutdown_temperature": 92, "ecc_volatile_uncorrectable": 0}
-    return {"index": index, "uuid": f"GPU-0000000{index}", "name": "NVIDIA H100 80GB HBM3", **healthy, **readings}
 
 
 def script(tmp_path: Path, runs: list[list[dict[str, Any]]]) -> ScriptedBackend:
@@ -57,27 +53,25 @@ def test_a_healthy_gpu_never_trips(tmp_path: Path) -> None:
     with GpuWatch(2, interval=FAST, backend=backend) as watch:
         wait_for(lambda: runs_read(backend) >= 20)
         assert watch.active and watch.fault is None
-        watch.check()
     assert not watch.active
 
 
 def test_an_uncorrectable_ecc_on_the_watched_gpu_trips_within_a_few_intervals(tmp_path: Path) -> None:
     backend = script(tmp_path, [healthy(), healthy(), ecc_on(3)])
     with GpuWatch(3, interval=FAST, backend=backend) as watch:
-        watch.check()  # the first sample (taken by start) was healthy
+        assert watch.fault is None  # the first sample (taken by start) was healthy
         wait_for(lambda: watch.fault is not None, seconds=100 * FAST)
-        with pytest.raises(GpuFault, match=r"GPU 3 \(GPU-00000003\): volatile uncorrectable ECC") as caught:
-            watch.check()
+        fault = watch.fault
+        assert fault is not None and "GPU 3 (GPU-00000003): volatile uncorrectable ECC" in fault.message
         wait_for(lambda: not watch.active)
-    assert caught.value.finding.check == "ecc_uncorrectable" and caught.value.finding.gpu_index == 3
+    assert fault.check == "ecc_uncorrectable" and fault.gpu_index == 3
     assert runs_read(backend) == 3  # sampling stopped at the fault
 
 
 def test_a_fault_present_at_start_trips_before_the_first_step(tmp_path: Path) -> None:
     with GpuWatch(1, interval=60, backend=script(tmp_path, [ecc_on(1)])) as watch:
         assert not watch.active
-        with pytest.raises(GpuFault, match="GPU 1"):
-            watch.check()
+        assert watch.fault is not None and "GPU 1" in watch.fault.message
 
 
 def test_a_fault_on_another_gpu_does_not_trip_this_rank(tmp_path: Path) -> None:
@@ -85,13 +79,12 @@ def test_a_fault_on_another_gpu_does_not_trip_this_rank(tmp_path: Path) -> None:
     with GpuWatch(0, interval=FAST, backend=backend) as watch:
         wait_for(lambda: runs_read(backend) >= 10)
         assert watch.active and watch.fault is None
-        watch.check()
 
 
 def test_a_gpu_missing_from_the_readings_trips(tmp_path: Path) -> None:
-    with GpuWatch(5, interval=60, backend=script(tmp_path, [healthy()])) as watch, pytest.raises(GpuFault) as caught:
-        watch.check()
-    assert caught.value.finding.message == "GPU 5: not among the 4 GPU(s) NVML lists"
+    with GpuWatch(5, interval=60, backend=script(tmp_path, [healthy()])) as watch:
+        fault = watch.fault
+    assert fault is not None and fault.message == "GPU 5: not among the 4 GPU(s) NVML lists"
 
 
 @pytest.mark.integration
@@ -144,8 +137,7 @@ def test_nvml_reads_only_the_watched_gpu_and_trips_on_its_xid() -> None:
         fake.xids = [(2, 79)]
         wait_for(lambda: watch.fault is not None)
     assert (fake.read, fake.registered) == ({2}, [2])
-    with pytest.raises(GpuFault, match=r"GPU 2 \(GPU-2\): XID 79 \(GPU has fallen off the bus\)"):
-        watch.check()
+    assert watch.fault is not None and "GPU 2 (GPU-2): XID 79 (GPU has fallen off the bus)" in watch.fault.message
 
 
 @pytest.mark.skipif(nvml_present(), reason="this machine has an NVIDIA driver")
@@ -153,7 +145,6 @@ def test_without_a_driver_the_watch_is_inactive(caplog: pytest.LogCaptureFixture
     caplog.set_level(logging.INFO, logger="stk")
     with GpuWatch(0, interval=FAST, backend=NvmlBackend(devices=[0])) as watch:
         assert not watch.active and watch.fault is None
-        watch.check()
     assert caplog.text.count("no NVIDIA driver: nothing to watch") == 1
 
 

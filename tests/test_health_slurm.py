@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import SlurmCluster
 
-from stk.errors import InputError
+from stk.errors import InfraError, InputError
 from stk.health.model import Finding, Report, Severity
 from stk.health.slurm import (
     MAX_REASON,
@@ -91,9 +91,11 @@ def test_the_node_name_is_slurmd_nodename_else_the_short_hostname(monkeypatch: p
     assert default_node_name() == "gpu-08"
 
 
-def test_scontrol_missing_or_failing_is_an_input_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_scontrol_missing_is_an_infra_error_and_failing_an_input_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(InputError, match="scontrol not found"):
+    with pytest.raises(InfraError, match="scontrol not found"):
         node_state("vm")
     fake = tmp_path / "scontrol"
     fake.write_text("#!/bin/sh\necho 'slurm_load_node error: Unable to contact slurm controller' >&2\nexit 1\n")

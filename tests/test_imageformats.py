@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import cache_command, cache_env, scan_command, scan_env
+from helpers import cache_command, cache_env, scan_command, scan_env
 from PIL import Image, ImageOps
 
 from stk.datagen import FORMAT_SAMPLES, FormatSample, generate_format_samples, make_image

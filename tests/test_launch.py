@@ -13,11 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import summary_of, train_env
+from helpers import summary_of, train_env
 
+from stk.cli.launch import RANK_ENTRY
 from stk.errors import ExitCode, InputError
-from stk.launch import RANK_SCRIPT, Allocation, job_exit_code, read_allocation, slurm_hosts, supervise
+from stk.launch.allocation import Allocation, read_allocation
+from stk.launch.status import job_exit_code
+from stk.launch.supervise import supervise
 from stk.models import Family
+from stk.slurm import hostnames
 
 STK_LAUNCH = str(Path(__file__).resolve().parents[1] / "bin" / "stk-launch")
 SLURM = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "123"}
@@ -80,8 +84,8 @@ def test_outside_an_allocation_hosts_and_slots_must_be_given():
 
 
 def test_node_list_is_expanded_without_scontrol(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol: stk's own parser
-    assert slurm_hosts("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol needed
+    assert hostnames("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
 
 
 # --- what it would run: --dry-run ---------------------------------------------------------------------------------
@@ -106,7 +110,7 @@ def test_dry_run_in_a_slurm_job_writes_the_hostfile_and_prints_environment_and_d
     assert option(command, "--master_addr") == "gpu01" and option(command, "--master_port") == "20123"
     assert "--no_ssh_check" in command and "--force_multi" not in command  # two hosts: multi-node anyway
     assert "--launcher_args=-genvall" in command
-    assert command[-4:] == [RANK_SCRIPT, "--cache", "C", "-q"]  # stk-train's arguments unchanged, at the end
+    assert command[-4:] == [RANK_ENTRY.script, "--cache", "C", "-q"]  # stk-train's arguments unchanged, at the end
 
 
 def test_dry_run_for_one_host_with_openmpi_names_what_mpirun_must_pass(tmp_path):
@@ -169,7 +173,7 @@ def test_the_job_code_comes_from_the_ranks(launcher, ranks, job):
 
 FAKE_RANK = """
 import pathlib, signal, sys, time
-from stk.launch import run_rank
+from stk.launch.status import run_rank
 
 def main(args, prog_name):
     signal.signal(signal.SIGUSR2, lambda *_: sys.exit(75))  # what stk-train does: checkpoint, exit 75
@@ -195,7 +199,7 @@ def test_sigterm_reaches_the_registered_ranks_and_their_code_beats_the_launchers
     process tree, as under srun) below a launcher that exits 0 whatever the rank returned."""
     ready = tmp_path / "ready"
     launcher = f"setsid {shlex.quote(sys.executable)} -c {shlex.quote(FAKE_RANK)} {ready}; exit 0"
-    code = "import sys; from stk.launch import run_ranks; sys.exit(run_ranks(['sh', '-c', sys.argv[1]], {})) "
+    code = "import sys; from stk.launch.supervise import run_ranks; sys.exit(run_ranks(['sh', '-c', sys.argv[1]], {})) "
     proc = subprocess.Popen([sys.executable, "-c", code, launcher], stderr=subprocess.PIPE, text=True)
     _, stderr = signal_when_ready(proc, ready, signal.SIGTERM)
     assert proc.returncode == ExitCode.REQUEUE, stderr
@@ -205,7 +209,7 @@ def test_sigterm_reaches_the_registered_ranks_and_their_code_beats_the_launchers
 def test_sigusr2_goes_to_srun_itself(tmp_path):
     """srun passes SIGUSR2 on to every task; here a child that answers it with 75."""
     ready = tmp_path / "ready"
-    code = "import json, sys; from stk.launch import supervise; sys.exit(supervise(json.loads(sys.argv[1]), {}))"
+    code = "import json, sys; from stk.launch import supervise as s; sys.exit(s.supervise(json.loads(sys.argv[1]), {}))"
     child = json.dumps([sys.executable, "-c", FAKE_RANK, str(ready)])
     proc = subprocess.Popen([sys.executable, "-c", code, child], stderr=subprocess.PIPE, text=True)
     _, stderr = signal_when_ready(proc, ready, signal.SIGUSR2)

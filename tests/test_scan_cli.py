@@ -13,9 +13,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import RunScan, summary_of
+from helpers import RunScan, summary_of
 
 from stk.datagen import generate_dataset, make_image
+from stk.scan.records import JSONL_COLUMNS
 
 pytestmark = pytest.mark.integration
 
@@ -301,18 +302,7 @@ def test_jsonl_rows_on_stdout(dataset: tuple[Path, Any], run_scan: RunScan, tmp_
     table = _rows(out)
     assert len(parsed) == len(table) > 0
     for row, ref in zip(parsed, table, strict=True):
-        assert set(row) == {
-            "path",
-            "width",
-            "height",
-            "caption",
-            "bucket",
-            "bucket_width",
-            "bucket_height",
-            "format",
-            "bytes",
-            "mtime",
-        }
+        assert set(row) == set(JSONL_COLUMNS)
         assert {k: row[k] for k in ("path", "width", "height", "caption", "bucket")} == {
             k: ref[k] for k in ("path", "width", "height", "caption", "bucket")
         }

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import RunScan, mpi_rank_pids, process_ended, scan_command, scan_env, summary_of
+from helpers import RunScan, mpi_rank_pids, process_ended, scan_command, scan_env, summary_of
 from PIL import Image
 
 from stk.datagen import generate_dataset, make_image

@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import S3_ENV, RunScan, s3_client, summary_of
+from helpers import S3_ENV, RunScan, s3_client, summary_of
 from PIL import Image
 
 from stk.datagen import generate_dataset, make_image

@@ -10,8 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import cache_command, cache_env, kill_cache_ranks_when, s3_client, scan_command, scan_env, summary_of
-from test_shards import Rank0, make_latent, make_text
+from helpers import cache_command, cache_env, kill_cache_ranks_when, s3_client, scan_command, scan_env, summary_of
+from shard_samples import Rank0, make_latent, make_text
 
 from stk.datagen import make_image
 from stk.models import Family, build_tiny_model

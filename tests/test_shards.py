@@ -17,7 +17,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import S3_ENV, s3_client
+from helpers import S3_ENV, s3_client
+from shard_samples import Rank0, make_latent, make_text
 
 from stk import storage
 from stk.errors import InputError
@@ -31,46 +32,9 @@ from stk.shards import (
     shard_location,
     verify,
 )
+from stk.shards.manifest import shard_entry
 
 SHAPES = [(4, 8, 8), (4, 8, 16), (4, 16, 8)]
-
-
-def make_latent(i: int, shape: tuple[int, int, int] = (4, 8, 8), dtype: str = "float16", logvar: bool = False):
-    rng = np.random.default_rng(i)
-    return LatentSample(
-        key=f"{i:040x}",
-        text_key=f"{i % 7:064x}",
-        mean=(rng.standard_normal(shape) * 4).astype(dtype),
-        logvar=rng.standard_normal(shape).astype(dtype) if logvar else None,
-        original_size=(300 + i, 400 + 2 * i),
-        crop_top_left=(i % 5, i % 3),
-        path=f"images/ü-{i}.jpg",
-    )
-
-
-def make_text(i: int, length: int) -> TextSample:
-    rng = np.random.default_rng(10_000 + i)
-    prompt = rng.standard_normal((length, 32)).astype(np.float16)
-    return TextSample(
-        key=f"{i:064x}",
-        arrays={"prompt_embeds": prompt, "pooled_prompt_embeds": rng.standard_normal(24).astype(np.float32)},
-        length=length,
-    )
-
-
-class Rank0:
-    """What stk-cache's rank 0 does with finished shards: list them and save the manifest."""
-
-    def __init__(self, cache: str) -> None:
-        self.cache = cache
-        self.manifest = Manifest.load(cache) or Manifest(config={"model": "tiny"}, scaling_factor=0.18215)
-        self.infos: list[ShardInfo] = []
-
-    def __call__(self, info: ShardInfo) -> None:
-        assert storage.exists(shard_location(self.cache, info.name)), "listed before it was in place"
-        self.infos.append(info)
-        self.manifest.add_shard(info)
-        self.manifest.save(self.cache)
 
 
 def write(
@@ -357,12 +321,21 @@ def test_bad_samples_are_refused_and_the_writer_goes_on(cache: str) -> None:
         assert reader.text_keys() == [make_text(0, 4).key]
 
 
+def test_merge_lists_each_shard_once() -> None:
+    first, second = ShardInfo("r0-00000.h5", 3, 1, 100, "ab" * 32), ShardInfo("r1-00000.h5", 2, 0, 80, "cd" * 32)
+    manifest = Manifest(config={})
+    manifest.merge([shard_entry(first)])
+    manifest.merge([shard_entry(first), shard_entry(second), shard_entry(second)])
+    assert manifest.shards == [
+        {"name": "r0-00000.h5", "latents": 3, "texts": 1, "bytes": 100, "sha256": "ab" * 32},
+        {"name": "r1-00000.h5", "latents": 2, "texts": 0, "bytes": 80, "sha256": "cd" * 32},
+    ]
+
+
 def test_manifest_round_trip_and_refusals(cache: str) -> None:
     assert Manifest.load(cache) is None
     manifest = Manifest(config={"family": "sdxl"}, scaling_factor=0.13025, extra={"created_by": "test"})
-    manifest.add_shard(ShardInfo("r0-00000.h5", 3, 1, 100, "ab" * 32))
-    with pytest.raises(ValueError, match="already listed"):
-        manifest.add_shard(ShardInfo("r0-00000.h5", 3, 1, 100, "ab" * 32))
+    manifest.merge([shard_entry(ShardInfo("r0-00000.h5", 3, 1, 100, "ab" * 32))])
     manifest.save(cache)
     assert Manifest.load(cache) == manifest
     storage.write_atomic(storage.join(cache, "manifest.json"), b'{"version": 99, "config": {}, "shards": []}')

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import train_env
+from helpers import gpu, train_env
 from slurm_cluster import SlurmCluster
-from test_health_breaker import gpu
 
 from stk.datagen import generate_dataset
 from stk.models import Family, build_tiny_model

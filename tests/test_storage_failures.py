@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cache_command, cache_env, scan_command, scan_env, summary_of, train_command, train_env
+from helpers import cache_command, cache_env, scan_command, scan_env, summary_of, train_command, train_env
 
 from stk.datagen import make_image
 from stk.errors import InfraError, InputError

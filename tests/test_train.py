@@ -11,13 +11,23 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import MPIEXEC, TRAIN, mpi_rank_pids, scan_env, summary_of, train_command, train_env
+from helpers import (
+    FAST,
+    MPIEXEC,
+    TRAIN,
+    gpu,
+    metrics,
+    mpi_rank_pids,
+    run_train,
+    scan_env,
+    summary_of,
+    train_command,
+    train_env,
+)
 from safetensors.torch import load_file
-from test_health_breaker import gpu
 
 from stk.errors import ExitCode
 from stk.models import Family
@@ -27,21 +37,6 @@ from stk.train.objectives import objective_for
 pytestmark = pytest.mark.integration
 
 DENOISER = {Family.SD: "unet", Family.SDXL: "unet", Family.FLUX: "transformer"}
-FAST = ["--batch-size", "1", "--lr", "1e-3", "--precision", "fp32", "-q"]
-
-
-def run_train(
-    args: list[Any], mpi: int = 2, env: dict[str, str] | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    full_env = train_env()
-    full_env.update(env or {})
-    proc = subprocess.run(train_command(args, mpi), capture_output=True, text=True, env=full_env, timeout=timeout)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc
-
-
-def metrics(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def latest(out: Path) -> str:
@@ -189,7 +184,7 @@ def test_vae_on_the_fly_trains_from_the_scan_and_images(setups, scan, tmp_path):
 
 
 def test_trains_from_an_s3_cache_through_a_local_shard_directory(setups, scan, tmp_path, s3_server):
-    from conftest import S3_ENV, s3_client
+    from helpers import S3_ENV, s3_client
 
     model, cache = setups(Family.SD)
     bucket = "train-cache"

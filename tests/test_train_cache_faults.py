@@ -16,8 +16,7 @@ from typing import Any
 
 import h5py
 import pytest
-from conftest import S3_ENV, cache_command, cache_env, s3_client
-from test_train import FAST, metrics, run_train
+from helpers import FAST, S3_ENV, cache_command, cache_env, metrics, run_train, s3_client
 
 from stk.errors import ExitCode
 from stk.models import Family

@@ -19,11 +19,12 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import EXTENSIONS_DIR
+from helpers import EXTENSIONS_DIR
 
-from stk.errors import InputError
+from stk.errors import InfraError, InputError
+from stk.slurm import free_port, hostnames
 from stk.train import distributed
-from stk.train.distributed import DistEnv, expand_nodelist, export_dist_env, init_distributed, resolve_dist_env
+from stk.train.distributed import DistEnv, export_dist_env, init_distributed, resolve_dist_env
 from stk.world import World
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -98,10 +99,9 @@ SLURM = {
 }
 
 
-def test_slurm_without_mpi(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(distributed, "_first_host", lambda nodelist: expand_nodelist(nodelist)[0])
+def test_slurm_without_mpi():
     env = resolve_dist_env(World(), SLURM)
-    assert env == DistEnv(5, 6, 1, 1, "gpu07", 20000 + 242 * 10 + 1, "gpu09")
+    assert env == DistEnv(5, 6, 1, 1, "gpu07", 20000 + 4242 + 1, "gpu09")
     assert resolve_dist_env(World(), SLURM).master_port == env.master_port  # the same on every task
 
 
@@ -113,7 +113,7 @@ def test_slurm_local_world_size_and_overrides():
 
 def test_slurm_first_host_without_scontrol(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert distributed._first_host("node[01-04]") == "node01"
+    assert hostnames("node[01-04]")[0] == "node01"
 
 
 def test_batch_script_without_srun_is_one_process():
@@ -132,13 +132,13 @@ def test_batch_script_without_srun_is_one_process():
     ],
 )
 def test_expand_nodelist(nodelist: str, hosts: list[str]):
-    assert expand_nodelist(nodelist) == hosts
+    assert hostnames(nodelist) == hosts
 
 
 @pytest.mark.parametrize("nodelist", ["", "node[a-c]"])
 def test_expand_nodelist_refuses_what_it_cannot_read(nodelist: str):
     with pytest.raises(InputError, match="node list"):
-        expand_nodelist(nodelist)
+        hostnames(nodelist)
 
 
 def test_export_sets_every_variable():
@@ -154,7 +154,7 @@ def test_export_sets_every_variable():
     }
 
 
-def test_rendezvous_timeout_is_an_input_error(monkeypatch: pytest.MonkeyPatch):
+def test_rendezvous_timeout_is_an_infra_error(monkeypatch: pytest.MonkeyPatch):
     calls: list[dict[str, Any]] = []
 
     def init(**kwargs: Any) -> None:
@@ -167,7 +167,7 @@ def test_rendezvous_timeout_is_an_input_error(monkeypatch: pytest.MonkeyPatch):
     # init_distributed exports RANK, WORLD_SIZE, ...: left behind, they would reach every later mpiexec
     with (
         mock.patch.dict(os.environ),
-        pytest.raises(InputError, match=r"rendezvous at 10\.0\.0\.5:29999 did not complete"),
+        pytest.raises(InfraError, match=r"rendezvous at 10\.0\.0\.5:29999 did not complete"),
     ):
         init_distributed(env, timeout=datetime.timedelta(seconds=5))
     assert dict(os.environ) == before
@@ -249,12 +249,12 @@ def test_two_mpi_ranks_meet_at_rank_0s_address(tmp_path: Path):
 TIMEOUT_SCRIPT = textwrap.dedent(
     """
     import datetime, sys
-    from stk.errors import InputError
+    from stk.errors import InfraError
     from stk.train.distributed import DistEnv, init_distributed
 
     try:  # rank 0 of 2, and rank 1 never comes
         init_distributed(DistEnv(0, 2, 0, 2, "127.0.0.1", int(sys.argv[1]), "n"), "gloo", datetime.timedelta(seconds=2))
-    except InputError as exc:
+    except InfraError as exc:
         print(exc)
         sys.exit(exc.exit_code)
     """
@@ -263,12 +263,12 @@ TIMEOUT_SCRIPT = textwrap.dedent(
 
 @pytest.mark.integration
 @needs_build
-def test_real_rendezvous_timeout_is_an_input_error(tmp_path: Path):
+def test_real_rendezvous_timeout_is_an_infra_error(tmp_path: Path):
     script = tmp_path / "alone.py"
     script.write_text(TIMEOUT_SCRIPT)
-    port = distributed._free_port()
+    port = free_port()
     proc = subprocess.run(
         [sys.executable, str(script), str(port)], capture_output=True, text=True, env=_rank_env(), timeout=400
     )
-    assert proc.returncode == InputError.exit_code, proc.stderr[-4000:]
+    assert proc.returncode == InfraError.exit_code, proc.stderr[-4000:]
     assert f"rendezvous at 127.0.0.1:{port} did not complete" in proc.stdout

@@ -14,8 +14,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from conftest import mpi_rank_pids, summary_of, train_command, train_env
-from test_train import FAST, metrics, run_train
+from helpers import FAST, metrics, mpi_rank_pids, run_train, summary_of, train_command, train_env
 
 from stk.errors import ExitCode, InputError, PreflightFailed
 from stk.models import Family

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
 from stk.errors import InputError
-from stk.world import World, get_world, launched_by_mpi, slurm_gpu_count
+from stk.slurm import gpu_count
+from stk.world import World, get_world, launched_by_mpi
 
 MPI_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -152,7 +154,7 @@ def test_launched_by_mpi_reads_the_process_environment(no_launcher: pytest.Monke
     ],
 )
 def test_slurm_gpu_count(environ: dict[str, str], expected: int) -> None:
-    assert slurm_gpu_count(environ) == expected
+    assert gpu_count(environ) == expected
 
 
 @pytest.mark.parametrize(
@@ -167,15 +169,15 @@ def test_slurm_gpu_count(environ: dict[str, str], expected: int) -> None:
     ],
 )
 def test_slurm_gpu_count_none(environ: dict[str, str]) -> None:
-    assert slurm_gpu_count(environ) is None
+    assert gpu_count(environ) is None
 
 
 def test_slurm_gpu_count_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert slurm_gpu_count() is None
+    assert gpu_count(os.environ) is None
     monkeypatch.setenv("SLURM_JOB_ID", "1")
     monkeypatch.setenv("SLURM_GPUS", "24")
-    assert slurm_gpu_count() == 24
+    assert gpu_count(os.environ) == 24
 
 
 def test_run_everywhere_returns_the_result_or_raises_the_error() -> None:
@@ -228,3 +230,32 @@ def test_one_ranks_failure_reaches_every_rank_under_mpi(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "rank 1 cannot load the model"
+
+
+# --- split_work ------------------------------------------------------------------------------------
+
+
+def test_split_work_plans_works_and_finishes_in_one_process() -> None:
+    from stk.world import split_work
+
+    finished = split_work(
+        World(),
+        lambda: ("shared", [[1, 2, 3]]),
+        lambda shared, share: (shared, sum(share)),
+        lambda shared, results: (shared, results),
+    )
+    assert finished == ("shared", [("shared", 6)])
+
+
+def test_split_work_raises_a_ranks_failure_as_reported_and_skips_the_finish() -> None:
+    from stk.world import raised_on_every_rank, split_work
+
+    def work(shared: None, share: list[int]) -> int:
+        raise OSError("disk full")
+
+    def finish(shared: None, results: list[int]) -> int:
+        raise AssertionError("finished after a failure")
+
+    with pytest.raises(InputError, match="rank 0: disk full") as raised:
+        split_work(World(), lambda: (None, [[1]]), work, finish, lambda exc: InputError(f"rank 0: {exc}"))
+    assert raised_on_every_rank(raised.value)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from stk import storage
-from stk.cache.plan import ImageJob
+from stk.cache.identity import ImageJob
 from stk.models import Encoders
 from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
 from stk.shards import LatentSample, ShardWriter, TextSample

@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from stk import storage
-from stk.cache.pipeline import latent_recipe, text_recipe
-from stk.cache.plan import ImageJob, jobs_for, load_scan
+from stk.cache.identity import expected_jobs
 from stk.errors import CacheIncomplete, InputError
 from stk.shards import CacheReader, Manifest, VerifyReport, shard_location, verify
 
-__all__ = ["cache_info", "expected_jobs", "verify_cache"]
+__all__ = ["cache_info", "verify_cache"]
 
 LISTED = 20  # missing keys named in the error message; the JSON report has them all
-# errors.jsonl kinds that a rerun would meet again: their samples are reported, not expected
-BAD_INPUT = frozenset({"decode_failed", "nonfinite_latent", "nonfinite_embedding"})
-
-
-def _bad_input_keys(cache: str) -> set[str]:
-    """Keys of the samples the last build skipped as bad input (CACHE/errors.jsonl). A changed
-    image gets another key, so it is expected again."""
-    try:
-        raw = storage.read_bytes(storage.join(cache, "errors.jsonl"))
-    except FileNotFoundError:
-        return set()
-    rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
-    return {str(r["key"]) for r in rows if r.get("kind") in BAD_INPUT and r.get("key")}
-
-
-def expected_jobs(cache: str, manifest: Manifest, scan_dir: str) -> tuple[list[ImageJob], int]:
-    """The scan rows the cache must hold (with their keys under the cache's recipe), and how many
-    rows the last build skipped as bad input (not expected)."""
-    jobs = jobs_for(load_scan(scan_dir), latent_recipe(manifest.config), text_recipe(manifest.config))
-    skipped = _bad_input_keys(cache)
-    kept = [j for j in jobs if j.key not in skipped]
-    return kept, len(jobs) - len(kept)
 
 
 def _unlist_bad_shards(cache: str, report: VerifyReport) -> list[str]:

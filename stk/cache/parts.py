@@ -6,23 +6,15 @@ skipped; a shard that was never recorded is simply not listed and its samples ar
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from typing import Any
 
 from stk import storage
 from stk.shards import ShardInfo
+from stk.shards.manifest import shard_entry
 
-__all__ = ["PartRecorder", "read_parts", "remove_parts", "shard_entry"]
+__all__ = ["PartRecorder", "read_parts", "remove_parts"]
 
 PARTS_DIR = "manifest.d"
-
-
-def shard_entry(info: ShardInfo) -> dict[str, Any]:
-    """What the manifest lists for a shard (the key lists stay in the shard itself)."""
-    entry = asdict(info)
-    entry.pop("latent_keys", None)
-    entry.pop("text_keys", None)
-    return entry
 
 
 class PartRecorder:

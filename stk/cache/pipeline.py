@@ -3,29 +3,30 @@ encode on every rank into its own shards, then list the shards in the manifest o
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from stk import storage
 from stk.cache.encode import Counters, EncodeSettings, encode_latents, encode_texts
-from stk.cache.keys import digest
-from stk.cache.parts import PartRecorder, read_parts, remove_parts, shard_entry
-from stk.cache.plan import ImageJob, assign, jobs_for, latent_batches, load_scan, local_work_dir, text_batches
+from stk.cache.identity import ERRORS, ImageJob, cache_config, jobs_for, latent_recipe, text_recipe
+from stk.cache.parts import PartRecorder, read_parts, remove_parts
+from stk.cache.plan import assign, latent_batches, local_work_dir, text_batches
 from stk.errors import InputError, check_max_errors, parse_max_errors
 from stk.log import get_logger
 from stk.metadata import to_json_lines
 from stk.models import Encoders, Family, load_encoders
 from stk.progress import Progress
-from stk.shards import CacheReader, Manifest, ShardWriter
+from stk.scan.reader import read_buckets, read_scan
+from stk.shards import CacheReader, Manifest, ShardInfo, ShardWriter
+from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
-from stk.world import World
+from stk.world import World, split_work
 
 __all__ = ["CacheOptions", "CacheSummary", "run_cache"]
 
@@ -83,50 +84,24 @@ def _device(requested: str | None, world: World) -> torch.device:
     return torch.device("cpu")
 
 
-def cache_config(encoders: Encoders, opts: CacheOptions, scan_dir: str) -> dict[str, Any]:
-    """Everything that makes two caches interchangeable; a cache is never extended under another."""
-    model = encoders.config()
-    settings = asdict(opts.settings)
-    settings["crop"] = opts.settings.crop.value
-    try:
-        buckets = json.loads(storage.read_bytes(storage.join(scan_dir, "buckets.json")))
-    except FileNotFoundError:
-        raise InputError(f"{scan_dir}: no buckets.json (not an stk-scan output; run stk-scan first)") from None
-    return {
-        "family": encoders.family.value,
-        "model": model,
-        "latents": {k: settings[k] for k in ("crop", "store_logvar", "dtype")},
-        "text": {k: settings[k] for k in ("trim_padding", "dtype")},
-        "buckets": {k: buckets.get(k) for k in ("resolution", "resolution_type", "alignment")},
-        "scaling_factor": encoders.scaling_factor,
-        "shift_factor": encoders.shift_factor,
-    }
-
-
-def latent_recipe(config: dict[str, Any]) -> dict[str, Any]:
-    """What a latent depends on besides its image: the VAE and how latents are stored."""
-    return {"vae": digest(config["model"]["vae"]), "latents": config["latents"]}
-
-
-def text_recipe(config: dict[str, Any]) -> dict[str, Any]:
-    """What an embedding depends on besides its caption: the text encoders and the stored form."""
-    return {"encoders": digest(config["model"]["text"]), "text": config["text"]}
-
-
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
 @dataclass
 class _Plan:
-    latent: list[list[list[ImageJob]]]  # per rank
-    text: list[list[list[tuple[str, str]]]]  # per rank
+    """What every rank learns from rank 0's plan."""
+
     run_id: str
     root: str  # where the scan's images are read from
     images: int
     captions: int
     reused_images: int
     reused_captions: int
+
+
+_Share = tuple[list[list[ImageJob]], list[list[tuple[str, str]]]]  # one rank's latent and caption batches
+_Done = tuple[list[ShardInfo], Counters]  # one rank's finished shards and counts
 
 
 def _prepare_manifest(opts: CacheOptions, config: dict[str, Any]) -> Manifest:
@@ -144,8 +119,7 @@ def _prepare_manifest(opts: CacheOptions, config: dict[str, Any]) -> Manifest:
         manifest, entries = None, []  # the old shards are unlisted now, and removed below
     if manifest is None:
         manifest = Manifest(config=config, shards=[], scaling_factor=config["scaling_factor"])
-    listed = {s["name"] for s in manifest.shards}
-    manifest.shards.extend(e for e in entries if e["name"] not in listed)
+    manifest.merge(entries)
     manifest.save(opts.cache)
     remove_parts(part_files)
     _remove_unlisted(opts.cache, {s["name"] for s in manifest.shards})
@@ -180,13 +154,13 @@ def _check_errors(opts: CacheOptions, errors: list[dict[str, Any]], images: int,
         Counter(e["kind"] for e in errors),
         images,
         f"of {images} images could not be cached",
-        storage.join(opts.cache, "errors.jsonl"),
+        storage.join(opts.cache, ERRORS),
         f"the images are read from {root or 'the paths in the scan'}; the finished shards were kept",
     )
 
 
-def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> _Plan:
-    scan = load_scan(opts.scan_dir)
+def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> tuple[_Plan, list[_Share]]:
+    scan = read_scan(opts.scan_dir)
     manifest = _prepare_manifest(opts, config)
     done_latents: set[str] = set()
     done_texts: set[str] = set()
@@ -207,9 +181,7 @@ def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> _Plan:
         len(jobs), len(jobs) - len(todo_jobs), len(captions), len(captions) - len(todo_captions),
         len(lat), len(txt), world.size,
     )  # fmt: skip
-    return _Plan(
-        latent=[[lat[i] for i in owned] for owned in lat_owner],
-        text=[[txt[i] for i in owned] for owned in txt_owner],
+    plan = _Plan(
         run_id=uuid.uuid4().hex[:8],
         root=scan.root,
         images=len(jobs),
@@ -217,82 +189,89 @@ def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> _Plan:
         reused_images=len(jobs) - len(todo_jobs),
         reused_captions=len(captions) - len(todo_captions),
     )
+    shares = [([lat[i] for i in lats], [txt[i] for i in txts]) for lats, txts in zip(lat_owner, txt_owner, strict=True)]
+    return plan, shares
 
 
-def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
-    started = time.monotonic()
-    parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the encoding
+def _load(opts: CacheOptions, world: World) -> tuple[Encoders, dict[str, Any]]:
+    encoders = load_encoders(opts.model, opts.family, device=_device(opts.device, world))
+    return encoders, cache_config(encoders, opts.settings, read_buckets(opts.scan_dir))
 
-    def load() -> tuple[Encoders, dict[str, Any]]:
-        encoders = load_encoders(opts.model, opts.family, device=_device(opts.device, world))
-        return encoders, cache_config(encoders, opts, opts.scan_dir)
 
-    encoders, config = world.run_everywhere(load)
-    kept: dict[str, Any] = {}
-
-    def plan() -> tuple[str, int, int, int, int]:
-        p = _plan(opts, config, world)
-        kept["plan"] = p
-        return p.run_id, p.images, p.captions, p.reused_images, p.reused_captions
-
-    run_id, images, captions, reused_images, reused_captions = world.root_call(plan)
-    mine_latent = world.scatter(kept["plan"].latent if world.is_root else None)
-    mine_text = world.scatter(kept["plan"].text if world.is_root else None)
-
+def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, run_id: str, share: _Share) -> _Done:
+    """This rank's batches into its own shards, each recorded in its part file once finished."""
+    latent, text = share
     writer_name = f"{run_id}-r{world.rank:05d}"
     recorder = PartRecorder(opts.cache, writer_name)
     counters = Counters()
-    total = sum(len(b) for b in mine_latent) + sum(len(b) for b in mine_text)
-    failure: Exception | None = None
-    try:
-        writer = ShardWriter(opts.cache, local_work_dir(opts.cache, world.rank), writer_name, opts.shard_size, recorder)
-        with Progress(world, total=total, unit="sample", desc=f"cache (rank 0 of {world.size})") as progress:
-            encode_texts(encoders, mine_text, writer, opts.settings, counters, progress.update)
-            encode_latents(encoders, mine_latent, writer, opts.settings, opts.threads, counters, progress.update)
-        writer.close()
-    except Exception as exc:  # reported through the gather so that no rank waits forever; nothing unfinished is listed
-        failure = _rank_failure(exc, opts.cache, world)
-    gathered = world.gather((recorder.finished, counters, failure))
+    total = sum(len(b) for b in latent) + sum(len(b) for b in text)
+    writer = ShardWriter(opts.cache, local_work_dir(opts.cache, world.rank), writer_name, opts.shard_size, recorder)
+    with Progress(world, total=total, unit="sample", desc=f"cache (rank 0 of {world.size})") as progress:
+        encode_texts(encoders, text, writer, opts.settings, counters, progress.update)
+        encode_latents(encoders, latent, writer, opts.settings, opts.threads, counters, progress.update)
+    writer.close()
+    return recorder.finished, counters
 
-    def finish() -> CacheSummary:
-        assert gathered is not None
-        for _, _, exc in gathered:
-            if exc is not None:
-                raise exc
-        manifest = Manifest.load(opts.cache) or Manifest(config, [], config["scaling_factor"])
-        infos = [info for finished, _, _ in gathered for info in finished]
-        listed = {s["name"] for s in manifest.shards}
-        manifest.shards.extend(shard_entry(i) for i in infos if i.name not in listed)
-        manifest.save(opts.cache)
-        remove_parts(read_parts(opts.cache)[1])
-        for rank, (finished, c, _) in enumerate(gathered):
-            log.info(
-                "rank %d: %d images, %d captions, %d errors, %d shard(s), %.1f MiB",
-                rank, c.images, c.captions, len(c.errors), len(finished), sum(i.bytes for i in finished) / 2**20,
-            )  # fmt: skip
-        errors = [e for _, c, _ in gathered for e in c.errors]
-        storage.write_atomic(storage.join(opts.cache, "errors.jsonl"), to_json_lines(errors).encode())
-        seconds = time.monotonic() - started
-        encoded = sum(c.images for _, c, _ in gathered)
-        summary = CacheSummary(
-            cache=opts.cache,
-            model=opts.model,
-            family=encoders.family.value,
-            images=images,
-            captions=captions,
-            encoded_images=encoded,
-            encoded_captions=sum(c.captions for _, c, _ in gathered),
-            reused_images=reused_images,
-            reused_captions=reused_captions,
-            errors=len(errors),
-            shards_written=len(infos),
-            bytes_written=sum(i.bytes for i in infos),
-            ranks=world.size,
-            seconds=round(seconds, 3),
-            images_per_second=round(encoded / seconds, 2) if seconds > 0 else 0.0,
-        )
-        log.info(summary.line())
-        _check_errors(opts, errors, images, kept["plan"].root)
-        return summary
 
-    return world.root_call(finish)
+def _list_shards(opts: CacheOptions, config: dict[str, Any], done: list[_Done]) -> list[ShardInfo]:
+    """Every rank's finished shards into the manifest; the part files that recorded them go."""
+    manifest = Manifest.load(opts.cache) or Manifest(config, [], config["scaling_factor"])
+    infos = [info for finished, _ in done for info in finished]
+    manifest.merge(shard_entry(info) for info in infos)
+    manifest.save(opts.cache)
+    remove_parts(read_parts(opts.cache)[1])
+    for rank, (finished, c) in enumerate(done):
+        log.info(
+            "rank %d: %d images, %d captions, %d errors, %d shard(s), %.1f MiB",
+            rank, c.images, c.captions, len(c.errors), len(finished), sum(i.bytes for i in finished) / 2**20,
+        )  # fmt: skip
+    return infos
+
+
+def _finish(
+    opts: CacheOptions, world: World, config: dict[str, Any], plan: _Plan, done: list[_Done], started: float
+) -> CacheSummary:
+    infos = _list_shards(opts, config, done)
+    errors = [e for _, c in done for e in c.errors]
+    storage.write_atomic(storage.join(opts.cache, ERRORS), to_json_lines(errors).encode())
+    seconds = time.monotonic() - started
+    encoded = sum(c.images for _, c in done)
+    summary = CacheSummary(
+        cache=opts.cache,
+        model=opts.model,
+        family=config["family"],
+        images=plan.images,
+        captions=plan.captions,
+        encoded_images=encoded,
+        encoded_captions=sum(c.captions for _, c in done),
+        reused_images=plan.reused_images,
+        reused_captions=plan.reused_captions,
+        errors=len(errors),
+        shards_written=len(infos),
+        bytes_written=sum(i.bytes for i in infos),
+        ranks=world.size,
+        seconds=round(seconds, 3),
+        images_per_second=round(encoded / seconds, 2) if seconds > 0 else 0.0,
+    )
+    log.info(summary.line())
+    _check_errors(opts, errors, plan.images, plan.root)
+    return summary
+
+
+def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
+    """Encode every scan row's latent and caption embedding not cached yet, on every rank of `world`.
+
+    Planning and listing happen on rank 0 only, so the manifest has one writer; the batches do not
+    depend on the rank count, so 1 and N ranks write the same tensors. A rerun after a kill keeps
+    every finished shard and encodes only the rest."""
+    started = time.monotonic()
+    parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the encoding
+    encoders, config = world.run_everywhere(lambda: _load(opts, world))
+    return split_work(
+        world,
+        lambda: _plan(opts, config, world),
+        lambda plan, share: _encode_share(opts, world, encoders, plan.run_id, share),
+        lambda plan, done: _finish(opts, world, config, plan, done, started),
+        # a disk failure as its StkError naming the rank; nothing unfinished is listed
+        lambda exc: _rank_failure(exc, opts.cache, world),
+    )

@@ -9,86 +9,12 @@ rank and N ranks give bitwise-equal tensors on CPU.
 from __future__ import annotations
 
 import heapq
-import json
 import os
-from dataclasses import dataclass
-from typing import Any
 
 from stk import storage
-from stk.cache.keys import latent_key, text_key
-from stk.errors import InputError
-from stk.log import get_logger
-from stk.metadata import read_parquet
+from stk.cache.identity import ImageJob
 
-__all__ = ["ImageJob", "ScanInput", "assign", "image_location", "latent_batches", "load_scan", "text_batches"]
-
-log = get_logger("cache")
-
-
-@dataclass(frozen=True)
-class ImageJob:
-    path: str
-    location: str
-    bucket_width: int
-    bucket_height: int
-    caption: str
-    key: str
-    text_key: str
-
-    @property
-    def pixels(self) -> int:
-        return self.bucket_width * self.bucket_height
-
-
-@dataclass
-class ScanInput:
-    rows: list[dict[str, Any]]
-    root: str
-
-
-def load_scan(scan_dir: str) -> ScanInput:
-    """The scan table and the root its paths are relative to."""
-    table_path = storage.join(scan_dir, "metadata.parquet")
-    summary_path = storage.join(scan_dir, "summary.json")
-    if not storage.exists(table_path):
-        raise InputError(f"{scan_dir}: no metadata.parquet (run stk-scan first)")
-    rows = read_parquet(table_path).to_pylist()
-    root = ""
-    if storage.exists(summary_path):
-        root = json.loads(storage.read_bytes(summary_path)).get("root", "")
-    if root and not storage.is_s3(root) and not os.path.isabs(root):
-        log.warning(
-            "%s records the relative root %r (an older stk-scan): read from the current directory; "
-            "rerun stk-scan (it reuses unchanged rows) to record it absolutely", summary_path, root,
-        )  # fmt: skip
-    missing = {"path", "caption", "bucket_width", "bucket_height", "bytes", "mtime"} - set(rows[0] if rows else {})
-    if rows and missing:
-        raise InputError(f"{table_path}: not an stk scan table (missing {sorted(missing)})")
-    return ScanInput(rows, root)
-
-
-def image_location(root: str, path: str) -> str:
-    """Where a scan row's image is: under the scan's root, unless the row names it in full (an
-    absolute path or a URL from a list), or the scan has no root (one made by an older stk-scan
-    from a list)."""
-    if not root or os.path.isabs(path) or "://" in path:
-        return path
-    return storage.join(root, path)
-
-
-def jobs_for(scan: ScanInput, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> list[ImageJob]:
-    return [
-        ImageJob(
-            path=row["path"],
-            location=image_location(scan.root, row["path"]),
-            bucket_width=row["bucket_width"],
-            bucket_height=row["bucket_height"],
-            caption=row["caption"] or "",
-            key=latent_key(row, latent_recipe),
-            text_key=text_key(row["caption"] or "", text_recipe),
-        )
-        for row in scan.rows
-    ]
+__all__ = ["assign", "latent_batches", "local_work_dir", "text_batches"]
 
 
 def latent_batches(jobs: list[ImageJob], batch_size: int) -> list[list[ImageJob]]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
 from stk.cache.encode import EncodeSettings
 from stk.cache.inspect import cache_info, verify_cache
 from stk.cache.pipeline import CacheOptions, run_cache
-from stk.cli.common import CONTEXT, common_options, max_errors_option, run_command
+from stk.cli.common import CONTEXT, common_options, default_of, max_errors_option, options_from, run_command
 from stk.models import Family, quiet_model_libraries
 from stk.preprocess import CropMode
 from stk.world import World
@@ -46,6 +47,10 @@ def main() -> None:
     """
 
 
+def _defaults(name: str) -> Any:
+    return default_of(CacheOptions, name)
+
+
 @main.command("build", context_settings=CONTEXT("cache"), epilog=EPILOG)
 @click.argument("scan_dir")
 @click.option("--model", required=True, show_envvar=True, help="Hub id or local diffusers directory.")
@@ -53,44 +58,43 @@ def main() -> None:
 @click.option("--family", type=click.Choice([f.value for f in Family]), default=None, show_envvar=True,
               help="Model family [default: from the model's model_index.json].")  # fmt: skip
 @click.option("--device", default=None, show_envvar=True, help="Torch device [default: this rank's GPU, else cpu].")
-@click.option("--batch-size", default=16, type=click.IntRange(1), show_envvar=True, help="Images per VAE batch.")
-@click.option("--text-batch-size", default=64, type=click.IntRange(1), show_envvar=True, help="Captions per batch.")
-@click.option("--shard-size", default=512, type=click.IntRange(1), show_envvar=True, help="Shard size limit, MiB.")
-@click.option("--threads", default=4, type=click.IntRange(1, 256), show_envvar=True, help="Decode threads per rank.")
-@click.option("--crop", type=click.Choice([c.value for c in CropMode]), default="center", show_envvar=True,
+@click.option("--batch-size", default=_defaults("batch_size"), type=click.IntRange(1), show_envvar=True,
+              help="Images per VAE batch.")  # fmt: skip
+@click.option("--text-batch-size", default=_defaults("text_batch_size"), type=click.IntRange(1), show_envvar=True,
+              help="Captions per batch.")  # fmt: skip
+@click.option("--shard-size", default=_defaults("shard_size") // 2**20, type=click.IntRange(1), show_envvar=True,
+              help="Shard size limit, MiB.")  # fmt: skip
+@click.option("--threads", default=_defaults("threads"), type=click.IntRange(1, 256), show_envvar=True,
+              help="Decode threads per rank.")  # fmt: skip
+@click.option("--crop", type=click.Choice([c.value for c in CropMode]), show_envvar=True,
+              default=default_of(EncodeSettings, "crop").value,
               help="Where to crop an image to its bucket; offsets are stored (SDXL uses them).")  # fmt: skip
-@click.option("--latents", type=click.Choice(["mean", "params"]), default="mean", show_envvar=True,
+@click.option("--latents", type=click.Choice(["mean", "params"]), show_envvar=True,
+              default="params" if default_of(EncodeSettings, "store_logvar") else "mean",
               help="Store the latent mean, or mean and log-variance (sampled anew each epoch).")  # fmt: skip
-@click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_envvar=True,
-              help="How latents and embeddings are stored.")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["float16", "float32"]), default=default_of(EncodeSettings, "dtype"),
+              show_envvar=True, help="How latents and embeddings are stored.")  # fmt: skip
 @click.option("--trim-padding", is_flag=True, show_envvar=True,
               help="Store only the real tokens of sequence embeddings (see README for when it is exact).")  # fmt: skip
 @click.option("--force", is_flag=True, show_envvar=True, help="Replace a cache made with another model or config.")
-@max_errors_option("images")
+@max_errors_option("images", CacheOptions)
 @common_options
-def build(scan_dir: str, model: str, out: str, family: str | None, device: str | None, batch_size: int,
-          text_batch_size: int, shard_size: int, threads: int, crop: str, latents: str, dtype: str,
-          trim_padding: bool, force: bool, max_errors: str, verbose: int, quiet: bool,
-          s3_endpoint_url: str | None, s3_retry_seconds: float) -> None:  # fmt: skip
+def build(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_seconds: float, **params: Any) -> None:
     """Encode every image and caption of SCAN_DIR (an stk-scan output) into the cache at --out.
 
     Rerunning the same command finishes an interrupted run: finished shards are kept and their
     samples skipped. Run it under mpiexec or srun to use every rank of the job.
     """
-    settings = EncodeSettings(CropMode(crop), latents == "params", dtype, trim_padding)
-    opts = CacheOptions(
-        scan_dir=scan_dir,
-        model=model,
-        cache=out,
-        family=Family(family) if family else None,
-        device=device,
-        batch_size=batch_size,
-        text_batch_size=text_batch_size,
-        shard_size=shard_size * 2**20,
-        threads=threads,
+    settings = EncodeSettings(
+        CropMode(params["crop"]), params["latents"] == "params", params["dtype"], params["trim_padding"]
+    )
+    opts = options_from(
+        CacheOptions,
+        params,
+        cache=params["out"],
+        family=Family(params["family"]) if params["family"] else None,
+        shard_size=params["shard_size"] * 2**20,
         settings=settings,
-        force=force,
-        max_errors=max_errors,
     )
 
     def body(world: World) -> int:
@@ -107,9 +111,16 @@ def build(scan_dir: str, model: str, out: str, family: str | None, device: str |
 @click.argument("cache")
 @click.option("--scan", "scan_dir", default=None, show_envvar=True, help="Also check that every scan row is cached.")
 @click.option("--repair", is_flag=True, help="Unlist and delete missing or damaged shards, so a rerun redoes them.")
-@click.option("-q", "--quiet", is_flag=True, help="Warnings and errors only.")
-@click.option("--s3-endpoint-url", default=None, show_envvar=True, help="S3-compatible endpoint.")
-def verify_command(cache: str, scan_dir: str | None, repair: bool, quiet: bool, s3_endpoint_url: str | None) -> None:
+@common_options
+def verify_command(
+    cache: str,
+    scan_dir: str | None,
+    repair: bool,
+    verbose: int,
+    quiet: bool,
+    s3_endpoint_url: str | None,
+    s3_retry_seconds: float,
+) -> None:
     """Check every shard's checksum and, with --scan, that every scan row has its latent and caption.
 
     Prints a JSON report; exits 6 with the missing or damaged items listed when anything is wrong.
@@ -121,20 +132,20 @@ def verify_command(cache: str, scan_dir: str | None, repair: bool, quiet: bool, 
         print(json.dumps({name: getattr(report, name) for name in fields}))
         return 0
 
-    run_command("stk-cache", 0, quiet, s3_endpoint_url, body)
+    run_command("stk-cache", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 
 
 @main.command("info", context_settings=CONTEXT("cache"))
 @click.argument("cache")
-@click.option("--s3-endpoint-url", default=None, show_envvar=True, help="S3-compatible endpoint.")
-def info_command(cache: str, s3_endpoint_url: str | None) -> None:
+@common_options
+def info_command(cache: str, verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_seconds: float) -> None:
     """Print a JSON summary of CACHE: samples, buckets, bytes, compression ratio, model."""
 
     def body(world: World) -> int:
         print(json.dumps(cache_info(cache)))
         return 0
 
-    run_command("stk-cache", 0, False, s3_endpoint_url, body)
+    run_command("stk-cache", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 
 
 if __name__ == "__main__":

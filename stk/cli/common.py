@@ -3,6 +3,7 @@ ends (one readable line and a documented exit code, never a traceback for expect
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,9 +17,22 @@ from stk.log import get_logger, setup_logging
 from stk.storage.failures import storage_errors
 from stk.world import World, failed_rank, get_world, raised_on_every_rank
 
-__all__ = ["CONTEXT", "common_options", "max_errors_option", "run_command", "set_option_defaults"]
+__all__ = [
+    "CONTEXT",
+    "common_options",
+    "config_option",
+    "default_of",
+    "max_errors_option",
+    "options_from",
+    "quiet_option",
+    "run_command",
+    "s3_options",
+    "set_option_defaults",
+    "verbosity_options",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 log = get_logger("cli")
 
 
@@ -41,8 +55,12 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
 
 def set_option_defaults(ctx: click.Context, settings: dict[str, Any], path: str, table: str) -> None:
     """Config values become the command's defaults (so the command line and the environment
-    still win); a key that names no option is an error, not silently ignored."""
-    known = {p.name for p in ctx.command.params if p.name} - {"config"}
+    still win); a key that names no option is an error, not silently ignored. A subcommand
+    (stk-cache verify) shares its table with its siblings, so their options are known too."""
+    commands = [ctx.command]
+    if ctx.parent is not None and isinstance(ctx.parent.command, click.Group):
+        commands += ctx.parent.command.commands.values()
+    known = {p.name for command in commands for p in command.params if p.name} - {"config"}
     unknown = sorted(set(settings) - known)
     if unknown:
         names = ", ".join(k.replace("_", "-") for k in unknown)
@@ -50,45 +68,79 @@ def set_option_defaults(ctx: click.Context, settings: dict[str, Any], path: str,
     ctx.default_map = {**(ctx.default_map or {}), **settings}
 
 
+def config_option(
+    callback: Callable[[click.Context, click.Parameter, str | None], str | None] = _load_config,
+    help: str = "TOML file; its table named after the command sets defaults for any option.",
+) -> Callable[[F], F]:
+    """--config: read before the other options, so its values become their defaults."""
+    return click.option(
+        "--config",
+        type=click.Path(dir_okay=False),
+        is_eager=True,
+        expose_value=False,
+        callback=callback,
+        show_envvar=True,
+        help=help,
+    )
+
+
+def quiet_option(fn: F) -> F:
+    return click.option("-q", "--quiet", is_flag=True, help="Warnings and errors only.")(fn)
+
+
+def verbosity_options(fn: F) -> F:
+    """-v (debug) and -q (warnings and errors only)."""
+    return click.option("-v", "--verbose", count=True, help="More log output (debug).")(quiet_option(fn))
+
+
+def s3_options(fn: F) -> F:
+    """The S3 endpoint and retry budget, for every command that may read or write s3:// paths."""
+    fn = click.option(
+        "--s3-retry-seconds",
+        default=storage.DEFAULT_RETRY_SECONDS,
+        type=click.FloatRange(0),
+        show_envvar=True,
+        help="How long S3 may stop answering (connection errors, timeouts, 5xx, throttling) before the "
+        "command gives up with exit 69.",
+    )(fn)
+    return click.option(
+        "--s3-endpoint-url",
+        default=None,
+        show_envvar=True,
+        help="S3-compatible endpoint (MinIO, R2, SeaweedFS). Credentials come from boto3's usual chain "
+        "(environment, profile, instance role), never from options.",
+    )(fn)
+
+
 def common_options(fn: F) -> F:
-    options = [
-        click.option(
-            "--config",
-            type=click.Path(dir_okay=False),
-            is_eager=True,
-            expose_value=False,
-            callback=_load_config,
-            show_envvar=True,
-            help="TOML file; its table named after the command sets defaults for any option.",
-        ),
-        click.option("-v", "--verbose", count=True, help="More log output (debug)."),
-        click.option("-q", "--quiet", is_flag=True, help="Warnings and errors only."),
-        click.option(
-            "--s3-endpoint-url",
-            default=None,
-            show_envvar=True,
-            help="S3-compatible endpoint (MinIO, R2, SeaweedFS). Credentials come from boto3's usual chain "
-            "(environment, profile, instance role), never from options.",
-        ),
-        click.option(
-            "--s3-retry-seconds",
-            default=storage.DEFAULT_RETRY_SECONDS,
-            type=click.FloatRange(0),
-            show_envvar=True,
-            help="How long S3 may stop answering (connection errors, timeouts, 5xx, throttling) before the "
-            "command gives up with exit 69.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    """--config, -v/-q and the S3 options: what stk-scan, stk-cache, stk-train and stk-launch share."""
+    return config_option()(verbosity_options(s3_options(fn)))
 
 
-def max_errors_option(what: str) -> Callable[[F], F]:
-    """--max-errors, one option for stk-scan and stk-cache (parsed by stk.errors.parse_max_errors)."""
+def default_of(options: type[Any], name: str) -> Any:
+    """The library's default for one field of an options dataclass, so that a click option states
+    no default of its own and the two can never disagree."""
+    found = next(f for f in dataclasses.fields(options) if f.name == name)
+    if found.default_factory is not dataclasses.MISSING:
+        return found.default_factory()
+    if found.default is dataclasses.MISSING:
+        raise TypeError(f"{options.__name__}.{name} has no default")
+    return found.default
+
+
+def options_from(options: type[T], params: dict[str, Any], **converted: Any) -> T:
+    """An options dataclass from a command's click parameters named like its fields, with
+    `converted` (values click cannot produce as they are: enums, nested settings) over them."""
+    names = {f.name for f in dataclasses.fields(options)}  # type: ignore[arg-type]
+    return options(**{**{k: v for k, v in params.items() if k in names}, **converted})
+
+
+def max_errors_option(what: str, options: type[Any]) -> Callable[[F], F]:
+    """--max-errors, one option for stk-scan and stk-cache (parsed by stk.errors.parse_max_errors),
+    its default the `options` dataclass's."""
     return click.option(
         "--max-errors",
-        default="1%",
+        default=default_of(options, "max_errors"),
         show_envvar=True,
         help=f"Bad {what} tolerated: a count or a percentage of the {what}; more fail the command (exit 4).",
     )

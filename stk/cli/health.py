@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from stk.cli.common import CONTEXT, run_command, set_option_defaults
+from stk.cli.common import CONTEXT, config_option, quiet_option, run_command, set_option_defaults
 from stk.config import load_command_config
 from stk.errors import StkError
 from stk.health.check import expected_gpus_from_env, report_json_lines, report_text
@@ -47,9 +47,7 @@ def _settings_from_config(ctx: click.Context, _param: click.Parameter, value: st
 
 def _options(fn: Any) -> Any:
     options = [
-        click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False,
-                     callback=_settings_from_config, show_envvar=True,
-                     help="TOML file: a [health] table of options and [health.thresholds]."),
+        config_option(_settings_from_config, "TOML file: a [health] table of options and [health.thresholds]."),
         click.option("--expected-gpus", type=click.IntRange(0), default=None, show_envvar=True,
                      help="GPUs this node must show [default: from the Slurm allocation; unchecked outside Slurm]."),
         click.option("--format", "output", type=click.Choice(["json", "text"]), default="json", show_envvar=True,
@@ -66,7 +64,7 @@ def _options(fn: Any) -> Any:
         click.option("--drain", is_flag=True, show_envvar=True,
                      help="On CRITICAL, drain this Slurm node (Reason=\"stk-health: ...\"); resume it when healthy, "
                      "only if stk-health drained it."),
-        click.option("-q", "--quiet", is_flag=True, help="Warnings and errors only on stderr."),
+        quiet_option,
     ]  # fmt: skip
     for option in reversed(options):
         fn = option(fn)

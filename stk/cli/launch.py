@@ -1,4 +1,4 @@
-"""stk-launch: click wiring only; the work is in stk.launch."""
+"""stk-launch: click wiring, and which scripts the ranks run; the work is in stk.launch."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import os
 import click
 from click.core import ParameterSource
 
+from stk.cli import rank
 from stk.cli.common import CONTEXT, common_options, run_command
-from stk.launch import MPI_IMPLS, VIAS, LaunchSettings, execute, plan_launch, read_allocation
+from stk.launch.allocation import read_allocation
+from stk.launch.plan import DEFAULT_SRUN_MPI, DEFAULT_VIA, MPI_IMPLS, VIAS, LaunchSettings, RankEntry, plan_launch
+from stk.launch.supervise import execute
 from stk.world import World
+
+# What the ranks run: this package's rank script under DeepSpeed's MPI launcher, stk-train under srun.
+RANK_ENTRY = RankEntry(script=os.path.abspath(rank.__file__), module="stk.cli.train")
 
 EPILOG = """\b
 Examples (from an sbatch script or salloc; everything after -- goes to stk-train):
@@ -27,8 +33,8 @@ to checkpoint (SIGUSR2 to stk-train); it waits for them and exits with their cod
 
 \b
 Exit codes: those of stk-train (0 finished, 75 checkpointed: requeue, 76 GPU fault, 3, 5, 6,
-7 ...), also when DeepSpeed's launcher loses them; 2 bad option; 3 not inside an allocation
-and no --hosts, or no slot count.
+7, 69 ...), also when DeepSpeed's launcher loses them; 2 bad option; 3 not inside an allocation
+and no --hosts, or no slot count; 69 mpirun or srun cannot be run here.
 """
 
 
@@ -37,9 +43,9 @@ and no --hosts, or no slot count.
     context_settings={**CONTEXT("launch"), "ignore_unknown_options": True, "allow_interspersed_args": False},
     epilog=EPILOG,
 )
-@click.option("--via", type=click.Choice(VIAS), default="deepspeed", show_envvar=True,
+@click.option("--via", type=click.Choice(VIAS), default=DEFAULT_VIA, show_envvar=True,
               help="DeepSpeed's MPI launcher, or one srun step.")  # fmt: skip
-@click.option("--mpi", default="pmi2", show_envvar=True,
+@click.option("--mpi", default=DEFAULT_SRUN_MPI, show_envvar=True,
               help="srun's MPI plugin with --via srun: pmi2 for MPICH, pmix for OpenMPI.")  # fmt: skip
 @click.option("--mpi-impl", type=click.Choice(MPI_IMPLS), default=None, show_envvar=True,
               help="DeepSpeed's --launcher [default: the MPI library mpi4py loads].")  # fmt: skip
@@ -104,7 +110,7 @@ def main(
 
     def body(world: World) -> int:
         allocation = read_allocation(os.environ, hosts, slots_per_node)
-        return execute(plan_launch(settings, allocation, args, os.environ), os.environ, dry_run)
+        return execute(plan_launch(settings, allocation, args, os.environ, RANK_ENTRY), os.environ, dry_run)
 
     run_command("stk-launch", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import click
 
 from stk.buckets import BucketSpec, ResolutionType
 from stk.captions import MissingCaption
-from stk.cli.common import CONTEXT, common_options, max_errors_option, run_command
-from stk.errors import InputError
+from stk.cli.common import CONTEXT, common_options, default_of, max_errors_option, options_from, run_command
 from stk.imageformats import FORMAT_NAMES, accepted_formats
-from stk.metadata import to_json_lines
 from stk.scan import ScanOptions, run_scan
 from stk.scan.gpus import training_gpus
 from stk.scan.probe import ProbeOptions
+from stk.scan.records import json_lines
 from stk.world import World
 
 EPILOG = """\b
@@ -64,17 +64,23 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
     help="Map a table column: OURS=THEIRS, e.g. --column path=file_name (repeatable).",
 )
 @click.option("--full", is_flag=True, show_envvar=True, help="Rescan everything instead of reusing unchanged rows.")
-@click.option("--threads", default=8, type=click.IntRange(1, 256), show_envvar=True, help="I/O threads per rank.")
+@click.option(
+    "--threads",
+    default=default_of(ScanOptions, "threads"),
+    type=click.IntRange(1, 256),
+    show_envvar=True,
+    help="I/O threads per rank.",
+)
 @click.option(
     "--commit-every",
-    default=2000,
+    default=default_of(ScanOptions, "commit_every"),
     type=click.IntRange(1),
     show_envvar=True,
     help="Files per rank between journal commits (what a kill can lose).",
 )
 @click.option(
     "--max-pixels",
-    default=178_956_970,
+    default=default_of(ProbeOptions, "max_pixels"),
     type=click.IntRange(1),
     show_envvar=True,
     help="Images whose header declares more pixels are errors.",
@@ -89,49 +95,58 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--missing-caption",
     type=click.Choice([m.value for m in MissingCaption]),
-    default="filename",
+    default=default_of(ProbeOptions, "missing_caption").value,
     show_envvar=True,
     help="Caption for an image with no table column and no .txt/.caption sidecar.",
 )
 @click.option(
     "--resolution",
-    default=1024.0,
+    default=default_of(BucketSpec, "resolution"),
     type=click.FloatRange(min=0, min_open=True),
     show_envvar=True,
     help="Short edge in pixels (pixel) or megapixels (area).",
 )
 @click.option(
-    "--resolution-type", type=click.Choice([r.value for r in ResolutionType]), default="pixel", show_envvar=True
+    "--resolution-type",
+    type=click.Choice([r.value for r in ResolutionType]),
+    default=default_of(BucketSpec, "resolution_type").value,
+    show_envvar=True,
 )
 @click.option(
     "--alignment",
-    default=64,
+    default=default_of(BucketSpec, "alignment"),
     type=click.IntRange(1),
     show_envvar=True,
     help="Bucket sides are multiples of this (16 for Flux).",
 )
 @click.option(
     "--min-aspect",
-    default=0.5,
+    default=default_of(BucketSpec, "min_aspect"),
     type=click.FloatRange(min=0, max=1, min_open=True),
     show_envvar=True,
     help="Narrowest width/height kept; narrower images are skipped.",
 )
 @click.option(
     "--max-aspect",
-    default=2.0,
+    default=default_of(BucketSpec, "max_aspect"),
     type=click.FloatRange(min=1),
     show_envvar=True,
     help="Widest width/height kept; wider images are skipped.",
 )
 @click.option(
     "--min-size",
-    default=0,
+    default=default_of(ScanOptions, "min_size"),
     type=click.IntRange(0),
     show_envvar=True,
     help="Skip images whose shorter side is below this many pixels.",
 )
-@click.option("--batch-size", default=1, type=click.IntRange(1), show_envvar=True, help="Training batch size per GPU.")
+@click.option(
+    "--batch-size",
+    default=default_of(ScanOptions, "batch_size"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Training batch size per GPU.",
+)
 @click.option(
     "--gpus",
     default=None,
@@ -139,9 +154,19 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
     show_envvar=True,
     help="GPUs in the training job [default: the Slurm allocation, else this node's GPUs (NVML), else 1].",
 )
-@click.option("--grad-accum", default=1, type=click.IntRange(1), show_envvar=True, help="Gradient accumulation steps.")
 @click.option(
-    "--repeats", default=1, type=click.IntRange(1), show_envvar=True, help="Times each image is seen per epoch."
+    "--grad-accum",
+    default=default_of(ScanOptions, "grad_accum"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Gradient accumulation steps.",
+)
+@click.option(
+    "--repeats",
+    default=default_of(ScanOptions, "repeats"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Times each image is seen per epoch.",
 )
 @click.option(
     "--allow-oversubscription",
@@ -149,7 +174,7 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
     show_envvar=True,
     help="Give short buckets the repeats they need (recorded in buckets.json) instead of failing.",
 )
-@max_errors_option("files")
+@max_errors_option("files", ScanOptions)
 @click.option(
     "--jsonl",
     is_flag=True,
@@ -159,32 +184,14 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 @common_options
 def main(
     source: str,
-    out: str,
-    root: str | None,
     column: tuple[str, ...],
-    full: bool,
-    threads: int,
-    commit_every: int,
-    max_pixels: int,
     formats: str | None,
-    missing_caption: str,
-    resolution: float,
-    resolution_type: str,
-    alignment: int,
-    min_aspect: float,
-    max_aspect: float,
-    min_size: int,
-    batch_size: int,
-    gpus: int | None,
-    grad_accum: int,
-    repeats: int,
-    allow_oversubscription: bool,
-    max_errors: str,
     jsonl: bool,
     verbose: int,
     quiet: bool,
     s3_endpoint_url: str | None,
     s3_retry_seconds: float,
+    **params: Any,
 ) -> None:
     """Find every image under SOURCE and write its size, caption and aspect bucket to --out.
 
@@ -198,53 +205,29 @@ def main(
         accepted = accepted_formats(formats)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--formats") from None
-    spec = BucketSpec(resolution, ResolutionType(resolution_type), alignment, min_aspect, max_aspect)
+    spec = options_from(BucketSpec, params, resolution_type=ResolutionType(params["resolution_type"]))
+    probe = ProbeOptions(params["max_pixels"], MissingCaption(params["missing_caption"]), accepted)
 
     def body(world: World) -> int:
-        try:
-            spec.validate()
-        except ValueError as exc:
-            raise InputError(str(exc)) from exc
-        stdin_lines = sys.stdin.read().splitlines() if source == "-" and world.is_root else None
-        training, training_from = training_gpus(gpus)
-        opts = ScanOptions(
+        spec.validate()
+        training, training_from = training_gpus(params["gpus"])
+        opts = options_from(
+            ScanOptions,
+            params,
             source=source,
-            out_dir=out,
-            stdin_lines=stdin_lines,
-            table_root=root,
+            out_dir=params["out"],
+            stdin_lines=sys.stdin.read().splitlines() if source == "-" and world.is_root else None,
+            table_root=params["root"],
             columns=mapping,
-            full=full,
-            threads=threads,
-            commit_every=commit_every,
-            probe=ProbeOptions(max_pixels, MissingCaption(missing_caption), accepted),
+            probe=probe,
             buckets=spec,
-            min_size=min_size,
-            batch_size=batch_size,
             gpus=training,
             gpus_from=training_from,
-            grad_accum=grad_accum,
-            repeats=repeats,
-            oversubscribe=allow_oversubscription,
-            max_errors=max_errors,
+            oversubscribe=params["allow_oversubscription"],
         )
         summary, rows = run_scan(opts, world)
         if world.is_root:
-            if jsonl:
-                keep = (
-                    "path",
-                    "width",
-                    "height",
-                    "caption",
-                    "bucket",
-                    "bucket_width",
-                    "bucket_height",
-                    "format",
-                    "bytes",
-                    "mtime",
-                )
-                sys.stdout.write(to_json_lines({k: r[k] for k in keep} for r in rows))
-            else:
-                print(json.dumps(summary.__dict__))
+            sys.stdout.write(json_lines(rows) if jsonl else json.dumps(summary.__dict__) + "\n")
         return 0
 
     run_command("stk-scan", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)

@@ -11,9 +11,8 @@ from typing import Any, TextIO
 
 import click
 
-from stk.cli.common import CONTEXT, common_options, run_command
+from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command
 from stk.models import Family
-from stk.train.distributed import COLLECTIVE_TIMEOUT_S
 from stk.train.dsconfig import PRECISIONS, PRESETS
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
@@ -48,6 +47,10 @@ def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     return first, second
 
 
+def _default(name: str) -> Any:
+    return default_of(TrainOptions, name)
+
+
 @click.command("train", context_settings=CONTEXT("train"), epilog=EPILOG)
 @click.option("--cache", default=None, show_envvar=True, help="stk-cache output: a directory or s3://bucket/prefix.")
 @click.option("--scan", default=None, show_envvar=True,
@@ -58,41 +61,86 @@ def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
               help="Model family [default: from the model's model_index.json].")  # fmt: skip
 @click.option("--vae-on-the-fly", is_flag=True, show_envvar=True,
               help="Encode images and captions each step from --scan instead of reading a cache.")  # fmt: skip
-@click.option("--deepspeed", default="zero2", show_envvar=True,
+@click.option("--deepspeed", default=_default("deepspeed"), show_envvar=True,
               help=f"DeepSpeed config: a preset ({', '.join(PRESETS)}) or a JSON file.")  # fmt: skip
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None, show_envvar=True,
               help="[default: bf16 on GPU, fp32 on CPU]")  # fmt: skip
 @click.option(
-    "--batch-size", default=4, type=click.IntRange(1), show_envvar=True, help="Samples per GPU per micro-step."
+    "--batch-size",
+    default=_default("batch_size"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Samples per GPU per micro-step.",
 )
 @click.option(
-    "--grad-accum", default=1, type=click.IntRange(1), show_envvar=True, help="Micro-steps per optimizer step."
+    "--grad-accum",
+    default=_default("grad_accum"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Micro-steps per optimizer step.",
 )
 @click.option(
-    "--max-grad-norm", default=1.0, type=click.FloatRange(0), show_envvar=True, help="Gradient clipping (0: off)."
+    "--max-grad-norm",
+    default=_default("max_grad_norm"),
+    type=click.FloatRange(0),
+    show_envvar=True,
+    help="Gradient clipping (0: off).",
 )
-@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_envvar=True)
 @click.option(
-    "--lr", default=1e-5, type=click.FloatRange(0, min_open=True), show_envvar=True, help="Peak learning rate."
+    "--optimizer", type=click.Choice(OPTIMIZERS), default=default_of(OptimizerSettings, "name"), show_envvar=True
 )
-@click.option("--betas", default="0.9,0.999", callback=_betas, show_envvar=True, help="Optimizer betas.")
-@click.option("--weight-decay", default=1e-2, type=click.FloatRange(0), show_envvar=True)
-@click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant", show_envvar=True,
+@click.option(
+    "--lr",
+    default=default_of(OptimizerSettings, "lr"),
+    type=click.FloatRange(0, min_open=True),
+    show_envvar=True,
+    help="Peak learning rate.",
+)
+@click.option(
+    "--betas",
+    default=",".join(map(str, default_of(OptimizerSettings, "betas"))),
+    callback=_betas,
+    show_envvar=True,
+    help="Optimizer betas.",
+)
+@click.option(
+    "--weight-decay", default=default_of(OptimizerSettings, "weight_decay"), type=click.FloatRange(0), show_envvar=True
+)
+@click.option("--lr-schedule", type=click.Choice(SCHEDULES), default=_default("lr_schedule"), show_envvar=True,
               help="After warmup: constant, or cosine decay to 0 at the last step.")  # fmt: skip
-@click.option("--warmup-steps", default=0, type=click.IntRange(0), show_envvar=True, help="Linear warmup steps.")
-@click.option("--epochs", default=1, type=click.IntRange(1), show_envvar=True)
+@click.option(
+    "--warmup-steps",
+    default=_default("warmup_steps"),
+    type=click.IntRange(0),
+    show_envvar=True,
+    help="Linear warmup steps.",
+)
+@click.option("--epochs", default=_default("epochs"), type=click.IntRange(1), show_envvar=True)
 @click.option("--max-steps", default=None, type=click.IntRange(1), show_envvar=True,
               help="Stop after this many optimizer steps (caps --epochs).")  # fmt: skip
-@click.option("--seed", default=0, show_envvar=True, help="Sample order, noise and timesteps all follow from it.")
+@click.option(
+    "--seed", default=_default("seed"), show_envvar=True, help="Sample order, noise and timesteps all follow from it."
+)
 @click.option("--repeats", default=None, type=click.IntRange(1), show_envvar=True,
               help="Repeats for every bucket [default: the scan's per-bucket repeats, else 1].")  # fmt: skip
 @click.option("--allow-oversubscription", is_flag=True, show_envvar=True,
               help="Repeat short buckets until each fills one effective batch, instead of failing.")  # fmt: skip
-@click.option("--guidance-scale", default=3.5, show_envvar=True, help="Flux guidance embedding value in training.")
-@click.option("--checkpoint-every", default=500, type=click.IntRange(0), show_envvar=True,
+@click.option(
+    "--guidance-scale",
+    default=_default("guidance_scale"),
+    show_envvar=True,
+    help="Flux guidance embedding value in training.",
+)
+@click.option("--checkpoint-every", default=_default("checkpoint_every"), type=click.IntRange(0), show_envvar=True,
               help="Optimizer steps between checkpoints (0: only on signals and at the end).")  # fmt: skip
-@click.option("--keep-checkpoints", default=3, type=click.IntRange(1), show_envvar=True, help="Newest kept.")
-@click.option("--resume", default="auto", show_envvar=True,
+@click.option(
+    "--keep-checkpoints",
+    default=_default("keep_checkpoints"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Newest kept.",
+)
+@click.option("--resume", default=_default("resume"), show_envvar=True,
               help="auto: from OUTPUT/checkpoints/latest if any; none; or a checkpoint directory.")  # fmt: skip
 @click.option("--override-resume", is_flag=True, show_envvar=True,
               help="Resume although seed, optimizer, lr, schedule, batch or accumulation differ from the "
@@ -106,21 +154,28 @@ def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
 @click.option("--local-cache-size", default=None, type=click.FloatRange(0, min_open=True), show_envvar=True,
               help="GiB of S3 shards kept in --local-cache-dir, least recently used out, shards in use "
                    "by any rank kept [default: no limit].")  # fmt: skip
-@click.option("--check-shards/--no-check-shards", default=True, show_envvar=True,
+@click.option("--check-shards/--no-check-shards", default=_default("check_shards"), show_envvar=True,
               help="Check each shard's sha256 against the manifest before its first sample is used (a local cache: "
                    "one read of each shard per rank; S3: as it downloads).")  # fmt: skip
 @click.option("--force", is_flag=True, show_envvar=True,
               help="Train on a cache made with another VAE or other text encoders than --model's "
                    "(weights, scaling or shift factor).")  # fmt: skip
-@click.option("--loader-threads", default=4, type=click.IntRange(1, 64), show_envvar=True)
-@click.option("--prefetch", default=8, type=click.IntRange(1), show_envvar=True, help="Micro-batches loaded ahead.")
+@click.option("--loader-threads", default=_default("loader_threads"), type=click.IntRange(1, 64), show_envvar=True)
+@click.option(
+    "--prefetch",
+    default=_default("prefetch"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Micro-batches loaded ahead.",
+)
 @click.option("--notify", "notify_urls", multiple=True, show_envvar=True,
               help="Apprise URL for the gpu.fault alert (repeatable); prefer --notify-config.")  # fmt: skip
 @click.option("--notify-config", default=None, type=click.Path(dir_okay=False), show_envvar=True,
               help="Apprise config file with the alert targets.")  # fmt: skip
-@click.option("--health-interval", default=10.0, type=click.FloatRange(0.1), show_envvar=True,
+@click.option("--health-interval", default=_default("health_interval"), type=click.FloatRange(0.1), show_envvar=True,
               help="Seconds between GPU health samples in each rank.")  # fmt: skip
-@click.option("--collective-timeout", default=COLLECTIVE_TIMEOUT_S, type=click.FloatRange(1), show_envvar=True,
+@click.option("--collective-timeout", default=_default("collective_timeout"), type=click.FloatRange(1),
+              show_envvar=True,
               help="Seconds a rank waits for its peers in one collective (and the rendezvous): a rank that "
               "died or hangs ends the job with exit 69 after this long. Longer than rank 0 takes to export "
               "the model.")  # fmt: skip
@@ -134,12 +189,12 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
     optimizer = OptimizerSettings(
         options.pop("optimizer"), options.pop("lr"), options.pop("betas"), options.pop("weight_decay")
     )
-    family = options.pop("family")
-    size = options.pop("local_cache_size")
-    opts = TrainOptions(
-        **{k: v for k, v in options.items() if k != "notify_urls"},
+    size = options["local_cache_size"]
+    opts = options_from(
+        TrainOptions,
+        options,
         optimizer=optimizer,
-        family=Family(family) if family else None,
+        family=Family(options["family"]) if options["family"] else None,
         local_cache_bytes=int(size * 2**30) if size else None,
         notify_urls=tuple(options["notify_urls"]),
     )

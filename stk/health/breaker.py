@@ -4,13 +4,13 @@ NaNs into a checkpoint.
 
 The thread samples only its own GPU every `interval` seconds and applies the health rules (with
 the previous sample, for the two-sample rules). On the first CRITICAL finding it records the fault,
-sends one gpu.fault alert (with rank, host and job id) and stops. The training loop calls
-`check()` at each step boundary: it reads the recorded fault and never touches NVML itself.
+sends one gpu.fault alert (with rank, host and job id) and stops. The training loop reads
+`fault` at each step boundary: it sees the recorded fault and never touches NVML itself.
 
     with GpuWatch(None, rank=world.rank, notify_config="/etc/stk/apprise.yml") as watch:
         for batch in loader:
-            watch.check()  # raises GpuFault
-            ...
+            if watch.fault is not None:
+                ...  # stop at this step
 """
 
 from __future__ import annotations
@@ -29,20 +29,13 @@ from stk.health.model import Finding, GpuSample, Report, Severity
 from stk.health.rules import Thresholds, evaluate
 from stk.health.state import AlertState, locked
 from stk.log import get_logger
+from stk.slurm import job_id
 
-__all__ = ["GpuFault", "GpuWatch", "local_gpu_index"]
+__all__ = ["GpuWatch", "local_gpu_index"]
 
 log = get_logger("health.breaker")
 
 _DEFAULT_THRESHOLDS = Thresholds()  # frozen: one instance serves every watch
-
-
-class GpuFault(Exception):
-    """This rank's GPU has a critical fault; `finding` says which and what."""
-
-    def __init__(self, finding: Finding) -> None:
-        super().__init__(f"GPU fault: {finding.message}")
-        self.finding = finding
 
 
 def local_gpu_index(environ: dict[str, str] | None = None) -> int:
@@ -125,12 +118,6 @@ class GpuWatch:
             self._thread.start()
         return self
 
-    def check(self) -> None:
-        """Raise GpuFault if the GPU had a critical fault; for the training loop's step boundary."""
-        fault = self.fault
-        if fault is not None:
-            raise GpuFault(fault)
-
     def report_error(self, message: str) -> None:
         """Open the breaker for an error the training step itself met (a CUDA or NCCL error), with
         the same alert a sampled fault sends."""
@@ -184,7 +171,7 @@ class GpuWatch:
         with self._lock:
             self._fault = finding
         log.error("GPU fault, training stops at the next step: %s", finding.message)
-        report = Report(socket.gethostname(), os.environ.get("SLURM_JOB_ID"), 1, (finding,), tuple(samples))
+        report = Report(socket.gethostname(), job_id(os.environ), 1, (finding,), tuple(samples))
         if self.notify_urls or self.notify_config is not None:
             try:
                 self._alert(report)

@@ -6,28 +6,20 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from stk.health.devices import DeviceBackend, NoDriver, NvmlFailed
 from stk.health.model import Finding, GpuSample, Report, Severity
 from stk.health.rules import Thresholds, evaluate
-from stk.world import slurm_gpu_count
+from stk.slurm import gpus_per_node, job_id
 
 __all__ = ["expected_gpus_from_env", "report_json_lines", "report_text", "run_check"]
 
 
-def expected_gpus_from_env(environ: dict[str, str] | None = None) -> int | None:
-    """GPUs this node should show inside a Slurm job: SLURM_GPUS_ON_NODE, else the job's GPUs
-    spread evenly over its nodes; None outside Slurm (the gpu_count rule is then skipped)."""
-    env = os.environ if environ is None else environ
-    on_node = env.get("SLURM_GPUS_ON_NODE", "")
-    if on_node.isdigit():
-        return int(on_node)
-    total = slurm_gpu_count(environ)
-    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
-    if total is None or not nodes.isdigit() or int(nodes) == 0 or total % int(nodes):
-        return None
-    return total // int(nodes)
+def expected_gpus_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """GPUs this node should show: the job's GPUs per node; None outside Slurm (the gpu_count rule
+    is then skipped)."""
+    return gpus_per_node(os.environ if environ is None else environ)
 
 
 def run_check(
@@ -37,17 +29,17 @@ def run_check(
     previous: Sequence[GpuSample] | None = None,
 ) -> Report:
     """Check this node once. No driver is UNKNOWN (cannot tell); NVML failing outright is CRITICAL."""
-    host, job_id = socket.gethostname(), os.environ.get("SLURM_JOB_ID")
+    host, job = socket.gethostname(), job_id(os.environ)
     try:
         samples = backend.sample()
     except NoDriver as exc:
         finding = Finding("no_driver", Severity.UNKNOWN, f"no NVIDIA driver: {exc}")
-        return Report(host, job_id, 0, (finding,))
+        return Report(host, job, 0, (finding,))
     except NvmlFailed as exc:
         finding = Finding("gpu_unresponsive", Severity.CRITICAL, f"NVML does not answer: {exc}")
-        return Report(host, job_id, 0, (finding,))
+        return Report(host, job, 0, (finding,))
     findings = evaluate(samples, expected_gpus, thresholds, previous)
-    return Report(host, job_id, len(samples), tuple(findings), tuple(samples))
+    return Report(host, job, len(samples), tuple(findings), tuple(samples))
 
 
 def report_json_lines(report: Report) -> str:

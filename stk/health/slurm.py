@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
-import subprocess
 from dataclasses import dataclass
 
 from stk.errors import InputError
 from stk.health.check import report_text
 from stk.health.model import Report, Severity
+from stk.slurm import scontrol
 
 __all__ = [
     "REASON_PREFIX",
@@ -31,7 +30,6 @@ __all__ = [
 
 REASON_PREFIX = "stk-health:"
 MAX_REASON = 200  # characters, prefix included: enough for sinfo -R and scontrol, short enough to read
-_TIMEOUT_S = 30
 # Reason= is the last field and may hold anything, "=" included; Slurm appends " [user@time]".
 _REASON = re.compile(r"(?:^|\s)Reason=(.*?)(?:\s+\[[^\]]*@[^\]]*\])?\s*$")
 _STATE = re.compile(r"(?:^|\s)State=(\S+)")
@@ -86,32 +84,17 @@ def reason_for(text: str) -> str:
     return reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3].rstrip() + "..."
 
 
-def _scontrol(*args: str) -> str:
-    """Run scontrol; InputError naming the command and its stderr when it is missing or fails."""
-    command = ["scontrol", *args]
-    if shutil.which("scontrol") is None:
-        raise InputError(f"`{' '.join(command)}`: scontrol not found on PATH")
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        raise InputError(f"`{' '.join(command)}` did not answer within {_TIMEOUT_S} s") from exc
-    if proc.returncode != 0:
-        detail = proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}"
-        raise InputError(f"`{' '.join(command)}` failed: {detail}")
-    return proc.stdout
-
-
 def node_state(node: str | None = None) -> NodeState:
     """The node's state and reason, from `scontrol show node -o NODE`."""
     name = node or default_node_name()
-    lines = [line for line in _scontrol("show", "node", "-o", name).splitlines() if line.strip()]
+    lines = [line for line in scontrol("show", "node", "-o", name).splitlines() if line.strip()]
     if not lines:
         raise InputError(f"`scontrol show node -o {name}` printed nothing")
     return parse_node_line(lines[0])
 
 
 def _set_drain(node: str, reason: str) -> None:
-    _scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
+    scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
 
 
 def drain(node: str | None, reason: str) -> bool:
@@ -131,7 +114,7 @@ def resume_if_ours(node: str | None = None) -> bool:
     state = node_state(name)
     if not (state.drained and state.ours):
         return False
-    _scontrol("update", f"NodeName={name}", "State=RESUME")
+    scontrol("update", f"NodeName={name}", "State=RESUME")
     return True
 
 

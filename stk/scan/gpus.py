@@ -6,8 +6,10 @@ on a CPU machine must give the verdict that one rank gives.
 
 from __future__ import annotations
 
+import os
+
 from stk.health.devices import node_gpu_count
-from stk.world import slurm_gpu_count
+from stk.slurm import gpu_count
 
 __all__ = ["training_gpus"]
 
@@ -17,7 +19,7 @@ def training_gpus(option: int | None) -> tuple[int, str]:
     GPUs by NVML; else 1."""
     if option:
         return option, "option"
-    slurm = slurm_gpu_count()
+    slurm = gpu_count(os.environ)
     if slurm:
         return slurm, "slurm"
     nvml = node_gpu_count()

@@ -17,11 +17,11 @@ from stk.errors import BatchCheckFailed, InputError, check_max_errors, parse_max
 from stk.log import get_logger
 from stk.progress import Progress
 from stk.scan import candidates as cands
-from stk.scan.outputs import Filters, assemble, buckets_document, write_outputs
+from stk.scan.outputs import ERRORS, Filters, assemble, buckets_document, write_outputs
 from stk.scan.probe import ProbeOptions, probe
 from stk.scan.records import Record
 from stk.scan.state import Journal, clear_previous, load_previous, save_state
-from stk.world import World
+from stk.world import World, split_work
 
 __all__ = ["ScanOptions", "ScanSummary", "run_scan", "split_by_bytes"]
 
@@ -53,7 +53,7 @@ class ScanOptions:
 @dataclass
 class ScanSummary:
     source: str
-    root: str  # absolute; image location = root + "/" + path (stk.cache.plan.image_location)
+    root: str  # absolute; image location = root + "/" + path (stk.scan.reader.ScanTable.image_location)
     out_dir: str
     files: int
     images: int
@@ -237,7 +237,7 @@ def _finish(
     write_outputs(opts.out_dir, assembled, doc, asdict(summary))
     save_state(opts.out_dir, assembled.latest, opts.probe.settings_key())
     log.info(summary.line())
-    errors_file, written = os.path.join(opts.out_dir, "errors.jsonl"), "the outputs were written"
+    errors_file, written = os.path.join(opts.out_dir, ERRORS), "the outputs were written"
     check_max_errors(opts.max_errors, assembled.fault_kinds, files, "bad files", errors_file, written)
     if not assembled.check.ok:
         if opts.oversubscribe:
@@ -252,32 +252,28 @@ def _finish(
 def run_scan(opts: ScanOptions, world: World) -> tuple[ScanSummary, list[Record]]:
     """Scan on every rank of `world`; every rank returns the summary, rank 0 also the rows.
 
-    Large data moves only where it must: each rank receives its own share (scatter) and sends
-    its records to rank 0 (gather); errors on rank 0 reach every rank (World.root_call)."""
+    Listing and writing happen once, on rank 0, so the outputs never depend on the rank count;
+    probing, the slow part on a big tree or bucket, is spread over the ranks by bytes. Large data
+    moves only where it must: each rank receives its own share and sends its records to rank 0."""
     started = time.monotonic()
     parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the scan
-    kept: dict[str, Any] = {}
+    reused: list[Record] = []
+    rows: list[Record] = []
 
-    def plan() -> tuple[int, str]:
+    def plan() -> tuple[tuple[int, str], list[list[cands.Candidate]]]:
         os.makedirs(opts.out_dir, exist_ok=True)
-        kept["shares"], kept["reused"], files, run_id = _plan(opts, world)
-        return files, run_id
+        shares, found_before, files, run_id = _plan(opts, world)
+        reused.extend(found_before)
+        return (files, run_id), shares
 
-    files, run_id = world.root_call(plan)
-    share = world.scatter(kept.get("shares"))
-    try:
-        mine, failure = _probe_share(share, opts, world, run_id, files), None
-    except Exception as exc:  # reported through the gather so that no rank waits forever
-        mine, failure = [], exc
-    gathered = world.gather((mine, failure))
+    def work(shared: tuple[int, str], share: list[cands.Candidate]) -> list[Record]:
+        files, run_id = shared
+        return _probe_share(share, opts, world, run_id, files)
 
-    def finish() -> ScanSummary:
-        assert gathered is not None
-        for _, exc in gathered:
-            if exc is not None:
-                raise exc
-        new = [r for part, _ in gathered for r in part]
-        summary, kept["rows"] = _finish(opts, world, kept["reused"] + new, files, len(new), started)
+    def finish(shared: tuple[int, str], parts: list[list[Record]]) -> ScanSummary:
+        new = [r for part in parts for r in part]
+        summary, written = _finish(opts, world, reused + new, shared[0], len(new), started)
+        rows.extend(written)
         return summary
 
-    return world.root_call(finish), kept.get("rows", [])
+    return split_work(world, plan, work, finish), rows

@@ -10,7 +10,9 @@ from typing import Any
 
 import pyarrow as pa
 
-__all__ = ["RECORD_SCHEMA", "Record", "error_record", "records_to_table"]
+from stk.metadata import to_json_lines
+
+__all__ = ["JSONL_COLUMNS", "RECORD_SCHEMA", "Record", "error_record", "json_lines", "records_to_table"]
 
 Record = dict[str, Any]
 
@@ -43,3 +45,13 @@ def error_record(path: str, location: str, fingerprint: str, kind: str, reason: 
 
 def records_to_table(records: list[Record]) -> pa.Table:
     return pa.Table.from_pylist(records, schema=RECORD_SCHEMA)
+
+
+# What `stk-scan --jsonl` prints for each image: enough for a shell pipe, without the bookkeeping.
+JSONL_COLUMNS = ("path", "width", "height", "caption", "bucket", "bucket_width", "bucket_height", "format", "bytes",
+                 "mtime")  # fmt: skip
+
+
+def json_lines(rows: list[Record]) -> str:
+    """The scan's image rows as `stk-scan --jsonl` prints them."""
+    return to_json_lines({k: row[k] for k in JSONL_COLUMNS} for row in rows)

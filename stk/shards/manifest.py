@@ -8,6 +8,7 @@ never meets a half-written one. The manifest is rewritten whole and atomically, 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +16,16 @@ from stk import storage
 from stk.errors import InputError
 from stk.shards.writer import ShardInfo
 
-__all__ = ["MANIFEST", "MANIFEST_VERSION", "Manifest"]
+__all__ = ["MANIFEST", "MANIFEST_VERSION", "Manifest", "shard_entry"]
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 _SHARD_FIELDS = ("name", "latents", "texts", "bytes", "sha256")
+
+
+def shard_entry(info: ShardInfo) -> dict[str, Any]:
+    """What the manifest lists for a shard (the key lists stay in the shard itself)."""
+    return {k: getattr(info, k) for k in _SHARD_FIELDS}
 
 
 @dataclass
@@ -33,10 +39,14 @@ class Manifest:
     scaling_factor: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def add_shard(self, info: ShardInfo) -> None:
-        if any(s["name"] == info.name for s in self.shards):
-            raise ValueError(f"shard {info.name} is already listed")
-        self.shards.append({k: getattr(info, k) for k in _SHARD_FIELDS})
+    def merge(self, entries: Iterable[dict[str, Any]]) -> None:
+        """List the shards not listed yet: a shard recorded twice (by a rank's part file, then by
+        the rank's report) is one shard."""
+        listed = {s["name"] for s in self.shards}
+        for entry in entries:
+            if entry["name"] not in listed:
+                self.shards.append(entry)
+                listed.add(entry["name"])
 
     @staticmethod
     def load(cache: str) -> Manifest | None:

@@ -13,18 +13,20 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from stk import storage
-from stk.cache.plan import ImageJob, jobs_for, load_scan
+from stk.cache.identity import ImageJob, jobs_for
 from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
 from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
+from stk.scan.reader import read_scan
 from stk.shards import CacheReader, Manifest, TextSample
 from stk.train.batch import Batch
 
@@ -55,8 +57,6 @@ class CacheData:
 
     Every shard is checked against the manifest's sha256 before its first sample is used (unless
     `check_sha256` is off): a damaged one raises CacheIncomplete (see stk/shards/integrity.py).
-    `keys` restricts training to those latent keys (a scan table's rows); a Mapping from key to
-    the image's path also names the image in errors. None trains on every latent in the cache.
     For an s3:// cache, whole shards are kept in `local_dir` (a temp dir if None; the ranks of a node
     may share one), at most `max_local_bytes` of them in it (see stk/shards/localcopies.py).
     """
@@ -64,7 +64,6 @@ class CacheData:
     def __init__(
         self,
         cache: str,
-        keys: Collection[str] | None = None,
         local_dir: str | None = None,
         max_local_bytes: int | None = None,
         check_sha256: bool = True,
@@ -85,7 +84,7 @@ class CacheData:
                     f"{cache}/manifest.json: no usable {exc} in its config (not made by stk-cache)"
                 ) from None
             self.shift_factor = None if shift is None else float(shift)
-            self._buckets = _restricted(self.reader.buckets(), keys, cache)
+            self._buckets = self.reader.buckets()
         except BaseException:
             self.reader.close()
             raise
@@ -131,24 +130,6 @@ class CacheData:
         self.close()
 
 
-def _restricted(
-    buckets: dict[BucketShape, list[str]], keys: Collection[str] | None, cache: str
-) -> dict[BucketShape, list[str]]:
-    if keys is None:
-        return buckets
-    cached = {key for members in buckets.values() for key in members}
-    wanted = dict.fromkeys(keys)  # an ordered set
-    missing = [key for key in wanted if key not in cached]
-    if missing:
-        first = keys[missing[0]] if isinstance(keys, Mapping) else missing[0]
-        raise InputError(
-            f"{len(missing)} of the {len(wanted)} samples asked for are not in the cache {cache} (the first: "
-            f"{first}): run stk-cache for this scan table again, or see stk-cache verify --scan"
-        )
-    selected = {hw: [key for key in members if key in wanted] for hw, members in buckets.items()}
-    return {hw: members for hw, members in selected.items() if members}
-
-
 def _stack_float32(arrays: list[np.ndarray]) -> torch.Tensor:
     """(B, ...) float32 from same-shaped arrays (float16 as stored), converted while copied."""
     shapes = sorted({a.shape for a in arrays})
@@ -170,10 +151,8 @@ def _collate_text(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tenso
             widths = {a.shape[1] for a in arrays}
             if len(widths) != 1:
                 raise ValueError(f"text array {name}: widths {sorted(widths)} differ within one batch")
-            padded = np.zeros((len(arrays), max(a.shape[0] for a in arrays), first.shape[1]), dtype=np.float32)
-            for i, array in enumerate(arrays):
-                padded[i, : array.shape[0]] = array
-            out[name] = torch.from_numpy(padded)
+            sequences = [torch.from_numpy(a.astype(np.float32)) for a in arrays]
+            out[name] = pad_sequence(sequences, batch_first=True)
         else:
             out[name] = _stack_float32(arrays)
     return out
@@ -197,7 +176,7 @@ class ImageData:
         self.vae_scale_factor = vae_scale_factor
         self.crop = CropMode(crop)
         # the latent key of a made-up recipe: a stable per-image seed for random crops
-        jobs = jobs_for(load_scan(scan_dir), {"on_the_fly_crop_seed": seed}, {})
+        jobs = jobs_for(read_scan(scan_dir), {"on_the_fly_crop_seed": seed}, {})
         self._jobs = {job.path: job for job in jobs}
         for job in jobs:
             if job.bucket_width % vae_scale_factor or job.bucket_height % vae_scale_factor:
@@ -273,8 +252,7 @@ class BatchLoader:
         if threads < 1 or prefetch < 1 or shard_lookahead < 0:
             raise ValueError("threads and prefetch must be at least 1, shard_lookahead at least 0")
         self.data = data
-        self.wait_seconds = 0.0  # total time __next__ blocked waiting for a batch
-        self._unreported = 0.0
+        self._unreported = 0.0  # seconds __next__ blocked waiting for a batch, since take_wait
         self._batches = iter(batches)
         self._prefetch = prefetch
         self._ahead = max(prefetch, shard_lookahead) if shard_lookahead else prefetch
@@ -307,9 +285,7 @@ class BatchLoader:
             self.close()
             raise
         finally:
-            waited = time.perf_counter() - started
-            self.wait_seconds += waited
-            self._unreported += waited
+            self._unreported += time.perf_counter() - started
         self._taken += 1
         self._fill()
         return batch

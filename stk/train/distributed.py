@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import socket
-import subprocess
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from stk.errors import InputError
+from stk.errors import InfraError, InputError
+from stk.slurm import Task, env_int, free_port, step_task
 from stk.world import World
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
     "DistEnv",
-    "expand_nodelist",
     "export_dist_env",
     "init_distributed",
     "resolve_dist_env",
@@ -58,9 +56,10 @@ def resolve_dist_env(world: World, environ: Mapping[str, str]) -> DistEnv:
         return _from_launcher(world, environ)
     if world.comm is not None:
         return _from_mpi(world, environ)
-    if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
-        return _from_slurm(environ)
-    port = _int(environ, "STK_MASTER_PORT") if "STK_MASTER_PORT" in environ else _free_port()
+    task = step_task(environ)
+    if task is not None:
+        return _from_slurm(task, environ)
+    port = env_int(environ, "STK_MASTER_PORT") if "STK_MASTER_PORT" in environ else free_port()
     return DistEnv(0, 1, 0, 1, "127.0.0.1", port, world.node)
 
 
@@ -89,7 +88,7 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout: datetime
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     except (torch.distributed.DistStoreError, torch.distributed.DistNetworkError, TimeoutError) as exc:
-        raise InputError(
+        raise InfraError(
             f"the rendezvous at {env.master_addr}:{env.master_port} did not complete within {timeout} "
             f"(rank {env.rank} of {env.world_size} on {env.node}): check that all ranks started and that the "
             f"address is reachable from every node (STK_MASTER_ADDR / STK_MASTER_PORT choose another) ({exc})"
@@ -108,54 +107,21 @@ def _default_group_timeout(timeout: datetime.timedelta) -> None:
     distributed_c10d.default_pg_nccl_timeout = timeout
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Host names of a Slurm node list ("gpu[01-03,07],login1"), for when scontrol is absent.
-
-    Handles one bracket group per host name, which is what Slurm prints for flat host names."""
-    hosts: list[str] = []
-    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)", nodelist):
-        if not ranges:
-            hosts.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            first, _, last = part.partition("-")
-            if not last:
-                hosts.append(f"{prefix}{first}{suffix}")
-                continue
-            if not (first.isdigit() and last.isdigit()):
-                raise InputError(f"cannot read the Slurm node list {nodelist!r}")
-            hosts.extend(f"{prefix}{n:0{len(first)}d}{suffix}" for n in range(int(first), int(last) + 1))
-    if not hosts:
-        raise InputError(f"cannot read the Slurm node list {nodelist!r}")
-    return hosts
-
-
-def _first_host(nodelist: str) -> str:
-    """The first host of a node list, as scontrol expands it (or our parser without scontrol)."""
-    try:
-        out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True, timeout=30
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        out = []
-    return out[0] if out else expand_nodelist(nodelist)[0]
-
-
 def _from_launcher(world: World, environ: Mapping[str, str]) -> DistEnv:
-    rank, size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+    rank, size = env_int(environ, "RANK"), env_int(environ, "WORLD_SIZE")
     if world.comm is not None and (rank, size) != (world.rank, world.size):
         raise InputError(
             f"RANK={rank} WORLD_SIZE={size} in the environment disagree with MPI (rank {world.rank} of "
             f"{world.size}): unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
         )
-    local_size = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world.local_size
+    local_size = env_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world.local_size
     return DistEnv(
         rank=rank,
         world_size=size,
-        local_rank=_int(environ, "LOCAL_RANK"),
+        local_rank=env_int(environ, "LOCAL_RANK"),
         local_world_size=local_size,
         master_addr=environ["MASTER_ADDR"],
-        master_port=_int(environ, "MASTER_PORT"),
+        master_port=env_int(environ, "MASTER_PORT"),
         node=world.node,
     )
 
@@ -165,60 +131,16 @@ def _from_mpi(world: World, environ: Mapping[str, str]) -> DistEnv:
         # Rank 0's own host name resolved, never `hostname -I` (its first address may be any network).
         addr = environ.get("STK_MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
         # A port free on rank 0 now beats one derived from the job id: two steps of a job may share a node.
-        port = _int(environ, "STK_MASTER_PORT") if "STK_MASTER_PORT" in environ else _free_port()
+        port = env_int(environ, "STK_MASTER_PORT") if "STK_MASTER_PORT" in environ else free_port()
         return addr, port
 
     addr, port = world.root_call(rank0_endpoint)
     return DistEnv(world.rank, world.size, world.local_rank, world.local_size, addr, port, world.node)
 
 
-def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
+def _from_slurm(task: Task, environ: Mapping[str, str]) -> DistEnv:
     """srun without MPI: every task computes the same answer from Slurm's variables alone."""
-    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-    addr = environ.get("STK_MASTER_ADDR")
-    if not addr:
-        if not nodelist:
-            raise InputError("SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are unset: set STK_MASTER_ADDR")
-        addr = _first_host(nodelist)
-    if "STK_MASTER_PORT" in environ:
-        port = _int(environ, "STK_MASTER_PORT")
-    else:  # no way to agree on a free port without talking: derive one from the job and step
-        port = 20000 + _int(environ, "SLURM_JOB_ID", 0) % 2000 * 10 + _int(environ, "SLURM_STEP_ID", 0) % 10
-    tasks_per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
-    return DistEnv(
-        rank=_int(environ, "SLURM_PROCID"),
-        world_size=_int(environ, "SLURM_STEP_NUM_TASKS"),
-        local_rank=_int(environ, "SLURM_LOCALID", 0),
-        local_world_size=_tasks_on_node(tasks_per_node, _int(environ, "SLURM_NODEID", 0)),
-        master_addr=addr,
-        master_port=port,
-        node=environ.get("SLURMD_NODENAME") or socket.gethostname(),
-    )
-
-
-def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """The task count of node `node_id` in Slurm's "2(x3),1" notation (1 when it cannot tell)."""
-    counts: list[int] = []
-    for part in tasks_per_node.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if not match:
-            return 1
-        counts.extend([int(match[1])] * int(match[2] or 1))
-    return counts[node_id] if node_id < len(counts) else 1
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
-    value = environ.get(name)
-    if value is None and default is not None:
-        return default
-    try:
-        return int(value or "")
-    except ValueError:
-        raise InputError(f"{name}={value!r} is not a whole number") from None
+    addr = environ.get("STK_MASTER_ADDR") or task.first_host()
+    # no way to agree on a free port without talking: the one the job and step derive
+    port = env_int(environ, "STK_MASTER_PORT") if "STK_MASTER_PORT" in environ else task.port
+    return DistEnv(task.rank, task.size, task.local_rank, task.local_size, addr, port, task.node)

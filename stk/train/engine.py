@@ -55,9 +55,34 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     the shards are gathered layer by layer so no GPU holds the whole model."""
     import torch.distributed as dist
 
+    rank = dist.get_rank()
     if engine.zero_optimization_partition_weights():
-        state: dict[str, torch.Tensor] | None = engine._zero3_consolidated_16bit_state_dict()
-        return state
-    if dist.get_rank() != 0:
+        return _gathered_state_dict(engine.module, rank)
+    if rank != 0:
         return None
     return {name: tensor.detach().cpu() for name, tensor in engine.module.state_dict().items()}
+
+
+def _gathered_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+    """ZeRO-3's partitioned weights as `module.state_dict()` would hold them whole: each layer's
+    parameters gathered in turn (deepspeed.zero.GatheredParameters, on every rank) and copied to
+    rank 0's CPU before the next; a weight shared by two layers stays one tensor."""
+    import deepspeed
+
+    keys = set(module.state_dict(keep_vars=True))  # names only; persistent buffers, tied weights
+    state: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}  # id(parameter) -> its CPU copy
+    for prefix, layer in module.named_modules(remove_duplicate=False):
+        prefix = f"{prefix}." if prefix else ""
+        params = list(layer.named_parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+            if rank != 0:
+                continue
+            for name, param in params:
+                if id(param) not in copies:
+                    copies[id(param)] = param.detach().cpu()
+                state[prefix + name] = copies[id(param)]
+            for name, buffer in layer.named_buffers(recurse=False):
+                if prefix + name in keys:
+                    state[prefix + name] = buffer.detach().cpu()
+    return state if rank == 0 else None

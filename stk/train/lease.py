@@ -27,6 +27,7 @@ from typing import Any
 
 from stk.errors import PreflightFailed
 from stk.log import get_logger
+from stk.slurm import job_id, restart_count
 
 __all__ = ["HEARTBEAT_SECONDS", "LEASE_NAME", "STALE_SECONDS", "Holder", "Lease"]
 
@@ -44,14 +45,13 @@ class Holder:
     host: str
     pid: int
     run: str  # unique per run: tells our lease from a successor's
-    job_id: str | None  # SLURM_JOB_ID
-    restart: int  # SLURM_RESTART_COUNT: a requeued job's later attempt has a higher one
+    job_id: str | None  # the Slurm job's
+    restart: int  # a requeued job's later attempt has a higher one
 
     @classmethod
     def this_process(cls) -> Holder:
-        job = os.environ.get("SLURM_JOB_ID") or None
-        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-        return cls(socket.gethostname(), os.getpid(), uuid.uuid4().hex, job, int(restart) if restart.isdigit() else 0)
+        environ = os.environ
+        return cls(socket.gethostname(), os.getpid(), uuid.uuid4().hex, job_id(environ), restart_count(environ))
 
     def describe(self) -> str:
         job = f", Slurm job {self.job_id}" if self.job_id else ""

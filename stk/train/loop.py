@@ -14,6 +14,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from stk.train.batch import Batch, StepInputs
 from stk.train.cachemodel import check_cache_model
 from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.data import BatchLoader
-from stk.train.distributed import init_distributed, resolve_dist_env
+from stk.train.distributed import DistEnv, init_distributed, resolve_dist_env
 from stk.train.dsconfig import load_deepspeed_config
 from stk.train.engine import build_engine, full_state_dict
 from stk.train.export import export_pipeline
@@ -42,15 +43,31 @@ from stk.train.sampler import BucketSampler
 from stk.train.stopping import StopSignals, agree, is_gpu_error, is_peer_failure, peer_failed
 from stk.world import World
 
-__all__ = ["TrainSummary", "run_train"]
+__all__ = ["Outcome", "TrainSummary", "run_train"]
 
 log = get_logger("train")
+
+
+class Outcome(StrEnum):
+    """How a run ended, as the summary line names it."""
+
+    FINISHED = "finished"  # every step trained, the final model exported
+    REQUEUE = "requeue"  # stopped by a signal at a checkpoint: requeue the job to continue
+    GPU_FAULT = "gpu_fault"  # a rank's GPU failed: the job stops for the node to be drained
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return {
+            Outcome.FINISHED: ExitCode.OK,
+            Outcome.REQUEUE: ExitCode.REQUEUE,
+            Outcome.GPU_FAULT: ExitCode.GPU_FAULT,
+        }[self]
 
 
 @dataclass
 class TrainSummary:
     output_dir: str
-    outcome: str  # finished | requeue | gpu_fault
+    outcome: Outcome
     steps: int  # optimizer steps done, resumed ones included
     total_steps: int
     resumed_from: str | None
@@ -61,36 +78,47 @@ class TrainSummary:
     samples_per_second: float
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "outcome": self.outcome.value}
 
 
 @dataclass
-class _Run:
-    """What the step loop needs, set up once."""
+class _Model:
+    """What a micro-step runs: the objective on the engine, inputs moved to the device and dtype."""
 
-    opts: TrainOptions
-    plan: TrainPlan
-    sampler: BucketSampler
     objective: Objective
     engine: Any
     encoders: Any  # stk.models.Encoders with --vae-on-the-fly, else None
     device: torch.device
     dtype: torch.dtype
+
+
+@dataclass
+class _Run:
+    """The step loop's state: set up once, advanced by each optimizer step."""
+
+    opts: TrainOptions
+    plan: TrainPlan
+    sampler: BucketSampler
+    model: _Model
     rank: int
-    world_size: int
     checkpoints: CheckpointDir
     metrics: MetricsLog
     signals: StopSignals
     watch: GpuWatch
     progress: Progress
     total_steps: int
-    step: int = 0
+    first_step: int
+    step: int
     last_checkpoint: str | None = None
     loss: float | None = None
-    samples: int = 0
 
 
 def run_train(opts: TrainOptions, world: World) -> tuple[TrainSummary, ExitCode]:
+    """Train on every rank of `world` and return the summary with the exit code its outcome asks for.
+
+    Every check that needs no model runs first, so a job that cannot work fails in seconds; a stop
+    signal or a GPU fault ends the run at a step boundary all ranks agree on, and a peer that fails
+    or stops answering is reported as an infrastructure error (rerun, maybe elsewhere)."""
     started = time.monotonic()
     signals = StopSignals().install()  # from the start: a signal while models load stops at the first step
     try:
@@ -157,14 +185,31 @@ def _run(
     signals: StopSignals,
     started: float,
 ) -> tuple[TrainSummary, ExitCode]:
-    resume, overridden = resuming
+    run = _setup(opts, world, plan, deepspeed_config, checkpoints, resuming, signals)
+    run.metrics.start(run.step)
+    run.watch.start()
+    try:
+        outcome = _train(run)
+    finally:
+        run.watch.stop()
+        run.metrics.close()
+        run.progress.close()
+    final = _export(run) if outcome is Outcome.FINISHED else None
+    return _summary(run, outcome, final, resuming[0], started), outcome.exit_code
+
+
+def _start_distributed(opts: TrainOptions, world: World) -> tuple[DistEnv, torch.device, str]:
+    """The process group, this rank's device and the precision it trains in."""
     env = resolve_dist_env(world, os.environ)
     init_distributed(env, timeout=datetime.timedelta(seconds=opts.collective_timeout))
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    precision = opts.precision or ("bf16" if device.type == "cuda" else "fp32")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return env, device, opts.precision or ("bf16" if device.type == "cuda" else "fp32")
+
+
+def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketSampler, int]:
+    """This rank's sampler and the optimizer steps to train."""
     sampler = BucketSampler(
         plan.buckets, plan.repeats, opts.batch_size, env.world_size, env.rank, opts.grad_accum, opts.seed
     )
@@ -181,6 +226,15 @@ def _run(
         sampler.effective_batch,
         total_steps,
     )
+    return sampler, total_steps
+
+
+def _load_model(
+    opts: TrainOptions, world: World, plan: TrainPlan, device: torch.device, precision: str,
+    deepspeed_config: dict[str, Any], total_steps: int,
+) -> _Model:  # fmt: skip
+    """The denoiser in its DeepSpeed engine (and the encoders, with --vae-on-the-fly)."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     objective = objective_for(plan.family, opts.model, opts.guidance_scale)
     denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype)).to(device)
     encoders = None
@@ -189,42 +243,44 @@ def _run(
 
         encoders = world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
     engine = build_engine(denoiser, opts, deepspeed_config, precision, total_steps)
+    return _Model(objective, engine, encoders, device, dtype)
 
-    step = _resume(engine, sampler, checkpoints, resume, opts, overridden) if resume is not None else 0
 
-    run = _Run(
-        opts, plan, sampler, objective, engine, encoders, device, dtype, env.rank, env.world_size, checkpoints,
-        MetricsLog(opts.output_dir, env.rank == 0), signals,
-        GpuWatch(None, interval=opts.health_interval, notify_urls=opts.notify_urls,
-                 notify_config=opts.notify_config, rank=env.rank),
-        Progress(world, total_steps - step, "steps", "train"), total_steps, step,
+def _setup(
+    opts: TrainOptions, world: World, plan: TrainPlan, deepspeed_config: dict[str, Any],
+    checkpoints: CheckpointDir, resuming: tuple[Resume | None, list[str]], signals: StopSignals,
+) -> _Run:  # fmt: skip
+    """Everything the step loop needs, the checkpoint resumed from loaded."""
+    resume, overridden = resuming
+    env, device, precision = _start_distributed(opts, world)
+    sampler, total_steps = _sampler(opts, plan, env)
+    model = _load_model(opts, world, plan, device, precision, deepspeed_config, total_steps)
+    step = _resume(model.engine, sampler, checkpoints, resume, opts, overridden) if resume is not None else 0
+    watch = GpuWatch(
+        None, interval=opts.health_interval, notify_urls=opts.notify_urls, notify_config=opts.notify_config,
+        rank=env.rank,
     )  # fmt: skip
-    run.metrics.start(step)
-    run.watch.start()
-    first_step = step
-    try:
-        outcome = _train(run)
-    finally:
-        run.watch.stop()
-        run.metrics.close()
-        run.progress.close()
-    final = _export(run) if outcome == "finished" else None
+    return _Run(
+        opts, plan, sampler, model, env.rank, checkpoints, MetricsLog(opts.output_dir, env.rank == 0), signals,
+        watch, Progress(world, total_steps - step, "steps", "train"), total_steps, first_step=step, step=step,
+    )  # fmt: skip
+
+
+def _summary(run: _Run, outcome: Outcome, final: str | None, resume: Resume | None, started: float) -> TrainSummary:
     seconds = time.monotonic() - started
-    trained = (run.step - first_step) * sampler.effective_batch
-    summary = TrainSummary(
-        output_dir=opts.output_dir,
+    trained = (run.step - run.first_step) * run.sampler.effective_batch
+    return TrainSummary(
+        output_dir=run.opts.output_dir,
         outcome=outcome,
         steps=run.step,
-        total_steps=total_steps,
+        total_steps=run.total_steps,
         resumed_from=f"{resume.directory}/{resume.tag}" if resume else None,
-        checkpoint=os.path.join(checkpoints.path, run.last_checkpoint) if run.last_checkpoint else None,
+        checkpoint=os.path.join(run.checkpoints.path, run.last_checkpoint) if run.last_checkpoint else None,
         final=final,
         loss=run.loss,
         seconds=round(seconds, 3),
         samples_per_second=round(trained / seconds, 3) if seconds > 0 else 0.0,
     )
-    code = {"finished": ExitCode.OK, "requeue": ExitCode.REQUEUE, "gpu_fault": ExitCode.GPU_FAULT}[outcome]
-    return summary, code
 
 
 def _resume(
@@ -250,8 +306,8 @@ def _resume(
     return step
 
 
-def _train(run: _Run) -> str:
-    """Steps until done, a stop signal (checkpoint; "requeue") or a GPU fault ("gpu_fault")."""
+def _train(run: _Run) -> Outcome:
+    """Steps until done, a stop signal (checkpoint; REQUEUE) or a GPU fault (GPU_FAULT)."""
     accum = run.opts.grad_accum
     while run.step < run.total_steps:
         trained_in_epoch = run.sampler.step
@@ -261,43 +317,42 @@ def _train(run: _Run) -> str:
             for batch in loader:
                 generator = _generator(run.opts.seed, run.step * accum + micro, run.rank)
                 try:
-                    loss = run.objective.loss(run.engine, _inputs(batch, run, generator), generator)
-                    run.engine.backward(loss)
-                    run.engine.step()
+                    loss = run.model.objective.loss(run.model.engine, _inputs(batch, run, generator), generator)
+                    run.model.engine.backward(loss)
+                    run.model.engine.step()
                     loss_sum += float(loss.detach())
                 except Exception as exc:
                     if not is_gpu_error(exc) or is_peer_failure(exc):
                         raise
                     run.watch.report_error(f"{type(exc).__name__} in the training step: {exc}".splitlines()[0])
-                    return "gpu_fault"  # no collective now: the others stop when this process ends
+                    return Outcome.GPU_FAULT  # no collective now: the others stop when this process ends
                 micro += 1
                 trained_in_epoch += 1
                 if micro < accum:
                     continue
                 run.step += 1
                 agreed = agree(
-                    run.signals.received is not None, run.watch.fault is not None, loss_sum / accum, run.device
+                    run.signals.received is not None, run.watch.fault is not None, loss_sum / accum, run.model.device
                 )
                 run.loss = agreed.loss
-                run.samples += run.sampler.effective_batch
                 _record(run, loader, agreed.loss, trained_in_epoch, time.monotonic() - step_started)
                 if agreed.fault:
-                    return "gpu_fault"
+                    return Outcome.GPU_FAULT
                 position = {**run.sampler.state_dict(), "step": trained_in_epoch}
                 every = run.opts.checkpoint_every
                 if agreed.stop or (every and run.step % every == 0) or run.step >= run.total_steps:
                     run.last_checkpoint = run.checkpoints.save(
-                        run.engine, run.step, _client_state(run, position), run.opts.run_settings(run.plan.family)
+                        run.model.engine, run.step, _client_state(run, position), run.opts.run_settings(run.plan.family)
                     )
                 if agreed.stop:
-                    return "requeue"
+                    return Outcome.REQUEUE
                 if run.step >= run.total_steps:
-                    return "finished"
+                    return Outcome.FINISHED
                 micro, loss_sum, step_started = 0, 0.0, time.monotonic()
         finally:
             loader.close()
         run.sampler.set_epoch(run.sampler.epoch + 1)
-    return "finished"
+    return Outcome.FINISHED
 
 
 def _generator(seed: int, micro_step: int, rank: int) -> torch.Generator:
@@ -309,10 +364,11 @@ def _generator(seed: int, micro_step: int, rank: int) -> torch.Generator:
 
 def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
     """Latents sampled, shifted and scaled for the denoiser, from cached ones or encoded now."""
+    model = run.model
     if batch.pixels is not None:
-        assert run.encoders is not None and batch.captions is not None
-        mean, logvar = run.encoders.encode_images(batch.pixels)
-        embeds = run.encoders.encode_text(batch.captions)
+        assert model.encoders is not None and batch.captions is not None
+        mean, logvar = model.encoders.encode_images(batch.pixels)
+        embeds = model.encoders.encode_text(batch.captions)
         text = {name: torch.from_numpy(np.stack([e.arrays[name] for e in embeds])) for name in embeds[0].arrays}
     else:
         assert batch.mean is not None and batch.text is not None
@@ -323,20 +379,20 @@ def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
     if run.plan.shift_factor is not None:
         latent = latent - run.plan.shift_factor
     return StepInputs(
-        latents=(latent * run.plan.scaling_factor).to(run.device, run.dtype),
-        text={name: value.to(run.device, run.dtype) for name, value in text.items()},
-        original_size=batch.original_size.to(run.device),
-        crop_top_left=batch.crop_top_left.to(run.device),
+        latents=(latent * run.plan.scaling_factor).to(model.device, model.dtype),
+        text={name: value.to(model.device, model.dtype) for name, value in text.items()},
+        original_size=batch.original_size.to(model.device),
+        crop_top_left=batch.crop_top_left.to(model.device),
     )
 
 
 def _record(run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, seconds: float) -> None:
-    grad_norm = run.engine.get_global_grad_norm()
+    grad_norm = run.model.engine.get_global_grad_norm()
     row = {
         "step": run.step,
         "epoch": round(run.sampler.epoch + trained_in_epoch / max(len(run.sampler), 1), 4),
         "loss": loss,
-        "lr": float(run.engine.get_lr()[0]),
+        "lr": float(run.model.engine.get_lr()[0]),
         "grad_norm": None if grad_norm is None or not math.isfinite(float(grad_norm)) else float(grad_norm),
         "samples_per_s": round(run.sampler.effective_batch / seconds, 3) if seconds > 0 else None,
         "step_time": round(seconds, 4),
@@ -356,12 +412,14 @@ def _export(run: _Run) -> str | None:
     """The trained denoiser with the source model's other components, as OUTPUT/final."""
     import torch.distributed as dist
 
-    state = full_state_dict(run.engine)
+    state = full_state_dict(run.model.engine)
     out = os.path.join(run.opts.output_dir, "final")
     if run.rank == 0:
         assert state is not None
-        module = run.engine.module
-        export_pipeline(run.opts.model, run.objective.denoiser_subfolder, type(module), dict(module.config), state, out)
+        module = run.model.engine.module
+        export_pipeline(
+            run.opts.model, run.model.objective.denoiser_subfolder, type(module), dict(module.config), state, out
+        )
         log.info("final model: %s", out)
     dist.barrier()
     return out

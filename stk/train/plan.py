@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stk.buckets import effective_batch_size
+from stk.cache.identity import expected_jobs
 from stk.errors import InputError
 from stk.models import Family, detect_family
 from stk.models.detect import read_model_json, vae_scale_factor
@@ -89,8 +90,6 @@ def _covered(
     cache: str, scan: str, data: CacheData, buckets: dict[BucketShape, list[str]]
 ) -> dict[BucketShape, list[str]]:
     """The scan's rows only (a cache may hold more), after checking the cache has all of them."""
-    from stk.cache.inspect import expected_jobs
-
     jobs, _ = expected_jobs(cache, data.manifest, scan)
     cached = {key for keys in buckets.values() for key in keys}
     texts = set(data.reader.text_keys())

@@ -8,7 +8,6 @@ Each check is collective where it needs to be and ends every rank the same way o
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -18,6 +17,8 @@ from collections.abc import Mapping
 from stk import storage
 from stk.buckets import BatchCheck, Bucket, ShortBucket
 from stk.errors import BatchCheckFailed, CacheIncomplete, InputError, PreflightFailed
+from stk.scan.outputs import BUCKETS
+from stk.scan.reader import read_buckets
 from stk.world import World
 
 __all__ = ["check_buckets", "check_coverage", "check_gpu_layout", "check_shared_output", "scan_repeats"]
@@ -85,20 +86,17 @@ def check_gpu_layout(world: World, gpus_on_node: int) -> None:
 def scan_repeats(scan_dir: str, vae_scale_factor: int) -> dict[BucketShape, tuple[int, int]]:
     """Latent (h, w) -> (scan bucket id, repeats) from the scan's buckets.json (repeats include the
     scan's --repeats and --allow-oversubscription)."""
-    location = storage.join(scan_dir, "buckets.json")
+    document = read_buckets(scan_dir)
     try:
-        buckets = json.loads(storage.read_bytes(location))["buckets"]
         return {
             (int(b["height"]) // vae_scale_factor, int(b["width"]) // vae_scale_factor): (
                 int(b["id"]),
                 int(b["repeats"]),
             )
-            for b in buckets
+            for b in document["buckets"]
         }
-    except FileNotFoundError:
-        raise InputError(f"{scan_dir}: no buckets.json (run stk-scan first)") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{location}: not an stk-scan buckets.json ({exc})") from exc
+        raise InputError(f"{storage.join(scan_dir, BUCKETS)}: not an stk-scan {BUCKETS} ({exc})") from exc
 
 
 def check_buckets(
