@@ -131,6 +131,8 @@ def test_a_flipped_byte_stops_training_until_verify_repair_and_a_rebuild(
 
     proc = stk_cache(["verify", target, "--repair", *s3], env=S3_ENV)
     assert proc.returncode == ExitCode.INCOMPLETE and f"damaged shard: {shard.name}: sha256" in proc.stderr
+    if storage == "s3":  # the rebuild and the rerun are the local case's: S3 changes only where bytes come from
+        return
     proc = stk_cache([scan, "--model", model, "--out", target, "--dtype", "float32", "-q", *s3], env=S3_ENV)
     assert proc.returncode == 0, proc.stderr
     assert stk_cache(["verify", target, "--scan", scan, *s3], env=S3_ENV).returncode == 0

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 from click.core import ParameterSource
 
 from stk.cli import rank
-from stk.cli.common import CONTEXT, common_options, run_command
+from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command
 from stk.launch.allocation import read_allocation
-from stk.launch.plan import DEFAULT_SRUN_MPI, DEFAULT_VIA, MPI_IMPLS, VIAS, LaunchSettings, RankEntry, plan_launch
+from stk.launch.plan import MPI_IMPLS, VIAS, LaunchSettings, RankEntry, plan_launch
 from stk.launch.supervise import execute
 from stk.world import World
 
@@ -43,9 +44,9 @@ and no --hosts, or no slot count; 69 mpirun or srun cannot be run here.
     context_settings={**CONTEXT("launch"), "ignore_unknown_options": True, "allow_interspersed_args": False},
     epilog=EPILOG,
 )
-@click.option("--via", type=click.Choice(VIAS), default=DEFAULT_VIA, show_envvar=True,
+@click.option("--via", type=click.Choice(VIAS), default=default_of(LaunchSettings, "via"), show_envvar=True,
               help="DeepSpeed's MPI launcher, or one srun step.")  # fmt: skip
-@click.option("--mpi", default=DEFAULT_SRUN_MPI, show_envvar=True,
+@click.option("--mpi", default=default_of(LaunchSettings, "mpi"), show_envvar=True,
               help="srun's MPI plugin with --via srun: pmi2 for MPICH, pmix for OpenMPI.")  # fmt: skip
 @click.option("--mpi-impl", type=click.Choice(MPI_IMPLS), default=None, show_envvar=True,
               help="DeepSpeed's --launcher [default: the MPI library mpi4py loads].")  # fmt: skip
@@ -67,22 +68,13 @@ and no --hosts, or no slot count; 69 mpirun or srun cannot be run here.
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED, metavar="[--] STK-TRAIN-ARGS...")
 @common_options
 def main(
-    via: str,
-    mpi: str,
-    mpi_impl: str | None,
     hosts: str | None,
     slots_per_node: int | None,
-    hostfile: str | None,
-    master_addr: str | None,
-    master_port: int | None,
-    nccl_socket_ifname: str | None,
-    nccl_ib_hca: str | None,
     dry_run: bool,
     train_args: tuple[str, ...],
     verbose: int,
     quiet: bool,
-    s3_endpoint_url: str | None,
-    s3_retry_seconds: float,
+    **params: Any,
 ) -> None:
     """Start stk-train on every GPU of this Slurm allocation, from inside it.
 
@@ -91,17 +83,10 @@ def main(
     passed on to it too.
     """
     retry_given = click.get_current_context().get_parameter_source("s3_retry_seconds") != ParameterSource.DEFAULT
-    settings = LaunchSettings(
-        via=via,
-        mpi=mpi,
-        mpi_impl=mpi_impl,
-        hostfile=hostfile,
-        master_addr=master_addr,
-        master_port=master_port,
-        nccl_socket_ifname=nccl_socket_ifname,
-        nccl_ib_hca=nccl_ib_hca,
-        s3_endpoint_url=s3_endpoint_url,
-        s3_retry_seconds=s3_retry_seconds if retry_given else None,
+    settings = options_from(
+        LaunchSettings,
+        params,
+        s3_retry_seconds=params["s3_retry_seconds"] if retry_given else None,
         hosts_given=bool(hosts),
     )
     args = list(train_args)
@@ -112,7 +97,9 @@ def main(
         allocation = read_allocation(os.environ, hosts, slots_per_node)
         return execute(plan_launch(settings, allocation, args, os.environ, RANK_ENTRY), os.environ, dry_run)
 
-    run_command("stk-launch", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
+    run_command(
+        "stk-launch", verbose, quiet, settings.s3_endpoint_url, body, s3_retry_seconds=params["s3_retry_seconds"]
+    )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ from stk.errors import InputError
 from stk.launch.allocation import Allocation
 
 __all__ = [
-    "DEFAULT_SRUN_MPI",
-    "DEFAULT_VIA",
     "MPI_IMPLS",
     "VIAS",
     "Launch",
@@ -29,8 +27,6 @@ __all__ = [
 ]
 
 VIAS = ("deepspeed", "srun")
-DEFAULT_VIA = "deepspeed"
-DEFAULT_SRUN_MPI = "pmi2"
 MPI_IMPLS = ("mpich", "openmpi")
 # What OpenMPI's mpirun must pass to the ranks by name (MPICH's passes everything).
 FORWARDED_PREFIXES = ("STK_", "NCCL_", "TORCH_", "HDF5_", "DS_", "OMP_", "HF_", "AWS_")
@@ -49,8 +45,8 @@ class RankEntry:
 class LaunchSettings:
     """stk-launch's options; None means "work it out" (see plan_launch)."""
 
-    via: str = DEFAULT_VIA
-    mpi: str = DEFAULT_SRUN_MPI  # srun's MPI plugin
+    via: str = "deepspeed"  # one of VIAS
+    mpi: str = "pmi2"  # srun's MPI plugin
     mpi_impl: str | None = None  # DeepSpeed's --launcher: mpich or openmpi
     hostfile: str | None = None
     master_addr: str | None = None
