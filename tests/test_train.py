@@ -76,7 +76,7 @@ MATRIX = [
     ("zero2", Family.SD, ["--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]),
     ("zero3", Family.SD, []),
     ("zero1", Family.SDXL, ["--grad-accum", "2"]),
-    ("zero2", Family.SDXL, []),
+    ("zero2", Family.SDXL, ["--no-gradient-checkpointing"]),  # the other cells checkpoint (the default)
     ("zero3", Family.SDXL, ["--optimizer", "lion", "--lr", "1e-4"]),
     ("zero1", Family.FLUX, []),
     ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
@@ -126,12 +126,17 @@ def test_loss_falls_on_a_fixed_dataset(setups, scan, tmp_path):
 
 
 def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
+    """Also: gradient checkpointing (on by default) changes no bit. The straight run keeps its
+    activations, the split runs recompute them."""
     model, cache = setups(Family.SDXL)
     common = ["--cache", cache, "--model", model, "--deepspeed", "zero2", "--epochs", "2", *FAST]
+    loud = [a for a in common if a != "-q"]  # rank 0's set-up line says whether checkpointing is on
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert run_train([*common, "--output-dir", straight, "--max-steps", "10"]).returncode == 0
-    first = run_train([*common, "--output-dir", split, "--max-steps", "5"])
+    plain = run_train([*loud, "--output-dir", straight, "--max-steps", "10", "--no-gradient-checkpointing"])
+    assert plain.returncode == 0 and "gradient checkpointing off" in plain.stderr, plain.stderr
+    first = run_train([*loud, "--output-dir", split, "--max-steps", "5"])
     assert first.returncode == 0 and summary_of(first)["steps"] == 5
+    assert "gradient checkpointing on" in first.stderr, first.stderr
     second = run_train([*common, "--output-dir", split, "--max-steps", "10"])
     assert second.returncode == 0, second.stderr
     assert summary_of(second)["resumed_from"].endswith("step-00000005")

@@ -349,3 +349,28 @@ def test_export_from_a_hub_id_offline(models: dict[str, str], tmp_path: Path, mo
     assert all(filecmp.cmp(snapshot / f, out / f, shallow=False) for f in files(snapshot, "unet"))
     exported = DiffusionPipeline.from_pretrained(str(out)).unet.state_dict()
     assert all(torch.equal(exported[k], state[k]) for k in state)
+
+
+# --- gradient checkpointing ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradient_checkpointing_changes_no_bit_of_the_loss_or_the_gradients(
+    models: dict[str, str], variant: str
+) -> None:
+    """It only recomputes activations in the backward pass: fp32 on the CPU, every bit the same."""
+    results = []
+    for checkpointing in (False, True):
+        objective, denoiser, inputs = setup(models, variant)
+        if checkpointing:
+            denoiser.enable_gradient_checkpointing()
+        assert denoiser.is_gradient_checkpointing is checkpointing
+        loss = objective.loss(denoiser, inputs, seeded(1))
+        loss.backward()
+        results.append((loss, {name: p.grad for name, p in denoiser.named_parameters()}))
+    (plain_loss, plain_grads), (loss, grads) = results
+    assert torch.equal(plain_loss, loss)
+    assert plain_grads.keys() == grads.keys()
+    assert all(torch.equal(plain_grads[name], grads[name]) for name in grads), [
+        name for name in grads if not torch.equal(plain_grads[name], grads[name])
+    ]

@@ -23,6 +23,8 @@ def build_engine(
     precision (and torch.compile)."""
     import deepspeed
 
+    if opts.gradient_checkpointing:  # before DeepSpeed wraps the module and compile traces it
+        denoiser.enable_gradient_checkpointing()  # type: ignore[operator]  # every diffusers denoiser has it
     own = builds_own_optimizer(base)
     section = optimizer_section(opts.optimizer) if own else None
     config = training_config(base, opts.batch_size, opts.grad_accum, opts.max_grad_norm, precision, section)
@@ -38,12 +40,13 @@ def build_engine(
         config=config,
     )
     log.info(
-        "DeepSpeed ZeRO stage %d, %s, %s optimizer%s, %d trainable parameters",
+        "DeepSpeed ZeRO stage %d, %s, %s optimizer%s, %d trainable parameters, gradient checkpointing %s",
         zero_stage(config),
         precision,
         opts.optimizer.name,
         " (DeepSpeed's, offloaded)" if own else "",
         sum(getattr(p, "ds_numel", p.numel()) for p in trainable),  # ZeRO-3 leaves p.numel() == 0
+        "on" if opts.gradient_checkpointing else "off",
     )
     if opts.compile_mode:
         engine.compile(compile_kwargs={"mode": opts.compile_mode})

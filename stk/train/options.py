@@ -38,6 +38,7 @@ class TrainOptions:
     keep_checkpoints: int = 3
     resume: str = "auto"  # auto | none | a checkpoint directory
     compile_mode: str | None = None  # torch.compile mode; None: eager
+    gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
     local_cache_dir: str | None = None  # node-local directory for whole S3 shards
     local_cache_bytes: int | None = None
     check_shards: bool = True  # each shard's sha256 against the manifest before its first sample is used
