@@ -78,7 +78,7 @@ def _gathered_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.
     for prefix, layer in module.named_modules(remove_duplicate=False):
         prefix = f"{prefix}." if prefix else ""
         params = list(layer.named_parameters(recurse=False))
-        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):  # read only
             if rank != 0:
                 continue
             for name, param in params:
