@@ -18,14 +18,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import torch
 from slurm_cluster import free_ports
 from weed_server import S3_ENV, s3_client
+
+from stk.models import Family
+from stk.train.batch import StepInputs
 
 __all__ = [
     "BIN", "CACHE", "EXTENSIONS_DIR", "FAST", "MPIEXEC", "S3_ENV", "SCAN", "TRAIN", "TRAIN_IMAGES", "Receiver",
     "RunScan", "cache_command", "cache_env", "descendant_pids", "free_ports", "gpu", "kill_cache_ranks_when", "metrics",
-    "mpi_rank_pids", "process_ended", "run_train", "s3_client", "scan_command", "scan_env", "summary_of",
-    "train_command", "train_env",
+    "mpi_rank_pids", "process_ended", "run_train", "s3_client", "scan_command", "scan_env", "step_inputs",
+    "summary_of", "train_command", "train_env",
 ]  # fmt: skip
 
 
@@ -234,6 +238,23 @@ def metrics(out: Path) -> list[dict[str, Any]]:
 
 
 TRAIN_IMAGES = 24  # one 64x64 bucket (sides 64-80 px at alignment 64)
+
+
+def step_inputs(family: Family, seed: int = 0) -> StepInputs:
+    """One random 64x64 training sample shaped for the tiny model of `family` (stk.models.tiny)."""
+    generator = torch.Generator().manual_seed(seed)
+    channels = 16 if family is Family.FLUX else 4
+    text = {
+        Family.SD: {"prompt_embeds": (1, 77, 32)},
+        Family.SDXL: {"prompt_embeds": (1, 77, 96), "pooled_prompt_embeds": (1, 64)},
+        Family.FLUX: {"prompt_embeds": (1, 12, 48), "pooled_prompt_embeds": (1, 32)},
+    }[family]
+    return StepInputs(
+        torch.randn(1, channels, 8, 8, generator=generator),
+        {name: torch.randn(*shape, generator=generator) for name, shape in text.items()},
+        torch.tensor([[64, 64]]),
+        torch.tensor([[0, 0]]),
+    )
 
 
 # --- scripted GPU readings (STK_HEALTH_SCRIPT) -------------------------------------------

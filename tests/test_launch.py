@@ -253,7 +253,8 @@ def test_trains_two_ranks_through_deepspeeds_mpi_launcher(setups, tmp_path):
 def test_sigusr2_to_stk_launch_checkpoints_and_exits_75(setups, tmp_path):
     model, cache = setups(Family.SD)
     out = tmp_path / "run"
-    args = local_launch(model, cache, out, tmp_path / "hosts", "--epochs", "50", "--checkpoint-every", "0")
+    args = local_launch(model, cache, out, tmp_path / "hosts", "--epochs", "50", "--checkpoint-every", "0",
+                        "--lora-rank", "4")  # a LoRA run checkpoints the same  # fmt: skip
     proc = subprocess.Popen([STK_LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=launch_env(), cwd=tmp_path)  # fmt: skip
     try:
@@ -270,6 +271,7 @@ def test_sigusr2_to_stk_launch_checkpoints_and_exits_75(setups, tmp_path):
     assert json.loads(stdout)["outcome"] == "requeue"
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert (out / "checkpoints" / latest).is_dir() and not (out / "final").exists()
+    assert (out / "checkpoints" / latest / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 
 @pytest.mark.integration

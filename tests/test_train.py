@@ -23,6 +23,7 @@ from helpers import (
     mpi_rank_pids,
     run_train,
     scan_env,
+    step_inputs,
     summary_of,
     train_command,
     train_env,
@@ -31,7 +32,6 @@ from safetensors.torch import load_file
 
 from stk.errors import ExitCode
 from stk.models import Family
-from stk.train.batch import StepInputs
 from stk.train.objectives import objective_for
 
 pytestmark = pytest.mark.integration
@@ -57,15 +57,8 @@ def check_final(final: Path, family: Family, trained: dict[str, torch.Tensor] | 
     pipeline = DiffusionPipeline.from_pretrained(str(final))
     denoiser = getattr(pipeline, DENOISER[family])
     objective = objective_for(family, str(final))
-    channels = 16 if family is Family.FLUX else 4
-    text = {
-        Family.SD: {"prompt_embeds": torch.randn(1, 77, 32)},
-        Family.SDXL: {"prompt_embeds": torch.randn(1, 77, 96), "pooled_prompt_embeds": torch.randn(1, 64)},
-        Family.FLUX: {"prompt_embeds": torch.randn(1, 12, 48), "pooled_prompt_embeds": torch.randn(1, 32)},
-    }[family]
-    inputs = StepInputs(torch.randn(1, channels, 8, 8), text, torch.tensor([[64, 64]]), torch.tensor([[0, 0]]))
     with torch.no_grad():
-        loss = objective.loss(denoiser, inputs, torch.Generator().manual_seed(0))
+        loss = objective.loss(denoiser, step_inputs(family), torch.Generator().manual_seed(0))
     assert torch.isfinite(loss)
 
 
@@ -216,13 +209,14 @@ def test_srun_with_pmi2_runs_the_same_command(slurm_cluster, setups, tmp_path):
     model, cache = setups(Family.SD)
     out = tmp_path / "run"
     env = {**train_env(), "SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
-    args = ["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "2", *FAST]
+    args = ["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "2", "--lora-rank", "4", *FAST]
     command = ["timeout", "240", "srun", "--mpi=pmi2", "-n", "2", "-c", "1", *train_command(args)]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=260, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
     assert summary["steps"] == 2 and summary["final"] == str(out / "final")
     assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()  # a LoRA: the same under srun
 
 
 # --- the GPU circuit breaker --------------------------------------------------------------------------------------
@@ -237,7 +231,7 @@ def test_scripted_gpu_fault_stops_every_rank_with_the_gpu_code_and_one_alert(set
     out = tmp_path / "run"
     proc = run_train(
         ["--cache", cache, "--model", model, "--output-dir", out, "--deepspeed", "zero2", "--epochs", "50",
-         "--health-interval", "0.2", "--notify", hook.url(), *FAST],
+         "--health-interval", "0.2", "--notify", hook.url(), "--lora-rank", "4", *FAST],  # a LoRA stops the same
         env={"STK_HEALTH_SCRIPT": str(script), "SLURM_JOB_ID": "4242"},
     )  # fmt: skip
     assert proc.returncode == ExitCode.GPU_FAULT, proc.stderr
@@ -328,6 +322,9 @@ BAD_SETUPS = {
     "cache-does-not-cover-scan": (["--wider-scan"], ExitCode.INCOMPLETE,
                                   ["2 scan rows have no cached latent", "extra_0.png", "extra_1.png"]),
     "cache-missing": (["--cache", "/nonexistent/cache"], ExitCode.INPUT, ["no manifest.json"]),
+    "lora-rank-negative": (["--lora-rank", "-2"], ExitCode.INPUT, ["--lora-rank -2: give a rank of at least 1"]),
+    "lora-targets-unknown": (["--lora-rank", "4", "--lora-targets", "to_q,attn3"], ExitCode.INPUT,
+                             ["--lora-targets attn3: no such layer in the sd denoiser", "to_out.0, to_q, to_v"]),
 }  # fmt: skip
 
 

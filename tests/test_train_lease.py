@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,6 +21,7 @@ from stk.errors import ExitCode, InputError, PreflightFailed
 from stk.models import Family
 from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.lease import LEASE_NAME, STALE_SECONDS, Holder, Lease
+from stk.train.lora import LoraSettings
 from stk.train.options import TrainOptions
 
 
@@ -143,8 +145,43 @@ def test_override_returns_what_changed(saved):
 def test_another_family_is_refused_even_with_override(saved):
     checkpoints, resume = saved
     flux = {**settings(), "family": Family.FLUX.value}
-    with pytest.raises(InputError, match="another model"):
+    with pytest.raises(InputError, match="other weights"):
         checkpoints.check_settings(resume, flux, override=True)
+
+
+def test_a_full_checkpoint_resumed_as_a_lora_is_refused_even_with_override(saved):
+    checkpoints, resume = saved
+    with pytest.raises(InputError, match=re.escape("it holds other weights (lora-rank 0 -> 16)")):
+        checkpoints.check_settings(resume, settings(lora=LoraSettings(rank=16)), override=True)
+
+
+@pytest.fixture
+def saved_lora(saved: tuple[CheckpointDir, Resume], tmp_path: Path) -> tuple[CheckpointDir, Resume]:
+    record = tmp_path / "checkpoints" / "step-00000005" / "stk-run.json"
+    record.write_text(json.dumps(settings(lora=LoraSettings(rank=16))))
+    return saved
+
+
+@pytest.mark.parametrize(
+    ("lora", "differs"),
+    [
+        (LoraSettings(), "lora-rank 16 -> 0"),
+        (LoraSettings(rank=8), "lora-rank 16 -> 8, lora-alpha 16 -> 8"),  # alpha: the rank, unless given
+        (LoraSettings(rank=16, targets=("to_q",)), "lora-targets ['to_k', 'to_out.0', 'to_q', 'to_v'] -> ['to_q']"),
+    ],
+)
+def test_a_lora_checkpoint_resumed_with_other_adapter_weights_is_refused_even_with_override(saved_lora, lora, differs):
+    checkpoints, resume = saved_lora
+    with pytest.raises(InputError, match=re.escape(f"it holds other weights ({differs})")):
+        checkpoints.check_settings(resume, settings(lora=lora), override=True)
+
+
+def test_a_lora_resumed_with_another_alpha_needs_override_like_any_setting(saved_lora):
+    checkpoints, resume = saved_lora
+    other = settings(lora=LoraSettings(rank=16, alpha=32))
+    with pytest.raises(InputError, match=re.escape("lora-alpha 16 -> 32") + ".*--override-resume"):
+        checkpoints.check_settings(resume, other, override=False)
+    assert checkpoints.check_settings(resume, other, override=True) == ["lora_alpha"]
 
 
 def test_checkpoints_without_the_record_are_not_checked(saved, tmp_path):

@@ -14,6 +14,7 @@ import click
 from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command
 from stk.models import Family
 from stk.train.dsconfig import PRECISIONS, PRESETS
+from stk.train.lora import LoraSettings
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
 from stk.world import World
@@ -152,6 +153,16 @@ def _default(name: str) -> Any:
               show_envvar=True,
               help="Recompute the denoiser's activations in the backward pass instead of keeping them: far less "
                    "memory, about a third more compute, the same math.")  # fmt: skip
+@click.option("--lora-rank", default=default_of(LoraSettings, "rank"), type=int, show_envvar=True,
+              help="Train a LoRA of this rank on the frozen model instead of every weight (0: full fine-tune). "
+                   "OUTPUT/final and each checkpoint's lora/ then hold pytorch_lora_weights.safetensors, "
+                   "for pipe.load_lora_weights.")  # fmt: skip
+@click.option("--lora-alpha", default=None, type=int, show_envvar=True,
+              help="The adapter's output is scaled by alpha / rank [default: the rank].")  # fmt: skip
+@click.option("--lora-dropout", default=default_of(LoraSettings, "dropout"), type=float, show_envvar=True)
+@click.option("--lora-targets", default=None, show_envvar=True,
+              help="Comma list of the layers to adapt, each by its name or the end of it (to_q,to_v) "
+                   "[default: the attention projections; for Flux also its feed-forward layers].")  # fmt: skip
 @click.option("--local-cache-dir", default=None, show_envvar=True,
               help="Node-local directory for whole S3 shards, may be shared by the node's ranks "
                    "[default: a temp dir per rank].")  # fmt: skip
@@ -193,11 +204,19 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
     optimizer = OptimizerSettings(
         options.pop("optimizer"), options.pop("lr"), options.pop("betas"), options.pop("weight_decay")
     )
+    targets = options.pop("lora_targets")
+    lora = LoraSettings(
+        options.pop("lora_rank"),
+        options.pop("lora_alpha"),
+        options.pop("lora_dropout"),
+        tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else (),
+    )
     size = options["local_cache_size"]
     opts = options_from(
         TrainOptions,
         options,
         optimizer=optimizer,
+        lora=lora,
         family=Family(options["family"]) if options["family"] else None,
         local_cache_bytes=int(size * 2**30) if size else None,
         notify_urls=tuple(options["notify_urls"]),

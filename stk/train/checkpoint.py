@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,8 @@ log = get_logger("train.checkpoint")
 
 LATEST = "latest"
 SETTINGS = "stk-run.json"
-FIXED_SETTINGS = ("family",)  # weights of another family cannot be loaded, whatever the user says
+# Weights of another family, or another adapter (or none), cannot be loaded, whatever the user says.
+FIXED_SETTINGS = ("family", "lora_rank", "lora_targets")
 _TAG = re.compile(r"^step-(\d{8,})$")
 
 
@@ -49,12 +51,14 @@ class Resume:
 class CheckpointDir:
     """OUTPUT/checkpoints. `save` and `load` are collective (every rank calls them)."""
 
-    def __init__(self, output_dir: str, keep: int, rank: int) -> None:
+    def __init__(self, output_dir: str, keep: int, rank: int, frozen_base: bool = False) -> None:
         if keep < 1:
             raise InputError(f"--keep-checkpoints {keep}: keep at least 1")
         self.path = os.path.join(output_dir, "checkpoints")
         self.keep = keep
         self.rank = rank
+        # LoRA: the frozen weights are --model's, loaded again on resume; a checkpoint holds the adapter only
+        self.frozen_base = frozen_base
 
     def latest(self) -> str | None:
         """The tag `latest` names, if that checkpoint is there."""
@@ -79,15 +83,32 @@ class CheckpointDir:
             raise InputError(f"--resume {resume}: no such checkpoint directory (or give auto / none)")
         return Resume(os.path.dirname(path), os.path.basename(path))
 
-    def save(self, engine: Any, step: int, client_state: dict[str, Any], settings: dict[str, Any]) -> str:
-        """Save on every rank, then move `latest` (rank 0) once all have finished; prune old ones."""
+    def save(
+        self,
+        engine: Any,
+        step: int,
+        client_state: dict[str, Any],
+        settings: dict[str, Any],
+        also: Callable[[str], None] | None = None,
+    ) -> str:
+        """Save on every rank, then move `latest` (rank 0) once all have finished; prune old ones. `also` is called
+        on every rank with the checkpoint's folder, to add files before `latest` names it."""
         import torch.distributed as dist
 
         tag = tag_for(step)
-        with storage_errors(os.path.join(self.path, tag)):  # torch.save's errors on a full disk name no errno
-            engine.save_checkpoint(self.path, tag=tag, client_state=client_state, save_latest=False)
+        folder = os.path.join(self.path, tag)
+        with storage_errors(folder):  # torch.save's errors on a full disk name no errno
+            engine.save_checkpoint(
+                self.path,
+                tag=tag,
+                client_state=client_state,
+                save_latest=False,
+                exclude_frozen_parameters=self.frozen_base,
+            )
             if self.rank == 0:
-                write_atomic(os.path.join(self.path, tag, SETTINGS), json.dumps(settings, sort_keys=True).encode())
+                write_atomic(os.path.join(folder, SETTINGS), json.dumps(settings, sort_keys=True).encode())
+        if also is not None:
+            also(folder)
         os.sync()  # this rank's files on stable storage before `latest` can point at them
         dist.barrier()
         if self.rank == 0:
@@ -101,7 +122,11 @@ class CheckpointDir:
         """Load parameters, optimizer and (with `keep_schedule`) the LR schedule; returns the client
         state saved with them."""
         path, client_state = engine.load_checkpoint(
-            resume.directory, tag=resume.tag, load_optimizer_states=True, load_lr_scheduler_states=keep_schedule
+            resume.directory,
+            tag=resume.tag,
+            load_module_strict=not self.frozen_base,  # the frozen weights are not in it (check_settings: same adapter)
+            load_optimizer_states=True,
+            load_lr_scheduler_states=keep_schedule,
         )
         if path is None or not client_state or "stk" not in client_state:
             raise InputError(f"{resume.directory}/{resume.tag}: not a complete stk-train checkpoint")
@@ -124,7 +149,7 @@ class CheckpointDir:
         fixed = [k for k in changed if k in FIXED_SETTINGS]
         if fixed:
             other = ", ".join(described)
-            raise InputError(f"cannot resume {where}: it trained another model ({other}); use another --output-dir")
+            raise InputError(f"cannot resume {where}: it holds other weights ({other}); use another --output-dir")
         if not override:
             raise InputError(
                 f"resuming {where} with other settings than it was trained with ({', '.join(described)}): "

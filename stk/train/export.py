@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import torch
 
 from stk.storage.failures import storage_errors
 
-__all__ = ["export_pipeline"]
+__all__ = ["export_pipeline", "replaced_on_success"]
 
 
 def _components(index_path: Path, skip: str) -> list[str]:
@@ -53,20 +55,41 @@ def export_pipeline(
     one, never half a model. The weights keep the state dict's dtype. Rank 0 only: ZeRO-3 shards are gathered first.
     """
     source, components = _source(model, denoiser_subfolder)
+    with replaced_on_success(out_dir) as tmp:
+        shutil.copy2(source / "model_index.json", tmp / "model_index.json")
+        for name in components:
+            shutil.copytree(source / name, tmp / name)  # hub snapshots hold symlinks: this copies the files
+        # Built on the meta device and given the tensors themselves: no random init, no second copy of a 12B model.
+        with torch.device("meta"):
+            denoiser = denoiser_class.from_config(config)
+        denoiser.load_state_dict(state_dict, strict=True, assign=True)
+        denoiser.save_pretrained(tmp / denoiser_subfolder, safe_serialization=True)
+    return out_dir
+
+
+def _apply_umask(folder: Path) -> None:
+    """safetensors writes its files 0600; a model on shared storage is for the whole team to read, as far as the
+    user's umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+
+
+@contextmanager
+def replaced_on_success(out_dir: str) -> Iterator[Path]:
+    """An empty sibling folder to build in, which then replaces `out_dir` by renames: `out_dir` holds either what it
+    held before or all of the new contents, never half. On an error the new folder goes and `out_dir` stays; a full
+    disk is one line (InfraError)."""
     out = Path(out_dir)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with storage_errors(out_dir):  # a full disk: one line, and the previous export stays
+    with storage_errors(out_dir):
         try:
             tmp.mkdir(parents=True)
-            shutil.copy2(source / "model_index.json", tmp / "model_index.json")
-            for name in components:
-                shutil.copytree(source / name, tmp / name)  # hub snapshots hold symlinks: this copies the files
-            # Built on the meta device and given the tensors themselves: no random init, no second copy of a 12B model.
-            with torch.device("meta"):
-                denoiser = denoiser_class.from_config(config)
-            denoiser.load_state_dict(state_dict, strict=True, assign=True)
-            denoiser.save_pretrained(tmp / denoiser_subfolder, safe_serialization=True)
+            yield tmp
+            _apply_umask(tmp)
             if out.exists():
                 old = out.with_name(f"{out.name}.old-{os.getpid()}")
                 out.rename(old)
@@ -81,4 +104,3 @@ def export_pipeline(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return out_dir

@@ -33,6 +33,7 @@ from stk.train.dsconfig import load_deepspeed_config
 from stk.train.engine import build_engine, full_state_dict
 from stk.train.export import export_pipeline
 from stk.train.lease import Lease
+from stk.train.lora import add_lora, check_targets, lora_state_dict, save_lora
 from stk.train.metrics import MetricsLog
 from stk.train.objectives import Objective, objective_for
 from stk.train.optim import apply_optimizer_settings
@@ -150,8 +151,9 @@ def _leased_run(
     opts: TrainOptions, world: World, signals: StopSignals, started: float
 ) -> tuple[TrainSummary, ExitCode]:
     check_gpu_layout(world, torch.cuda.device_count())
+    opts.lora.check()
     deepspeed_config = load_deepspeed_config(opts.deepspeed)
-    checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank)
+    checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank, frozen_base=opts.lora.enabled)
     resume = world.root_call(lambda: checkpoints.resolve(opts.resume))
     plan = world.run_everywhere(lambda: plan_training(opts, world.size))
     overridden: list[str] = []
@@ -159,6 +161,7 @@ def _leased_run(
         settings = opts.run_settings(plan.family)
         overridden = world.root_call(lambda: checkpoints.check_settings(resume, settings, opts.override_resume))
     try:
+        world.root_call(lambda: check_targets(opts.lora, objective_for(plan.family, opts.model, opts.guidance_scale)))
         world.root_call(lambda: check_cache_model(opts, plan))
         return _run(opts, world, plan, deepspeed_config, checkpoints, (resume, overridden), signals, started)
     finally:
@@ -236,7 +239,12 @@ def _load_model(
     """The denoiser in its DeepSpeed engine (and the encoders, with --vae-on-the-fly)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     objective = objective_for(plan.family, opts.model, opts.guidance_scale)
-    denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype)).to(device)
+    denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype))
+    if opts.lora.enabled:
+        layers = add_lora(denoiser, opts.lora, plan.family, opts.seed)
+        log.info("LoRA of rank %d (alpha %g) on %d layers; the base weights frozen", opts.lora.rank,
+                 opts.lora.alpha or opts.lora.rank, layers)  # fmt: skip
+    denoiser = denoiser.to(device)
     encoders = None
     if opts.vae_on_the_fly:
         from stk.models import load_encoders
@@ -342,7 +350,13 @@ def _train(run: _Run) -> Outcome:
                 every = run.opts.checkpoint_every
                 if agreed.stop or (every and run.step % every == 0) or run.step >= run.total_steps:
                     run.last_checkpoint = run.checkpoints.save(
-                        run.model.engine, run.step, _client_state(run, position), run.opts.run_settings(run.plan.family)
+                        run.model.engine,
+                        run.step,
+                        _client_state(run, position),
+                        run.opts.run_settings(run.plan.family),
+                        also=(lambda folder: _save_lora(run, os.path.join(folder, "lora")))
+                        if run.opts.lora.enabled
+                        else None,
                     )
                 if agreed.stop:
                     return Outcome.REQUEUE
@@ -408,18 +422,36 @@ def _client_state(run: _Run, position: dict[str, Any]) -> dict[str, Any]:
     return {"stk": {"step": run.step, "sampler": position, "seed": run.opts.seed, "family": run.plan.family.value}}
 
 
-def _export(run: _Run) -> str | None:
-    """The trained denoiser with the source model's other components, as OUTPUT/final."""
+def _save_lora(run: _Run, out: str) -> None:
+    """The adapter as `pipe.load_lora_weights(out)` reads it. Collective: every rank gathers, rank 0 writes."""
+    state = lora_state_dict(run.model.engine)
+    if run.rank == 0:
+        assert state is not None
+        objective, module = run.model.objective, run.model.engine.module
+        save_lora(objective.pipeline_class, objective.denoiser_subfolder, module.peft_config["default"], state, out)
+
+
+def _export(run: _Run) -> str:
+    """OUTPUT/final: the adapter of a LoRA run, else the trained denoiser with the source model's other components."""
     import torch.distributed as dist
 
-    state = full_state_dict(run.model.engine)
     out = os.path.join(run.opts.output_dir, "final")
+    if run.opts.lora.enabled:
+        _save_lora(run, out)
+    else:
+        _save_pipeline(run, out)
+    if run.rank == 0:
+        log.info("final %s: %s", "LoRA" if run.opts.lora.enabled else "model", out)
+    dist.barrier()
+    return out
+
+
+def _save_pipeline(run: _Run, out: str) -> None:
+    """The source pipeline with the trained denoiser. Collective: under ZeRO-3 every rank gathers, rank 0 writes."""
+    state = full_state_dict(run.model.engine)
     if run.rank == 0:
         assert state is not None
         module = run.model.engine.module
         export_pipeline(
             run.opts.model, run.model.objective.denoiser_subfolder, type(module), dict(module.config), state, out
         )
-        log.info("final model: %s", out)
-    dist.barrier()
-    return out

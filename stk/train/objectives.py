@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
-from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
+from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import StableDiffusionXLPipeline
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling
@@ -39,18 +40,28 @@ class Objective(abc.ABC):
 
     family: ClassVar[Family]
     denoiser_subfolder: ClassVar[str]  # "unet" or "transformer"
-    denoiser_class: ClassVar[type[ModelMixin]]
+    denoiser_class: ClassVar[type[Any]]  # a diffusers ModelMixin (and ConfigMixin)
+    pipeline_class: ClassVar[type[Any]]  # whose save_lora_weights writes the family's LoRA format
 
     def __init__(self, model: str, guidance_scale: float = 3.5) -> None:
         self.model = model  # local diffusers pipeline directory or hub id
         self.guidance_scale = guidance_scale  # only guidance-distilled models (Flux dev) use it
 
-    def load_denoiser(self, dtype: torch.dtype) -> torch.nn.Module:
-        """The denoiser in `dtype`, in train mode with every parameter trainable."""
+    def _check_denoiser_folder(self) -> None:
         if Path(self.model).is_dir() and not (Path(self.model) / self.denoiser_subfolder).is_dir():
             raise InputError(
                 f"{self.model} has no {self.denoiser_subfolder}/ folder: not a complete {self.family.value} pipeline"
             )
+
+    def denoiser_config(self) -> dict[str, Any]:
+        """The denoiser's config.json, read without its weights."""
+        self._check_denoiser_folder()
+        config: dict[str, Any] = load_component(self.denoiser_class.load_config, self.model, self.denoiser_subfolder)
+        return config
+
+    def load_denoiser(self, dtype: torch.dtype) -> torch.nn.Module:
+        """The denoiser in `dtype`, in train mode with every parameter trainable."""
+        self._check_denoiser_folder()
         module = load_component(self.denoiser_class.from_pretrained, self.model, self.denoiser_subfolder, dtype=dtype)
         module.train()
         module.requires_grad_(True)
@@ -68,6 +79,7 @@ class SDObjective(Objective):
     family = Family.SD
     denoiser_subfolder = "unet"
     denoiser_class = UNet2DConditionModel
+    pipeline_class: ClassVar[type[Any]] = StableDiffusionPipeline
 
     def __init__(self, model: str, guidance_scale: float = 3.5) -> None:
         super().__init__(model, guidance_scale)
@@ -98,6 +110,7 @@ class SDXLObjective(SDObjective):
     """SDXL: DDPM plus the pooled text embedding and the size and crop conditioning ("time ids")."""
 
     family = Family.SDXL
+    pipeline_class = StableDiffusionXLPipeline
 
     def __init__(self, model: str, guidance_scale: float = 3.5) -> None:
         super().__init__(model, guidance_scale)
@@ -122,6 +135,7 @@ class FluxObjective(Objective):
     family = Family.FLUX
     denoiser_subfolder = "transformer"
     denoiser_class = FluxTransformer2DModel
+    pipeline_class = FluxPipeline
 
     def __init__(self, model: str, guidance_scale: float = 3.5) -> None:
         super().__init__(model, guidance_scale)

@@ -7,6 +7,7 @@ from typing import Any
 
 from stk.models import Family
 from stk.train.distributed import COLLECTIVE_TIMEOUT_S
+from stk.train.lora import LoraSettings
 from stk.train.optim import OptimizerSettings
 
 __all__ = ["TrainOptions"]
@@ -39,6 +40,7 @@ class TrainOptions:
     resume: str = "auto"  # auto | none | a checkpoint directory
     compile_mode: str | None = None  # torch.compile mode; None: eager
     gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
+    lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: train every weight
     local_cache_dir: str | None = None  # node-local directory for whole S3 shards
     local_cache_bytes: int | None = None
     check_shards: bool = True  # each shard's sha256 against the manifest before its first sample is used
@@ -67,4 +69,5 @@ class TrainOptions:
             "warmup_steps": self.warmup_steps,
             "batch_size": self.batch_size,
             "grad_accum": self.grad_accum,
+            **self.lora.run_settings(family),
         }
