@@ -26,10 +26,37 @@ from stk.models import Family
 from stk.train.batch import StepInputs
 
 __all__ = [
-    "BIN", "CACHE", "EXTENSIONS_DIR", "FAST", "MPIEXEC", "S3_ENV", "SCAN", "TRAIN", "TRAIN_IMAGES", "Receiver",
-    "RunScan", "cache_command", "cache_env", "descendant_pids", "free_ports", "gpu", "kill_cache_ranks_when", "metrics",
-    "mpi_rank_pids", "process_ended", "run_train", "s3_client", "scan_command", "scan_env", "step_inputs",
-    "summary_of", "train_command", "train_env",
+    "BIN",
+    "CACHE",
+    "CHANNELS",
+    "EXTENSIONS_DIR",
+    "FAST",
+    "MPIEXEC",
+    "S3_ENV",
+    "SCAN",
+    "TEXT",
+    "TRAIN",
+    "TRAIN_IMAGES",
+    "Receiver",
+    "Recorder",
+    "RunScan",
+    "cache_command",
+    "cache_env",
+    "descendant_pids",
+    "free_ports",
+    "gpu",
+    "kill_cache_ranks_when",
+    "metrics",
+    "mpi_rank_pids",
+    "process_ended",
+    "run_train",
+    "s3_client",
+    "scan_command",
+    "scan_env",
+    "step_inputs",
+    "summary_of",
+    "train_command",
+    "train_env",
 ]  # fmt: skip
 
 
@@ -240,21 +267,38 @@ def metrics(out: Path) -> list[dict[str, Any]]:
 TRAIN_IMAGES = 24  # one 64x64 bucket (sides 64-80 px at alignment 64)
 
 
-def step_inputs(family: Family, seed: int = 0) -> StepInputs:
-    """One random 64x64 training sample shaped for the tiny model of `family` (stk.models.tiny)."""
-    generator = torch.Generator().manual_seed(seed)
-    channels = 16 if family is Family.FLUX else 4
-    text = {
-        Family.SD: {"prompt_embeds": (1, 77, 32)},
-        Family.SDXL: {"prompt_embeds": (1, 77, 96), "pooled_prompt_embeds": (1, 64)},
-        Family.FLUX: {"prompt_embeds": (1, 12, 48), "pooled_prompt_embeds": (1, 32)},
-    }[family]
+# The tiny models' text embedding shapes per sample (stk.models.tiny) and latent channels.
+TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
+    Family.SD: {"prompt_embeds": (77, 32)},
+    Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
+    Family.FLUX: {"prompt_embeds": (16, 48), "pooled_prompt_embeds": (32,)},
+}
+CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16}
+
+
+def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, seed: int = 0) -> StepInputs:
+    """A random training micro-batch shaped for the tiny model of `family`."""
+    g = torch.Generator().manual_seed(seed)
     return StepInputs(
-        torch.randn(1, channels, 8, 8, generator=generator),
-        {name: torch.randn(*shape, generator=generator) for name, shape in text.items()},
-        torch.tensor([[64, 64]]),
-        torch.tensor([[0, 0]]),
+        latents=torch.randn(batch, CHANNELS[family], *size, generator=g),
+        text={name: torch.randn(batch, *shape, generator=g) for name, shape in TEXT[family].items()},
+        original_size=torch.tensor([[100, 120], [64, 80]])[:batch],
+        crop_top_left=torch.tensor([[3, 5], [0, 7]])[:batch],
     )
+
+
+class Recorder(torch.nn.Module):
+    """Stands in for a DeepSpeed engine (the model as `.module`, no `.config` of its own) and records each call."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.module(*args, **kwargs)
+        self.calls.append((args, kwargs, output[0]))
+        return output
 
 
 # --- scripted GPU readings (STK_HEALTH_SCRIPT) -------------------------------------------

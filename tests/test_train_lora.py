@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from helpers import FAST, metrics, run_train, step_inputs, summary_of
+from helpers import FAST, Recorder, metrics, run_train, step_inputs, summary_of
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -23,28 +23,12 @@ DENOISER = {Family.SD: "unet", Family.SDXL: "unet", Family.FLUX: "transformer"}
 RANK = 4
 
 
-class Recorder(torch.nn.Module):
-    """Runs the denoiser and keeps its prediction. Its `.module` is the denoiser, as a DeepSpeed engine's is, so
-    an objective reads the config through it."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self.prediction: torch.Tensor | None = None
-
-    def forward(self, *args, **kwargs):
-        out = self.module(*args, **kwargs)
-        self.prediction = out[0]
-        return out
-
-
 def prediction(denoiser: torch.nn.Module, family: Family, model: str) -> torch.Tensor:
     """The denoiser's output on one fixed training sample (the same noise and timestep every call)."""
     recorder = Recorder(denoiser)
     with torch.no_grad():
         objective_for(family, model).loss(recorder, step_inputs(family), torch.Generator().manual_seed(0))
-    assert recorder.prediction is not None
-    return recorder.prediction
+    return recorder.calls[-1][2]
 
 
 def trained_module(model: str, family: Family, alpha: float, checkpoints: Path, tag: str) -> torch.nn.Module:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, DiffusionPipeline, FluxPipeline, FluxTransformer2DModel
+from helpers import Recorder, step_inputs
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model
@@ -23,12 +24,6 @@ from stk.train.export import export_pipeline
 from stk.train.objectives import FluxObjective, Objective, objective_for
 
 # Text shapes per sample, from stk/models/tiny.py: SD CLIP 32; SDXL 32 + 64 and pooled 64; Flux T5 48, CLIP 32.
-TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
-    Family.SD: {"prompt_embeds": (77, 32)},
-    Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
-    Family.FLUX: {"prompt_embeds": (16, 48), "pooled_prompt_embeds": (32,)},
-}
-CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16}
 VARIANTS = ["sd", "sd-v", "sdxl", "flux"]  # sd-v: the SD model with a v_prediction scheduler
 
 
@@ -55,32 +50,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return built
 
 
-def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, seed: int = 0) -> StepInputs:
-    g = torch.Generator().manual_seed(seed)
-    return StepInputs(
-        latents=torch.randn(batch, CHANNELS[family], *size, generator=g),
-        text={name: torch.randn(batch, *shape, generator=g) for name, shape in TEXT[family].items()},
-        original_size=torch.tensor([[100, 120], [64, 80]])[:batch],
-        crop_top_left=torch.tensor([[3, 5], [0, 7]])[:batch],
-    )
-
-
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-class Recorder(torch.nn.Module):
-    """Stands in for a DeepSpeed engine (the model as `.module`, no `.config` of its own) and records each call."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self.calls: list[tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]] = []
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.module(*args, **kwargs)
-        self.calls.append((args, kwargs, output[0]))
-        return output
 
 
 def config_of(denoiser: torch.nn.Module) -> dict[str, Any]:

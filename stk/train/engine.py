@@ -11,25 +11,31 @@ from stk.train.dsconfig import builds_own_optimizer, training_config, zero_stage
 from stk.train.optim import client_optimizer, lr_schedule, optimizer_section
 from stk.train.options import TrainOptions
 
-__all__ = ["build_engine", "full_state_dict"]
+__all__ = ["build_engine", "engine_config", "full_state_dict"]
 
 log = get_logger("train.engine")
 
 
-def build_engine(
-    denoiser: torch.nn.Module, opts: TrainOptions, base: dict[str, Any], precision: str, total_steps: int
-) -> Any:
-    """deepspeed.initialize with `base` (see dsconfig) and the run's optimizer, LR schedule and
-    precision (and torch.compile)."""
-    import deepspeed
-
-    if opts.gradient_checkpointing:  # before DeepSpeed wraps the module and compile traces it
-        denoiser.enable_gradient_checkpointing()  # type: ignore[operator]  # every diffusers denoiser has it
+def engine_config(opts: TrainOptions, base: dict[str, Any], precision: str) -> dict[str, Any]:
+    """The DeepSpeed config of this run: `base` (see dsconfig) with its batch, clipping, precision and optimizer."""
     own = builds_own_optimizer(base)
     section = optimizer_section(opts.optimizer) if own else None
     config = training_config(base, opts.batch_size, opts.grad_accum, opts.max_grad_norm, precision, section)
     if not own:
         config["zero_allow_untested_optimizer"] = True  # Lion: ZeRO only partitions its state, as for Adam
+    return config
+
+
+def build_engine(
+    denoiser: torch.nn.Module, opts: TrainOptions, config: dict[str, Any], precision: str, total_steps: int
+) -> Any:
+    """deepspeed.initialize with `config` (engine_config) and the run's optimizer and LR schedule (and
+    torch.compile)."""
+    import deepspeed
+
+    if opts.gradient_checkpointing:  # before DeepSpeed wraps the module and compile traces it
+        denoiser.enable_gradient_checkpointing()  # type: ignore[operator]  # every diffusers denoiser has it
+    own = builds_own_optimizer(config)
     trainable = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = None if own else client_optimizer(trainable, opts.optimizer)
     engine, _, _, _ = deepspeed.initialize(

@@ -29,8 +29,8 @@ from stk.train.cachemodel import check_cache_model
 from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.data import BatchLoader
 from stk.train.distributed import DistEnv, init_distributed, resolve_dist_env
-from stk.train.dsconfig import load_deepspeed_config
-from stk.train.engine import build_engine, full_state_dict
+from stk.train.dsconfig import load_deepspeed_config, zero_stage
+from stk.train.engine import build_engine, engine_config, full_state_dict
 from stk.train.export import export_pipeline
 from stk.train.lease import Lease
 from stk.train.lora import add_lora, check_targets, lora_state_dict, save_lora
@@ -239,7 +239,9 @@ def _load_model(
     """The denoiser in its DeepSpeed engine (and the encoders, with --vae-on-the-fly)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     objective = objective_for(plan.family, opts.model, opts.guidance_scale)
-    denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype))
+    config = engine_config(opts, deepspeed_config, precision)
+    zero3 = config if zero_stage(config) == 3 else None  # built partitioned: no rank ever holds the whole model
+    denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype, world, zero3))
     if opts.lora.enabled:
         layers = add_lora(denoiser, opts.lora, plan.family, opts.seed)
         log.info("LoRA of rank %d (alpha %g) on %d layers; the base weights frozen", opts.lora.rank,
@@ -250,7 +252,7 @@ def _load_model(
         from stk.models import load_encoders
 
         encoders = world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
-    engine = build_engine(denoiser, opts, deepspeed_config, precision, total_steps)
+    engine = build_engine(denoiser, opts, config, precision, total_steps)
     return _Model(objective, engine, encoders, device, dtype)
 
 

@@ -29,6 +29,8 @@ from stk.errors import InputError
 from stk.models.components import load_component
 from stk.models.detect import Family, vae_scale_factor
 from stk.train.batch import StepInputs
+from stk.train.weights import load_weights, load_weights_partitioned, weight_files
+from stk.world import World
 
 __all__ = ["OBJECTIVES", "FluxObjective", "Objective", "SDObjective", "SDXLObjective", "objective_for"]
 
@@ -59,10 +61,34 @@ class Objective(abc.ABC):
         config: dict[str, Any] = load_component(self.denoiser_class.load_config, self.model, self.denoiser_subfolder)
         return config
 
-    def load_denoiser(self, dtype: torch.dtype) -> torch.nn.Module:
-        """The denoiser in `dtype`, in train mode with every parameter trainable."""
-        self._check_denoiser_folder()
-        module = load_component(self.denoiser_class.from_pretrained, self.model, self.denoiser_subfolder, dtype=dtype)
+    def _weight_files(self) -> list[Path] | None:
+        """The denoiser's safetensors files on this machine (a hub id: from the hub cache, fetched when online)."""
+        if Path(self.model).is_dir():
+            return weight_files(Path(self.model) / self.denoiser_subfolder)
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(self.model, allow_patterns=[f"{self.denoiser_subfolder}/*"])
+        except Exception:  # offline and not cached, no such repo: from_pretrained below says so in its words
+            return None
+        return weight_files(Path(folder) / self.denoiser_subfolder)
+
+    def load_denoiser(
+        self, dtype: torch.dtype, world: World | None = None, zero3_config: dict[str, Any] | None = None
+    ) -> torch.nn.Module:
+        """The denoiser in `dtype`, in train mode with every parameter trainable, never more than once in memory
+        (stk.train.weights). With `world` and `zero3_config` (a ZeRO-3 run's DeepSpeed config) it is built
+        partitioned across the ranks, and every rank must call this."""
+        config = self.denoiser_config()
+        files = self._weight_files()
+        if files is None:  # no safetensors (.bin weights): diffusers' own loading
+            module = load_component(
+                self.denoiser_class.from_pretrained, self.model, self.denoiser_subfolder, dtype=dtype
+            )
+        elif world is not None and zero3_config is not None:
+            module = load_weights_partitioned(self.denoiser_class, config, files, world, zero3_config)
+        else:
+            module = load_weights(self.denoiser_class, config, files, dtype)
         module.train()
         module.requires_grad_(True)
         return module

@@ -1,0 +1,134 @@
+"""The denoiser's weights into host memory once, in the training dtype, never whole on a rank under ZeRO-3.
+
+diffusers' from_pretrained maps a safetensors file and casts it: when the file's dtype is the training dtype the
+weights stay file-backed (nothing copied), but SDXL's UNet ships in fp32, so a bf16 run touches the whole fp32 file
+and holds its bf16 copy beside it: about 3x the bf16 size per rank, times 8 ranks a node. Here the model is built
+without weights (on the meta device, or under DeepSpeed's zero.Init so that each rank allocates only its shard of
+every parameter) and filled tensor by tensor, each cast as it is read. The file's mapping is dropped every
+READ_WINDOW bytes so that the pages already copied leave the process too.
+
+Under ZeRO-3 only rank 0 reads: each layer is gathered in turn (deepspeed.zero.GatheredParameters), rank 0 copies
+its tensors in, and DeepSpeed partitions it again across the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stk.errors import InputError
+from stk.log import get_logger
+from stk.world import World
+
+__all__ = ["READ_WINDOW", "load_weights", "load_weights_partitioned", "weight_files"]
+
+log = get_logger("train.weights")
+
+READ_WINDOW = 512 * 2**20  # bytes read through one mapping of a weights file before it is mapped afresh
+_SINGLE = "diffusion_pytorch_model.safetensors"
+_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path] | None:
+    """The denoiser folder's safetensors files (one, or the shards its index names); None when it has none."""
+    if (folder / _SINGLE).is_file():
+        return [folder / _SINGLE]
+    if (folder / _INDEX).is_file():
+        weight_map = json.loads((folder / _INDEX).read_text(encoding="utf-8"))["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    return None
+
+
+class _Reader:
+    """Tensors by name from safetensors files, each file mapped afresh after READ_WINDOW bytes."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._open = lambda path: safe_open(str(path), framework="pt", device="cpu")
+        self.folder = files[0].parent
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for path in files:
+            try:
+                with self._open(path) as handle:
+                    for name in handle.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                        self.where[name] = path
+                        self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+            except Exception as exc:  # safetensors' own error type for a damaged header
+                raise InputError(f"cannot load {path}: {str(exc).strip().splitlines()[0]}") from exc
+        self._handles: dict[Path, Any] = {}
+        self._read = 0
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.where[name]
+        if path not in self._handles:
+            self._handles[path] = self._open(path)
+        tensor: torch.Tensor = self._handles[path].get_tensor(name)
+        self._read += tensor.nbytes
+        if self._read >= READ_WINDOW:
+            self._handles.clear()  # unmaps: the pages read so far no longer count against this process
+            self._read = 0
+        return tensor
+
+
+def _check_names(module: torch.nn.Module, reader: _Reader) -> None:
+    """InputError unless the files hold exactly the module's tensors, each in its shape."""
+    expected = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()}
+    missing, unexpected = sorted(expected.keys() - reader.shapes.keys()), sorted(reader.shapes.keys() - expected.keys())
+    reshaped = sorted(k for k in expected.keys() & reader.shapes.keys() if expected[k] != reader.shapes[k])
+    if missing or unexpected or reshaped:
+        kinds = (("missing", missing), ("unexpected", unexpected), ("of another shape", reshaped))
+        found = [f"{len(names)} {what}, e.g. {names[0]}" for what, names in kinds if names]
+        raise InputError(f"{reader.folder}: the weights do not fit the config ({'; '.join(found)})")
+
+
+def load_weights(denoiser_class: type[Any], config: dict[str, Any], files: list[Path], dtype: torch.dtype) -> Any:
+    """The denoiser of `config` with the weights in `files` (weight_files), in `dtype`."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+
+    with init_empty_weights():
+        module = denoiser_class.from_config(config)
+    reader = _Reader(files)
+    _check_names(module, reader)
+    for name in list(reader.where):
+        set_module_tensor_to_device(module, name, "cpu", value=reader.get(name), dtype=dtype)
+    return module
+
+
+def load_weights_partitioned(
+    denoiser_class: type[Any],
+    config: dict[str, Any],
+    files: list[Path],
+    world: World,
+    deepspeed_config: dict[str, Any],
+) -> Any:
+    """load_weights for ZeRO-3: built under zero.Init with the run's DeepSpeed config, so each rank allocates only
+    its shard of each parameter, in the config's precision; only rank 0 reads. Collective: every rank calls it."""
+    import deepspeed
+
+    # The dtype follows the config's bf16 section (DeepSpeed 0.19 ignores its dtype argument where the accelerator
+    # lacks fp16, as the CPU does); torch's linear is left as it is for the rest of the process.
+    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config, mem_efficient_linear=False):
+        module = denoiser_class.from_config(config)
+    reader: _Reader | None = None
+
+    def open_files() -> None:  # on rank 0; its errors are raised on every rank
+        nonlocal reader
+        reader = _Reader(files)
+        _check_names(module, reader)
+
+    world.root_call(open_files)
+    for prefix, layer in module.named_modules():
+        params = list(layer.named_parameters(recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+            if reader is not None:
+                for name, param in params:
+                    param.data.copy_(reader.get(f"{prefix}.{name}" if prefix else name))
+    return module
