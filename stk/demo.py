@@ -3,7 +3,8 @@
 Generates a small mixed dataset (every format stk reads, rotated photos, captions, a broken file,
 a damaged EXIF block, formats stk does not train on) and
 a tiny random-weight SDXL-like model, then runs the pipeline with 2 MPI ranks exactly as a
-cluster job would: stk-scan, stk-cache, then stk-train (DeepSpeed ZeRO-2 on the CPU).
+cluster job would: stk-scan, stk-cache, then stk-train (DeepSpeed ZeRO-2 on the CPU), every weight and then a
+LoRA (ZeRO-3), which diffusers' load_lora_weights loads at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import click
 
 from stk.datagen import generate_dataset, generate_format_samples
-from stk.models import Family, build_tiny_model
+from stk.models import Family, build_tiny_model, quiet_model_libraries
 
 
 def _mpiexec() -> str:
@@ -44,11 +45,12 @@ def _run(ranks: int, module: str, args: list[str]) -> dict[str, Any]:
 def main(workdir: str, images: int, ranks: int, steps: int) -> None:
     """Generate a dataset and a tiny model, then scan, cache and train with MPI ranks."""
     shutil.rmtree(workdir, ignore_errors=True)
-    data, scan, cache, run = (os.path.join(workdir, name) for name in ("images", "scan", "cache", "run"))
+    data, scan, cache, run, lora = (os.path.join(workdir, n) for n in ("images", "scan", "cache", "run", "lora"))
     generate_dataset(data, images)
     formats = generate_format_samples(os.path.join(data, "formats"))  # AVIF, HEIC, JPEG XL, JPEG 2000, ...
     with open(os.path.join(data, "broken.jpg"), "wb") as f:
         f.write(b"not really a jpeg")
+    quiet_model_libraries()
     model = build_tiny_model(Family.SDXL, os.path.join(workdir, "tiny-sdxl"))
     click.echo(
         f"generated {images} images, {len(formats)} more in every other format (+1 broken file) in {data} "
@@ -70,6 +72,13 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
         ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", run, "--deepspeed", "zero2",
          "--batch-size", "2", "--lr", "1e-4", "--max-steps", str(steps), "--checkpoint-every", "10"],
     )  # fmt: skip
+    adapted = _run(
+        ranks,
+        "stk.cli.train",
+        ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", lora, "--deepspeed", "zero3",
+         "--batch-size", "2", "--lr", "1e-3", "--max-steps", str(steps), "--lora-rank", "8"],
+    )  # fmt: skip
+    layers = _load_lora(model, adapted["final"])
     click.echo(
         f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images in "
         f"{scanned['buckets']} buckets, {scanned['errors']} error(s), {scanned['warnings']} warning(s) "
@@ -79,9 +88,20 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
         f"train: {trained['steps']} steps on {ranks} ranks, last loss {trained['loss']:.4f}, "
         f"{trained['samples_per_second']:.1f} samples/s -> {run}/metrics.jsonl, {trained['checkpoint']}\n"
         f"final: {trained['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained)\n"
+        f"lora:  {adapted['steps']} steps, ZeRO-3, last loss {adapted['loss']:.4f} -> {adapted['final']}, "
+        f"loaded into the pipeline with load_lora_weights: {layers} adapted layers\n"
         f"next:  stk-cache info {cache} | jq . ; jq .loss {run}/metrics.jsonl",
         err=True,
     )
+
+
+def _load_lora(model: str, lora_dir: str) -> int:
+    """Load the trained LoRA into the source pipeline, as a user would; returns how many layers it adapts."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe.load_lora_weights(lora_dir)
+    return sum(name.endswith("lora_A") for name, _ in pipe.unet.named_modules())
 
 
 if __name__ == "__main__":
