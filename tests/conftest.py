@@ -20,6 +20,19 @@ from stk.datagen import GeneratedImage, generate_dataset
 if TYPE_CHECKING:
     from stk.models import Family
 
+SHARED_MEMORY = Path("/dev/shm")
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_memory_left_behind() -> Iterator[None]:
+    """DeepSpeed's CPU all-reduce maps a 66 MiB file in /dev/shm per rank and master port, and a rank
+    that a test kills never removes it: in RAM, across a whole session. Those of a test go when it ends
+    (its ranks have ended too)."""
+    before = set(SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*"))
+    yield
+    for leftover in set(SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*")) - before:
+        leftover.unlink(missing_ok=True)
+
 
 @pytest.fixture
 def run_scan() -> RunScan:
@@ -87,7 +100,7 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
 # --- a scanned dataset, tiny models and caches for stk-train (test_train.py, test_launch.py) -------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # read-only for every test: one scan for the session
 def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = tmp_path_factory.mktemp("train-data")
     generate_dataset(str(data), count=TRAIN_IMAGES, seed=7, min_side=64, max_side=80)
@@ -101,7 +114,7 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # tests copy a model or cache before changing it
 def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], tuple[str, Path]]:
     """setups(family) -> (model dir, cache dir), built on first use."""
     done: dict[Family, tuple[str, Path]] = {}

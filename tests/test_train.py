@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import DiffusionPipeline
 from helpers import (
     FAST,
     MPIEXEC,
     TRAIN,
+    Recorder,
     gpu,
     metrics,
     mpi_rank_pids,
@@ -28,10 +30,12 @@ from helpers import (
     train_command,
     train_env,
 )
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from stk.errors import ExitCode
 from stk.models import Family
+from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora
 from stk.train.objectives import objective_for
 
 pytestmark = pytest.mark.integration
@@ -52,8 +56,6 @@ def denoiser_weights(model_dir: Path, family: Family) -> dict[str, torch.Tensor]
 
 def check_final(final: Path, family: Family, trained: dict[str, torch.Tensor] | None = None) -> None:
     """The final model loads with from_pretrained and its denoiser runs a training-shaped step."""
-    from diffusers import DiffusionPipeline
-
     pipeline = DiffusionPipeline.from_pretrained(str(final))
     denoiser = getattr(pipeline, DENOISER[family])
     objective = objective_for(family, str(final))
@@ -62,19 +64,64 @@ def check_final(final: Path, family: Family, trained: dict[str, torch.Tensor] | 
     assert torch.isfinite(loss)
 
 
+def prediction(denoiser: torch.nn.Module, family: Family, model: str) -> torch.Tensor:
+    """The denoiser's output on one fixed training sample (the same noise and timestep every call)."""
+    recorder = Recorder(denoiser)
+    with torch.no_grad():
+        objective_for(family, model).loss(recorder, step_inputs(family), torch.Generator().manual_seed(0))
+    return recorder.calls[-1][2]
+
+
+def trained_module(model: str, family: Family, settings: LoraSettings, checkpoint: Path) -> torch.nn.Module:
+    """The denoiser as training left it, rebuilt without stk's export: the base weights, the same adapter, and the
+    adapter's fp32 weights from the DeepSpeed checkpoint (DeepSpeed's own zero_to_fp32 reader)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    denoiser = objective_for(family, model).load_denoiser(torch.float32)
+    add_lora(denoiser, settings, family, seed=0)
+    saved = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), "the checkpoint holds frozen weights"
+    missing, unexpected = denoiser.load_state_dict(saved, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    return denoiser.eval()
+
+
+def check_lora(out: Path, model: str, family: Family, extra: list[str]) -> None:
+    """final/ holds the adapter alone, as each checkpoint's lora/ does; the family's pipeline loads it with
+    load_lora_weights and then gives what the trained module gives, not what the base gives."""
+    assert sorted(p.name for p in (out / "final").iterdir()) == [LORA_WEIGHTS]  # the adapter, not a 12B model
+    checkpoint = out / "checkpoints" / latest(out)
+    assert load_file(checkpoint / "lora" / LORA_WEIGHTS).keys() == load_file(out / "final" / LORA_WEIGHTS).keys()
+    rank = int(extra[extra.index("--lora-rank") + 1])
+    alpha = int(extra[extra.index("--lora-alpha") + 1]) if "--lora-alpha" in extra else rank
+    with safe_open(out / "final" / LORA_WEIGHTS, "pt") as f:  # alpha travels with the weights
+        assert json.loads(f.metadata()["lora_adapter_metadata"])[f"{DENOISER[family]}.lora_alpha"] == alpha
+
+    pipe = DiffusionPipeline.from_pretrained(model)
+    base = prediction(getattr(pipe, DENOISER[family]), family, model)
+    pipe.load_lora_weights(out / "final")
+    loaded = prediction(getattr(pipe, DENOISER[family]), family, model)
+    again = prediction(getattr(pipe, DENOISER[family]), family, model)
+    assert torch.equal(loaded, again), "the loaded LoRA is not deterministic (dropout left on?)"
+    trained = prediction(trained_module(model, family, LoraSettings(rank, alpha), checkpoint), family, model)
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"
+
+
 # --- ZeRO 1, 2 and 3 on each family ------------------------------------------------------------------------------
 
+# Three cells train a LoRA (one per family, one per kind of ZeRO) and load it into the family's pipeline.
 MATRIX = [
     ("zero1", Family.SD, ["--optimizer", "lion", "--lr", "1e-4"]),
     ("zero2", Family.SD, ["--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]),
     ("zero3", Family.SD, []),
-    ("zero1", Family.SDXL, ["--grad-accum", "2"]),
+    ("zero1", Family.SDXL, ["--grad-accum", "2", "--lora-rank", "4", "--lora-dropout", "0.1"]),
     ("zero2", Family.SDXL, ["--no-gradient-checkpointing"]),  # the other cells checkpoint (the default)
     ("zero3", Family.SDXL, ["--optimizer", "lion", "--lr", "1e-4"]),
     ("zero1", Family.FLUX, []),
     ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
-    ("zero3", Family.FLUX, ["--grad-accum", "2"]),
-    ("zero2-offload", Family.SD, []),  # DeepSpeed's CPU Adam: JIT-built once (~90 s), then cached
+    ("zero3", Family.FLUX, ["--grad-accum", "2", "--lora-rank", "4"]),
+    ("zero2-offload", Family.SD, ["--lora-rank", "4", "--lora-alpha", "8"]),  # DeepSpeed's CPU Adam: JIT-built once
 ]
 
 
@@ -93,6 +140,9 @@ def test_zero_stage_trains_checkpoints_and_exports(preset, family, extra, setups
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["loss"] > 0 and r["step_time"] > 0 and r["data_wait"] >= 0 for r in rows)
     assert latest(out) == "step-00000003"
+    if "--lora-rank" in extra:
+        check_lora(out, model, family, extra)
+        return
     trained = denoiser_weights(out / "final", family)
     source = denoiser_weights(Path(model), family)
     dtype = torch.bfloat16 if "bf16" in extra else torch.float32
@@ -322,7 +372,6 @@ BAD_SETUPS = {
     "cache-does-not-cover-scan": (["--wider-scan"], ExitCode.INCOMPLETE,
                                   ["2 scan rows have no cached latent", "extra_0.png", "extra_1.png"]),
     "cache-missing": (["--cache", "/nonexistent/cache"], ExitCode.INPUT, ["no manifest.json"]),
-    "lora-rank-negative": (["--lora-rank", "-2"], ExitCode.INPUT, ["--lora-rank -2: give a rank of at least 1"]),
     "lora-targets-unknown": (["--lora-rank", "4", "--lora-targets", "to_q,attn3"], ExitCode.INPUT,
                              ["--lora-targets attn3: no such layer in the sd denoiser", "to_out.0, to_q, to_v"]),
 }  # fmt: skip

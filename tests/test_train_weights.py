@@ -110,8 +110,8 @@ PARTITIONED = textwrap.dedent(
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_under_zero3_each_rank_holds_half_and_the_gathered_weights_are_the_files(sdxl, precision, tmp_path):
+def test_under_zero3_each_rank_holds_half_and_the_gathered_weights_are_the_files(sdxl, tmp_path):
+    precision = "bf16"  # from an fp32 file: the cast happens as rank 0 reads
     script = tmp_path / "partitioned.py"
     script.write_text(PARTITIONED)
     command = [str(MPIEXEC), "-n", "2", sys.executable, str(script), str(sdxl), str(tmp_path), precision]
