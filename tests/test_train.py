@@ -112,7 +112,6 @@ def check_lora(out: Path, model: str, family: Family, extra: list[str]) -> None:
 
 # Three cells train a LoRA (one per family, one per kind of ZeRO) and load it into the family's pipeline.
 MATRIX = [
-    ("zero1", Family.SD, ["--optimizer", "lion", "--lr", "1e-4"]),
     ("zero2", Family.SD, ["--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]),
     ("zero3", Family.SD, []),
     ("zero1", Family.SDXL, ["--grad-accum", "2", "--lora-rank", "4", "--lora-dropout", "0.1"]),

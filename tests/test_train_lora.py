@@ -1,7 +1,7 @@
 """stk-train --lora-rank: settings and targets checked before any model loads, the adapter on every family's
-denoiser, and a LoRA run resumed bitwise under ZeRO-3 on 2 MPI ranks (or refused where a resume would load other
-weights). Each family trained under another preset and loaded with `pipe.load_lora_weights`: the ZeRO matrix in
-test_train.py."""
+denoiser, and a LoRA run resumed bitwise under ZeRO-3 on 2 MPI ranks. Elsewhere: each family trained under
+another preset and loaded with `pipe.load_lora_weights` (the ZeRO matrix, test_train.py), and the resumes refused
+because they would load other adapter weights (test_train_lease.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from helpers import FAST, metrics, run_train, summary_of
 from safetensors.torch import load_file
 
-from stk.errors import ExitCode, InputError
+from stk.errors import InputError
 from stk.models import Family
 from stk.train.lora import DEFAULT_TARGETS, LORA_WEIGHTS, LoraSettings, add_lora, check_targets
 from stk.train.objectives import objective_for
@@ -61,7 +61,7 @@ def test_a_target_that_matches_nothing_names_the_layers_there_are(tmp_path):
 
 
 @pytest.mark.integration
-def test_ten_lora_steps_equal_five_then_resume_five_and_other_weights_are_refused(setups, tmp_path):
+def test_ten_lora_steps_equal_five_then_resume_five(setups, tmp_path):
     model, cache = setups(Family.SDXL)
     common = ["--cache", cache, "--model", model, "--deepspeed", "zero3", "--epochs", "2", "--lora-rank", RANK, *FAST]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -73,13 +73,4 @@ def test_ten_lora_steps_equal_five_then_resume_five_and_other_weights_are_refuse
     assert [r["loss"] for r in metrics(straight)] == [r["loss"] for r in metrics(split)]
     a, b = load_file(straight / "final" / LORA_WEIGHTS), load_file(split / "final" / LORA_WEIGHTS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-    before = (split / "metrics.jsonl").read_bytes()
-    other_rank = [*common, "--output-dir", split, "--max-steps", "12", "--override-resume", "--lora-rank", "8"]
-    proc = run_train(other_rank, mpi=0, timeout=120)  # the other refusals: test_train_lease.py
-    assert proc.returncode == ExitCode.INPUT, proc.stderr
-    refusal = f"cannot resume {split}/checkpoints/step-00000010: it holds other weights (lora-rank {RANK} -> 8"
-    assert refusal in proc.stderr
-    assert proc.stderr.count("it holds other weights") == 1, proc.stderr
-    assert (split / "metrics.jsonl").read_bytes() == before
     assert (split / "checkpoints" / "latest").read_text().strip() == "step-00000010"

@@ -152,7 +152,7 @@ def _default(name: str) -> Any:
 @click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=_default("gradient_checkpointing"),
               show_envvar=True,
               help="Recompute the denoiser's activations in the backward pass instead of keeping them: far less "
-                   "memory, about a third more compute, the same math.")  # fmt: skip
+                   "memory, one more forward pass of each block, the same math.")  # fmt: skip
 @click.option("--lora-rank", default=default_of(LoraSettings, "rank"), type=int, show_envvar=True,
               help="Train a LoRA of this rank on the frozen model instead of every weight (0: full fine-tune). "
                    "OUTPUT/final and each checkpoint's lora/ then hold pytorch_lora_weights.safetensors, "
