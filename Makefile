@@ -57,6 +57,7 @@ bench: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/scan.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/cache.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

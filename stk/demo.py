@@ -66,18 +66,11 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
          "--allow-oversubscription"],  # small demo buckets: apply the repeats they need
     )  # fmt: skip
     cached = _run(ranks, "stk.cli.cache", [scan, "--model", model, "--out", cache, "--batch-size", "8"])
-    trained = _run(
-        ranks,
-        "stk.cli.train",
-        ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", run, "--deepspeed", "zero2",
-         "--batch-size", "2", "--lr", "1e-4", "--max-steps", str(steps), "--checkpoint-every", "10"],
-    )  # fmt: skip
-    adapted = _run(
-        ranks,
-        "stk.cli.train",
-        ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", lora, "--deepspeed", "zero3",
-         "--batch-size", "2", "--lr", "1e-3", "--max-steps", str(steps), "--lora-rank", "8"],
-    )  # fmt: skip
+    train = ["--cache", cache, "--scan", scan, "--model", model, "--batch-size", "2", "--max-steps", str(steps)]
+    trained = _run(ranks, "stk.cli.train", [*train, "--output-dir", run, "--deepspeed", "zero2", "--lr", "1e-4",
+                                            "--checkpoint-every", "10"])  # fmt: skip
+    adapted = _run(ranks, "stk.cli.train", [*train, "--output-dir", lora, "--deepspeed", "zero3", "--lr", "1e-3",
+                                            "--lora-rank", "8"])  # fmt: skip
     layers = _load_lora(model, adapted["final"])
     click.echo(
         f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images in "
