@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -244,8 +245,8 @@ def _load_model(
     denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype, world, zero3))
     if opts.lora.enabled:
         layers = add_lora(denoiser, opts.lora, plan.family, opts.seed)
-        log.info("LoRA of rank %d (alpha %g) on %d layers; the base weights frozen", opts.lora.rank,
-                 opts.lora.alpha or opts.lora.rank, layers)  # fmt: skip
+        log.info("LoRA of rank %d (alpha %d) on %d layers; the base weights frozen", opts.lora.rank,
+                 opts.lora.scale_alpha, layers)  # fmt: skip
     denoiser = denoiser.to(device)
     encoders = None
     if opts.vae_on_the_fly:
@@ -356,9 +357,7 @@ def _train(run: _Run) -> Outcome:
                         run.step,
                         _client_state(run, position),
                         run.opts.run_settings(run.plan.family),
-                        also=(lambda folder: _save_lora(run, os.path.join(folder, "lora")))
-                        if run.opts.lora.enabled
-                        else None,
+                        also=_lora_beside_checkpoint(run),
                     )
                 if agreed.stop:
                     return Outcome.REQUEUE
@@ -422,6 +421,13 @@ def _record(run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, 
 def _client_state(run: _Run, position: dict[str, Any]) -> dict[str, Any]:
     """What DeepSpeed saves beside the weights: the step and the sampler's trained position."""
     return {"stk": {"step": run.step, "sampler": position, "seed": run.opts.seed, "family": run.plan.family.value}}
+
+
+def _lora_beside_checkpoint(run: _Run) -> Callable[[str], None] | None:
+    """For a LoRA run: what writes the adapter into a checkpoint's lora/ folder, to try mid-run."""
+    if not run.opts.lora.enabled:
+        return None
+    return lambda folder: _save_lora(run, os.path.join(folder, "lora"))
 
 
 def _save_lora(run: _Run, out: str) -> None:

@@ -64,6 +64,11 @@ class LoraSettings:
         if not 0 <= self.dropout < 1:
             raise InputError(f"--lora-dropout {self.dropout}: give a probability in [0, 1)")
 
+    @property
+    def scale_alpha(self) -> int:
+        """alpha as the adapter uses it: the adapter's output is scaled by alpha / rank."""
+        return self.alpha or self.rank
+
     def targets_for(self, family: Family) -> tuple[str, ...]:
         return self.targets or DEFAULT_TARGETS[family]
 
@@ -74,7 +79,7 @@ class LoraSettings:
         return {
             "lora_rank": self.rank,
             "lora_targets": sorted(self.targets_for(family)),
-            "lora_alpha": self.alpha or self.rank,
+            "lora_alpha": self.scale_alpha,
             "lora_dropout": self.dropout,
         }
 
@@ -84,7 +89,7 @@ class LoraSettings:
 
         return LoraConfig(
             r=self.rank,
-            lora_alpha=self.alpha or self.rank,
+            lora_alpha=self.scale_alpha,
             lora_dropout=self.dropout,
             init_lora_weights="gaussian",
             target_modules=list(self.targets_for(family)),

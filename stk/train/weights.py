@@ -21,12 +21,9 @@ from typing import Any
 import torch
 
 from stk.errors import InputError
-from stk.log import get_logger
 from stk.world import World
 
 __all__ = ["READ_WINDOW", "load_weights", "load_weights_partitioned", "weight_files"]
-
-log = get_logger("train.weights")
 
 READ_WINDOW = 128 * 2**20  # bytes read through one mapping of a weights file before it is mapped afresh
 _SINGLE = "diffusion_pytorch_model.safetensors"
