@@ -35,9 +35,10 @@ stk_health_gate() {
     return 0
 }
 
-# Run a launcher in the background so the batch shell can take Slurm's --signal=B:USR2 (time
-# limit, preemption) and pass it on; when the command exits 75 (checkpointed, requeue me) or 69
-# (storage, network or a peer rank failed: a rerun, maybe on other nodes, resumes), requeue.
+# Run a command (srun, stk-launch) in the background so the batch shell can take Slurm's
+# --signal=B:USR2 (time limit, preemption) and pass it on; when the command exits 75
+# (checkpointed, requeue me) or 69 (storage, network or a peer rank failed: a rerun, maybe on
+# other nodes, resumes), requeue. Every template runs its command through it.
 stk_run_requeueable() {
     "$@" &
     local child=$!

@@ -111,6 +111,56 @@ def test_a_killed_process_leaves_no_lease_and_its_copy_can_go(tmp_path: Path) ->
         holder.join(10)
 
 
+def parts(directory: str) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.startswith(".part-"))
+
+
+def wait_for(condition, what: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_killed_download_leaves_a_part_folder_that_the_next_process_removes(tmp_path: Path) -> None:
+    """Shards served through named pipes stop the downloads where the test wants them: one is
+    killed half-way, one stays alive. A new process on the directory removes only the dead one's."""
+    dead, live = make_shards(tmp_path / "cache", 2)
+    sources = {}
+    for entry in (dead, live):
+        sources[entry["name"]] = Path(entry["location"]).read_bytes()
+        os.unlink(entry["location"])
+        os.mkfifo(entry["location"])
+    shared = str(tmp_path / "copies")
+    os.mkdir(shared)
+    queue = FORK.SimpleQueue()
+    killed = FORK.Process(target=hold, args=(shared, dead, queue))
+    alive = FORK.Process(target=hold, args=(shared, live, queue))
+    killed.start()
+    alive.start()
+    try:
+        with open(dead["location"], "wb") as dead_pipe, open(live["location"], "wb") as live_pipe:
+            # both downloads have opened their sources: their folders are made and locked
+            dead_pipe.write(sources[dead["name"]][: SHARD_BYTES // 2])
+            wait_for(lambda: len(list(Path(shared).glob(".part-*/*"))) == 2, "both downloads' temp files")
+            os.kill(killed.pid, signal.SIGKILL)
+            killed.join(10)
+            left = parts(shared)
+            LocalCopies(shared, None).close()  # a new process opens the directory
+            remaining = parts(shared)
+            assert len(left) == 2 and len(remaining) == 1, "the killed download's folder stayed, or the live one's went"
+            assert alive.is_alive()
+            live_pipe.write(sources[live["name"]])
+        copy = queue.get()
+        assert Path(copy).read_bytes() == sources[live["name"]]
+        assert parts(shared) == [], "the live download did not clean up"
+    finally:
+        for process in (killed, alive):
+            if process.pid is not None:
+                process.kill()
+                process.join(10)
+
+
 def test_a_download_that_is_not_the_listed_shard_is_never_used(tmp_path: Path) -> None:
     (entry,) = make_shards(tmp_path / "cache", 1)
     data = bytearray(Path(entry["location"]).read_bytes())

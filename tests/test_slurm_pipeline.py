@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import gpu, train_env
+from helpers import free_ports, gpu, train_env
 from slurm_cluster import SlurmCluster
 
 from stk.datagen import generate_dataset
@@ -152,6 +152,37 @@ def test_health_gate_drains_a_node_with_a_critical_gpu_and_the_job_does_not_trai
     finally:
         slurm_cluster.run(["scancel", job], check=False)
         slurm_cluster.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+        slurm_cluster.wait_idle()
+
+
+def test_scan_and_cache_jobs_requeue_themselves_when_s3_stays_down(
+    pipeline: Run, slurm_cluster: SlurmCluster, tmp_path: Path
+):
+    """S3 that answers nothing past --s3-retry-seconds is exit 69 in both commands; the templates
+    requeue on it, as train.sbatch does."""
+    (port,) = free_ports(1)
+    down = {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "S3_RETRY_SECONDS": "1"}
+    scan_jobs = submit(slurm_cluster, tmp_path, [], DATA="s3://stk-gone/images", MODEL=pipeline.model,
+                       RUN=str(tmp_path), **{f"STK_SCAN_{k}": v for k, v in down.items()})  # fmt: skip
+    cache_jobs = submit(slurm_cluster, tmp_path, ["--from", "cache"], MODEL=pipeline.model, RUN=str(tmp_path),
+                        SCAN=str(pipeline.root / "scan"), CACHE="s3://stk-gone/cache",
+                        **{f"STK_CACHE_{k}": v for k, v in down.items()})  # fmt: skip
+    waiting = {"scan": scan_jobs["scan"], "cache": cache_jobs["cache"]}
+    try:
+        deadline = time.monotonic() + 240
+        while waiting:
+            for stage, job in list(waiting.items()):
+                info = slurm_cluster.job(job)
+                if int(info.get("Restarts", 0)) >= 1:
+                    del waiting[stage]
+                    text = log(tmp_path, stage, job)
+                    assert "127.0.0.1" in text and "requeueing job" in text and "exit 69" in text, text
+                assert info["JobState"] not in ("COMPLETED", "FAILED"), f"{stage}: {info}\n{log(tmp_path, stage, job)}"
+            assert time.monotonic() < deadline, f"not requeued: {waiting}"
+            time.sleep(0.3)
+    finally:
+        for job in [*scan_jobs.values(), *cache_jobs.values()]:
+            slurm_cluster.run(["scancel", job], check=False)
         slurm_cluster.wait_idle()
 
 

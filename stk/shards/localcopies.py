@@ -9,9 +9,11 @@ before it got that name.
 
 Sharing a directory between processes:
 
-- A download goes to a temp name, is checked, and is hard-linked to its final name. The link
-  fails when another process got there first (its copy is then used), so a copy appears whole
-  or not at all, and a name never changes its file while it exists.
+- A download goes to a temp folder (`.part-*`) that its process holds locked, is checked, and is
+  hard-linked to its final name. The link fails when another process got there first (its copy
+  is then used), so a copy appears whole or not at all, and a name never changes its file while
+  it exists. A process that opens the directory removes the temp folders nobody holds: those of
+  killed downloads.
 - Each process holds a lease on every copy it uses: a shared `flock` on a descriptor of its own.
   Eviction takes an exclusive `flock` without waiting and deletes the file only when it gets it,
   so a copy is never deleted while any process holds it.
@@ -53,11 +55,13 @@ from stk import storage
 from stk.errors import InfraError
 from stk.log import get_logger
 from stk.shards.integrity import damaged, problem
+from stk.shards.staging import locked_temp_dir, remove_stale
 
 __all__ = ["LocalCopies"]
 
 log = get_logger("shards")
 COPY_NAME = re.compile(r"[0-9a-f]{16}-[^/]+\.h5")  # the only files eviction ever deletes
+PART_PREFIX = ".part-"  # a download's temp folder
 TRIES = 5  # fetches of one shard that another process deletes before this one holds it
 
 
@@ -66,6 +70,7 @@ class LocalCopies:
         self._owner = os.getpid() if directory is None else None  # a temp dir is this process's to delete
         self.directory = directory or tempfile.mkdtemp(prefix="stk-shards-")
         os.makedirs(self.directory, exist_ok=True)
+        remove_stale(self.directory, lambda name: name.startswith(PART_PREFIX))
         self.max_bytes = max_bytes
         self.check_sha256 = check_sha256
         self.downloads = self.evictions = 0  # by this process
@@ -156,10 +161,10 @@ class LocalCopies:
             break
 
     def _download(self, location: str, entry: dict[str, Any], path: str) -> None:
-        """Download to a temp name, check it, lease it, then link it to `path` (unless another
-        process linked its own copy first: that one is used)."""
-        fd, part = tempfile.mkstemp(prefix=".part-", dir=self.directory)
-        os.close(fd)
+        """Download into a locked temp folder, check it, lease it, then link it to `path` (unless
+        another process linked its own copy first: that one is used)."""
+        part_dir, part_lock = locked_temp_dir(self.directory, PART_PREFIX)
+        part = os.path.join(part_dir, os.path.basename(path))
         try:
             storage.download_file(location, part)
             why = problem(part, entry, sha256=self.check_sha256)
@@ -176,8 +181,8 @@ class LocalCopies:
             with self._lock:
                 self.downloads += 1
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(part)
+            shutil.rmtree(part_dir, ignore_errors=True)
+            os.close(part_lock)
 
     def _hold(self, path: str) -> bool:
         """Lease the copy at `path` (or check that the lease held is still on it); False when the

@@ -9,7 +9,8 @@ raises it after the sample and abandons the shard, and the HDF5 file closes clea
 And a staging file is owned while its writer lives: `StagedFile` holds an exclusive flock on
 it until it is closed, which the kernel releases when the process dies however it dies. A later
 run removes `.h5.tmp` files nobody holds (`remove_stale`), never one a live run or rank is
-writing, even when several runs share one staging directory.
+writing, even when several runs share one staging directory. Downloads of shard copies
+(stk/shards/localcopies.py) follow the same rule with a locked temp folder (`locked_temp_dir`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import contextlib
 import fcntl
 import io
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from stk.log import get_logger
 
-__all__ = ["STAGED_SUFFIX", "StagedFile", "remove_stale"]
+__all__ = ["STAGED_SUFFIX", "StagedFile", "locked_temp_dir", "remove_stale"]
 
 STAGED_SUFFIX = ".h5.tmp"
 
@@ -115,11 +119,29 @@ class StagedFile(io.RawIOBase):
         self.error = OSError(exc.errno, exc.strerror, self.path)
 
 
-def remove_stale(work_dir: str) -> None:
-    """Remove staging files in `work_dir` that no live writer holds: those of killed or failed
-    runs, which would otherwise fill the disk one shard per rank per failure."""
+def locked_temp_dir(parent: str, prefix: str) -> tuple[str, int]:
+    """A new folder in `parent` and a descriptor holding an exclusive flock on it: its contents
+    are this process's until the descriptor closes (`remove_stale` with `prefix` spares it)."""
+    while True:
+        path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):  # a cleanup may have taken it before the lock
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return path, fd
+        os.close(fd)
+
+
+def _is_staged_shard(name: str) -> bool:
+    return name.endswith(STAGED_SUFFIX)
+
+
+def remove_stale(work_dir: str, is_staged: Callable[[str], bool] = _is_staged_shard) -> None:
+    """Remove the staging files or folders in `work_dir` (those `is_staged` names) that no live
+    writer holds: those of killed or failed runs, which would otherwise fill the disk one shard
+    per rank per failure."""
     for name in sorted(os.listdir(work_dir)):
-        if not name.endswith(STAGED_SUFFIX):
+        if not is_staged(name):
             continue
         path = os.path.join(work_dir, name)
         try:
@@ -132,7 +154,10 @@ def remove_stale(work_dir: str) -> None:
             continue  # a live run or rank is writing it
         else:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
                 log.info("removed %s: left by an earlier run that did not finish", path)
         finally:
             os.close(fd)
