@@ -1,4 +1,4 @@
-# stk: make install | demo | test | lint | bench
+# stk: make install | demo | test | lint | bench | gpu-wheels, then gpu-check on a GPU machine
 #
 # MPI=pip  (default) installs MPICH from PyPI next to mpi4py: works on any machine.
 # MPI=site builds mpi4py against the site's MPI (the mpicc on PATH, or MPICC=/path/mpicc),
@@ -13,7 +13,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(MPI)
 export DS_BUILD_OPS := 0
 
-.PHONY: install demo test test-deps test-unit test-integration lint bench clean
+.PHONY: install demo test test-deps test-unit test-integration lint bench gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -59,5 +59,32 @@ bench: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/memory.py
 
+# The GPU proof kit (bench/gpu.py; docs/DEVELOPMENT.md, "On a GPU machine"). A lent GPU machine has a python3
+# with torch, transformers, peft, h5py, pyarrow and nvidia-ml-py, reaches no registry, and gets only the working
+# tree: `make gpu-wheels` here puts the rest of stk's dependencies (this venv's versions) into .whl/ for it to
+# carry; `make gpu-check` there installs them beside its torch and runs every part (GPU_CHECK_ARGS: --only PART).
+GPU_WHEELS := diffusers zstandard boto3 botocore s3transfer jmespath apprise requests-oauthlib oauthlib \
+	pillow-heif pillow-jxl-plugin lion-pytorch hjson pydantic pydantic-core annotated-types typing-inspection \
+	importlib-metadata
+GPU_BUILT := deepspeed python-hostlist  # sources only on PyPI: built into pure-Python wheels here
+GPU_PLATFORMS := $(foreach n,2_28 2_27 2_17 2014,--platform manylinux$(if $(filter 2014,$(n)),2014,_$(n))_x86_64)
+GPU_SITE ?= /tmp/stk-site
+
+gpu-wheels: install
+	rm -rf .whl && mkdir .whl
+	$(PY) -c 'import sys, importlib.metadata as m; print("\n".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+	  $(GPU_WHEELS) > .whl/binary.txt
+	$(PY) -c 'import sys, importlib.metadata as m; print("\n".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+	  $(GPU_BUILT) > .whl/built.txt
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) \
+	  -d .whl -r .whl/binary.txt
+	$(PIP) wheel -q --no-deps -w .whl -r .whl/built.txt
+	rm .whl/*.txt
+	du -sh .whl
+
+gpu-check:
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 bench/gpu.py --record $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .whl

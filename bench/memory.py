@@ -50,36 +50,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stk.models.published import build_published, published_config
+
 GB = 1e9
 TARGETS = {"activation_reduction": 3.0, "lora_vs_full": 0.02}
 LORA_RANK = 16
 
-# stabilityai/stable-diffusion-xl-base-1.0, unet/config.json
-SDXL_UNET: dict[str, Any] = {
-    "act_fn": "silu", "addition_embed_type": "text_time", "addition_embed_type_num_heads": 64,
-    "addition_time_embed_dim": 256, "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280],
-    "center_input_sample": False, "class_embed_type": None, "class_embeddings_concat": False, "conv_in_kernel": 3,
-    "conv_out_kernel": 3, "cross_attention_dim": 2048, "cross_attention_norm": None,
-    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"], "downsample_padding": 1,
-    "dual_cross_attention": False, "encoder_hid_dim": None, "encoder_hid_dim_type": None, "flip_sin_to_cos": True,
-    "freq_shift": 0, "in_channels": 4, "layers_per_block": 2, "mid_block_only_cross_attention": None,
-    "mid_block_scale_factor": 1, "mid_block_type": "UNetMidBlock2DCrossAttn", "norm_eps": 1e-05, "norm_num_groups": 32,
-    "num_attention_heads": None, "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4,
-    "projection_class_embeddings_input_dim": 2816, "resnet_out_scale_factor": 1.0, "resnet_skip_time_act": False,
-    "resnet_time_scale_shift": "default", "sample_size": 128, "time_cond_proj_dim": None,
-    "time_embedding_act_fn": None, "time_embedding_dim": None, "time_embedding_type": "positional",
-    "timestep_post_act": None, "transformer_layers_per_block": [1, 2, 10],
-    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], "upcast_attention": None,
-    "use_linear_projection": True,
-}  # fmt: skip
+SDXL_UNET = published_config("sdxl", "denoiser")
 # the full AdamW step of part 2 on a UNet that fits in RAM: same widths, one transformer layer per attention block
 REDUCED_SDXL_UNET = {**SDXL_UNET, "transformer_layers_per_block": [1, 1, 1]}
-# black-forest-labs/FLUX.1-dev, transformer/config.json
-FLUX_DEV: dict[str, Any] = {
-    "attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
-    "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
-    "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56],
-}  # fmt: skip
+FLUX_DEV = published_config("flux-dev", "denoiser")
 SDXL_TEXT_TOKENS = 77
 # the modules diffusers' enable_gradient_checkpointing checkpoints one by one, and what this script calls them
 BLOCK_KINDS = {"ResnetBlock2D": "resnet", "BasicTransformerBlock": "transformer",
@@ -157,19 +137,14 @@ class SavedBytes:
 
 def build_model(spec: dict[str, Any]) -> torch.nn.Module:
     """The model with random weights created directly in bf16 (a float32 build would peak at twice the bytes)."""
-    from diffusers import FluxTransformer2DModel, UNet2DConditionModel
-
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model: torch.nn.Module
         if spec["model"] == "flux":
-            depth = {"num_layers": spec["double"], "num_single_layers": spec["single"]}
-            model = FluxTransformer2DModel(**{**FLUX_DEV, **depth})  # type: ignore[assignment]
+            config = {**FLUX_DEV, "num_layers": spec["double"], "num_single_layers": spec["single"]}
         else:
             config = REDUCED_SDXL_UNET if spec["model"] == "sdxl-reduced" else SDXL_UNET
-            model = UNet2DConditionModel(**config)  # type: ignore[assignment]
-        return model
+        return build_published(config, "cpu")
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -215,11 +190,8 @@ def _drop_grad(param: torch.Tensor) -> None:
 def weight_gradient_peak(spec: dict[str, Any]) -> dict[str, Any]:
     """The backward of the SDXL UNet's largest layer alone, on a minimal input: the bytes a weight's gradient holds
     while it is computed, the gradient memory a training step's peak can include when each is dropped as it lands."""
-    from diffusers import UNet2DConditionModel
-
     torch.set_num_threads(spec["threads"])
-    with torch.device("meta"):
-        unet: Any = UNet2DConditionModel(**SDXL_UNET)
+    unet: Any = build_published(SDXL_UNET)
     kinds = (torch.nn.Conv2d, torch.nn.Linear)
     largest = max((m for m in unet.modules() if isinstance(m, kinds)), key=lambda m: m.weight.numel())
     layer = largest.to(torch.bfloat16).to_empty(device="cpu")
@@ -480,15 +452,11 @@ class Model:
 def counts(name: str, config: dict[str, Any], threshold: int) -> tuple[int, int, int, int, int]:
     """Parameters, LoRA rank-16 parameters, the largest parameter and the ZeRO-3-persistent ones (of the model, of
     the adapter), counted on the meta device."""
-    from diffusers import FluxTransformer2DModel, UNet2DConditionModel
-
     from stk.models import Family
     from stk.train.lora import LoraSettings, add_lora
 
-    cls: Any = FluxTransformer2DModel if name == "flux" else UNet2DConditionModel
     family = Family.FLUX if name == "flux" else Family.SDXL
-    with torch.device("meta"):
-        model = cls(**config)
+    model = build_published(config)
     sizes = [p.numel() for p in model.parameters()]
     add_lora(model, LoraSettings(rank=LORA_RANK), family, seed=0)
     adapter = [p.numel() for p in model.parameters() if p.requires_grad]

@@ -17,7 +17,7 @@ from stk.train.dsconfig import PRESETS, builds_own_optimizer, load_deepspeed_con
 from stk.train.metrics import MetricsLog
 from stk.train.optim import OptimizerSettings, client_optimizer, lr_schedule, optimizer_section
 from stk.train.preflight import _ranges, check_buckets
-from stk.train.stopping import StopSignals, is_gpu_error, is_peer_failure, peer_failed
+from stk.train.stopping import StopSignals, is_gpu_error, is_out_of_memory, is_peer_failure, out_of_memory, peer_failed
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -154,6 +154,26 @@ def test_gpu_errors_are_told_from_code_errors():
     assert not is_gpu_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not is_gpu_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_gpu_error(ValueError("CUDA error"))
+
+
+def test_out_of_memory_on_the_gpu_or_the_host_is_one_line_about_the_batch():
+    cuda = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.25 GiB "
+        "is free.\nIncluding non-PyTorch memory, this process has 77.8 GiB memory in use."
+    )
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8)  # the CPU allocator refuses 1 PiB with a RuntimeError
+    except RuntimeError as exc:
+        host = exc
+    for exc, where, detail in ((cuda, "GPU", "CUDA out of memory. Tried to allocate 2.00 GiB"),
+                               (host, "host", "DefaultCPUAllocator: can't allocate memory")):  # fmt: skip
+        assert is_out_of_memory(exc) and not is_gpu_error(exc)
+        error = out_of_memory(exc, 16)
+        message = str(error)
+        assert error.exit_code == 3 and "\n" not in message
+        assert message.startswith(f"out of {where} memory at --batch-size 16: {detail}"), message
+        assert "--grad-accum" in message and "--lora-rank" in message
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
 GLOO_RESET = (

@@ -1,5 +1,7 @@
-"""Tiny random-weight pipelines of each family, for tests and the demo: built offline in about a second, laid out
-and loaded exactly like the real models (model_index.json and one subfolder per component, denoiser included)."""
+"""Random-weight pipelines of each family, laid out and loaded exactly like the real models (model_index.json and one
+subfolder per component, denoiser included), built offline: tiny ones for tests and the demo (about a second), and
+ones with a published denoiser and VAE (stk.models.published) and tiny text encoders of the widths that denoiser
+reads, for benchmarks on real architectures (text embeddings are cached, so their encoders' depth does not matter)."""
 
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ from transformers import (
 
 from stk.models.detect import Family
 from stk.models.flux import T5_MAX_LENGTH
+from stk.models.published import PUBLISHED, build_published, published_config
 
-__all__ = ["build_tiny_model"]
+__all__ = ["build_published_model", "build_tiny_model"]
 
 # Words that become single tokens, so captions tokenize into something like real subwords.
 WORDS = ("a", "an", "the", "photo", "of", "cat", "dog", "on", "in", "with", "and", "red", "blue", "painting", "man")
@@ -139,13 +142,14 @@ def _unet(cross_attention_dim: int, **extra: Any) -> UNet2DConditionModel:
     )
 
 
-def _sd(scratch: Path) -> dict[str, Any]:
+def _sd(scratch: Path, unet: Any = None, vae: Any = None) -> dict[str, Any]:
     tokenizer = _clip_tokenizer(scratch / "tokenizer")
+    width = unet.config.cross_attention_dim if unet is not None else 32
     return dict(
-        vae=_vae(4, 0.18215),
-        text_encoder=_clip(tokenizer, 32),
+        vae=vae or _vae(4, 0.18215),
+        text_encoder=_clip(tokenizer, width),
         tokenizer=tokenizer,
-        unet=_unet(32),
+        unet=unet or _unet(width),
         scheduler=PNDMScheduler(**SD_BETAS, skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1),
         safety_checker=None,
         feature_extractor=None,
@@ -153,22 +157,24 @@ def _sd(scratch: Path) -> dict[str, Any]:
     )
 
 
-def _sdxl(scratch: Path) -> dict[str, Any]:
+def _sdxl(scratch: Path, unet: Any = None, vae: Any = None) -> dict[str, Any]:
     # Unequal widths (32 + 64) so a swapped or missing encoder shows in the shapes; tokenizer_2 pads with "!" as
     # SDXL's does, so lengths must come from the attention mask.
     tokenizer, tokenizer_2 = _clip_tokenizer(scratch / "tokenizer"), _clip_tokenizer(scratch / "tokenizer_2", "!")
     time_embed_dim = 8
-    unet = _unet(
+    unet = unet or _unet(
         32 + 64,
         addition_embed_type="text_time",
         addition_time_embed_dim=time_embed_dim,
         projection_class_embeddings_input_dim=6 * time_embed_dim + 64,  # 6 size/crop numbers + pooled
         use_linear_projection=True,
     )
+    # the UNet reads both encoders' hidden states side by side, and the second one's pooled output
+    pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
     return dict(
-        vae=_vae(4, 0.13025),
-        text_encoder=_clip(tokenizer, 32),
-        text_encoder_2=_clip(tokenizer_2, 64, projection=True),
+        vae=vae or _vae(4, 0.13025),
+        text_encoder=_clip(tokenizer, unet.config.cross_attention_dim - pooled),
+        text_encoder_2=_clip(tokenizer_2, pooled, projection=True),
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,
         unet=unet,
@@ -177,12 +183,12 @@ def _sdxl(scratch: Path) -> dict[str, Any]:
     )
 
 
-def _flux(scratch: Path) -> dict[str, Any]:
+def _flux(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
     tokenizer, tokenizer_2 = _clip_tokenizer(scratch / "tokenizer"), _t5_tokenizer(scratch / "tokenizer_2")
     t5 = T5EncoderModel(
         T5Config(
             vocab_size=len(tokenizer_2),
-            d_model=48,
+            d_model=transformer.config.joint_attention_dim if transformer is not None else 48,
             d_kv=8,
             d_ff=64,
             num_layers=2,
@@ -193,22 +199,22 @@ def _flux(scratch: Path) -> dict[str, Any]:
             eos_token_id=tokenizer_2.eos_token_id,
         )
     )
-    transformer = FluxTransformer2DModel(
+    transformer = transformer or FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * 16,  # 16 latent channels packed 2x2
         num_layers=1,
         num_single_layers=1,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=48,  # T5 width
+        joint_attention_dim=t5.config.d_model,
         pooled_projection_dim=32,  # CLIP width
         guidance_embeds=True,  # like FLUX.1-dev
         axes_dims_rope=(4, 6, 6),
     )
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
-        vae=_vae(16, 0.3611, shift_factor=0.1159),
-        text_encoder=_clip(tokenizer, 32),
+        vae=vae or _vae(16, 0.3611, shift_factor=0.1159),
+        text_encoder=_clip(tokenizer, transformer.config.pooled_projection_dim),
         tokenizer=tokenizer,
         text_encoder_2=t5,
         tokenizer_2=tokenizer_2,
@@ -217,7 +223,7 @@ def _flux(scratch: Path) -> dict[str, Any]:
 
 
 # Each family's pipeline class (it writes model_index.json) and the builder of its components.
-_BUILDERS: dict[Family, tuple[type[DiffusionPipeline], Callable[[Path], dict[str, Any]]]] = {
+_BUILDERS: dict[Family, tuple[type[DiffusionPipeline], Callable[..., dict[str, Any]]]] = {
     Family.SD: (StableDiffusionPipeline, _sd),
     Family.SDXL: (StableDiffusionXLPipeline, _sdxl),
     Family.FLUX: (FluxPipeline, _flux),
@@ -231,4 +237,26 @@ def build_tiny_model(family: Family, out_dir: str, seed: int = 0) -> str:
         torch.manual_seed(seed)
         pipeline_class, components = _BUILDERS[Family(family)]
         pipeline_class(**components(Path(scratch))).save_pretrained(out_dir)
+    return out_dir
+
+
+def build_published_model(
+    name: str,
+    out_dir: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    denoiser: dict[str, Any] | None = None,
+    vae: dict[str, Any] | None = None,
+) -> str:
+    """Write a pipeline with `name`'s published denoiser and VAE (their configs changed by the `denoiser` and `vae`
+    overrides: fewer blocks, say), random weights in `dtype` (built on `device`: a GPU draws billions of weights in
+    seconds), and tiny text encoders of the widths the denoiser reads, into out_dir; returns out_dir."""
+    family = PUBLISHED[name]
+    with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory() as scratch:
+        torch.manual_seed(seed)
+        denoiser_module = build_published(published_config(name, "denoiser", **(denoiser or {})), device).to(dtype)
+        vae_module = build_published(published_config(name, "vae", **(vae or {})), device).to(dtype)
+        pipeline_class, components = _BUILDERS[family]
+        pipeline_class(**components(Path(scratch), denoiser_module, vae_module)).save_pretrained(out_dir)
     return out_dir

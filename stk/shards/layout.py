@@ -26,7 +26,7 @@ shard is one HDF5 file, written by one writer (never several: no MPI-enabled HDF
 `mean`/`logvar` chunks are compressed by stk with python-zstandard and written with
 write_direct_chunk, and read back with read_direct_chunk: the same bytes HDF5's Zstd filter
 writes (a standard zstd frame), so plain h5py + hdf5plugin reads every dataset as usual, while
-stk skips HDF5's filter pipeline on both sides. A byte shuffle before zstd was measured and
+stk skips HDF5's filter pipeline on both sides (and needs no hdf5plugin). A byte shuffle before zstd was measured and
 dropped (bench/RESULTS.md): 0.4% smaller for 14-38% more write time, since zstd codes a 32 KiB
 chunk's bytes with one Huffman table, whose size a shuffle barely changes. Level 5, not zstd's
 default 3: latents come out the same size at any level (about 0.92 of raw, fp16 mantissas are
@@ -63,6 +63,7 @@ __all__ = [
     "TEXT",
     "TEXT_CHUNK",
     "VERSION",
+    "ZSTD_FILTER",
     "ZSTD_LEVEL",
     "compress",
     "decompress",
@@ -80,6 +81,9 @@ LATENTS = "latents"
 TEXT = "text"
 KEY_BYTES = 64
 ZSTD_LEVEL = 5
+# HDF5's registered Zstd filter (hdf5plugin's): named in the datasets so that readers decompress them; stk never
+# runs it (it writes and reads the chunks itself), so it writes it without the filter loaded.
+ZSTD_FILTER = 32015
 TEXT_CHUNK = 256 * 1024
 SHARDS_DIR = "shards"
 _local = threading.local()

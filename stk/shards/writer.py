@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import h5py
-import hdf5plugin
 import numpy as np
 import zstandard
 
@@ -29,6 +28,7 @@ from stk.shards.layout import (
     TEXT,
     TEXT_CHUNK,
     VERSION,
+    ZSTD_FILTER,
     ZSTD_LEVEL,
     compress,
     encode_key,
@@ -94,7 +94,9 @@ class _LatentGroup:
             maxshape=(None, *self.shape),
             chunks=(1, *self.shape),
             dtype=self.dtype,
-            **hdf5plugin.Zstd(clevel=ZSTD_LEVEL),
+            compression=ZSTD_FILTER,
+            compression_opts=(ZSTD_LEVEL,),
+            allow_unknown_filter=True,  # stk writes compressed chunks itself: HDF5 never runs the filter
         )
 
     def check(self, sample: LatentSample) -> None:

@@ -42,7 +42,15 @@ from stk.train.options import TrainOptions
 from stk.train.plan import TrainPlan, plan_training
 from stk.train.preflight import check_gpu_layout, check_shared_output
 from stk.train.sampler import BucketSampler
-from stk.train.stopping import StopSignals, agree, is_gpu_error, is_peer_failure, peer_failed
+from stk.train.stopping import (
+    StopSignals,
+    agree,
+    is_gpu_error,
+    is_out_of_memory,
+    is_peer_failure,
+    out_of_memory,
+    peer_failed,
+)
 from stk.world import World
 
 __all__ = ["Outcome", "TrainSummary", "run_train"]
@@ -78,6 +86,7 @@ class TrainSummary:
     loss: float | None  # the last step's, averaged over ranks
     seconds: float
     samples_per_second: float
+    peak_gpu_memory: int | None  # bytes, this rank's torch.cuda.max_memory_allocated (None on the CPU)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "outcome": self.outcome.value}
@@ -126,6 +135,8 @@ def run_train(opts: TrainOptions, world: World) -> tuple[TrainSummary, ExitCode]
     try:
         return _prepared_run(opts, world, signals, started)
     except Exception as exc:
+        if is_out_of_memory(exc):
+            raise out_of_memory(exc, opts.batch_size) from None
         if not is_peer_failure(exc):
             raise
         raise peer_failed(exc, world.rank, world.node, opts.collective_timeout) from exc
@@ -291,6 +302,7 @@ def _summary(run: _Run, outcome: Outcome, final: str | None, resume: Resume | No
         loss=run.loss,
         seconds=round(seconds, 3),
         samples_per_second=round(trained / seconds, 3) if seconds > 0 else 0.0,
+        peak_gpu_memory=torch.cuda.max_memory_allocated(run.model.device) if run.model.device.type == "cuda" else None,
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stk.errors import InfraError
+from stk.errors import InfraError, InputError
 from stk.log import get_logger
 
 __all__ = ["STOP_SIGNALS", "Agreement", "StopSignals", "agree", "is_gpu_error", "is_peer_failure", "peer_failed"]
@@ -102,10 +102,31 @@ def peer_failed(exc: BaseException, rank: int, node: str, timeout_s: float) -> I
     )
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """The device (CUDA) or the host (the CPU allocator, which raises a RuntimeError) had no room."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+    )
+
+
+def out_of_memory(exc: BaseException, batch_size: int) -> InputError:
+    """The one line for a run that does not fit: what ran out, and the settings that use less."""
+    where = "GPU" if isinstance(exc, torch.OutOfMemoryError) else "host"
+    # "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..." / "[enforce fail at alloc_cpu.cpp:127]
+    # err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes. Error code 12 ..."
+    text = re.sub(r"^\[[^\]]*\]\s*err == 0\.\s*", "", str(exc).strip())
+    detail = ". ".join(text.splitlines()[0].split(". ")[:2]).rstrip(".") if text else type(exc).__name__
+    return InputError(
+        f"out of {where} memory at --batch-size {batch_size}: {detail}; use less: a smaller "
+        "--batch-size (with --grad-accum to keep the effective batch), --gradient-checkpointing, a LoRA "
+        "(--lora-rank), or a preset that shards more (--deepspeed zero2, zero3)"
+    )
+
+
 def is_gpu_error(exc: BaseException) -> bool:
     """A CUDA or NCCL failure in the step: the device or the fabric, not the training code.
     Out of memory is the code's (batch size), not the GPU's."""
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
+    if is_out_of_memory(exc):
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):

@@ -1,0 +1,121 @@
+"""bench/gpu.py, the GPU proof kit, in its --cpu smoke mode: every part runs on tiny shapes through the code a GPU
+runs (stk's real CLIs, DeepSpeed engines on the CPU, the baseline loop in a process of its own, the breaker on a
+scripted GPU behind stk's device interface, a batch the address space cannot hold), prints the keys the GPU run
+records, and --record writes its table. Its numbers mean nothing; its keys, exit codes and arithmetic do."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import train_env
+
+pytestmark = pytest.mark.integration
+
+KIT = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
+KEYS = ("samples_per_s", "peak_memory", "mfu", "baseline_ratio")
+
+
+def load_kit() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_kit", KIT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], str, Path]:
+    root = tmp_path_factory.mktemp("gpu-kit")
+    results = root / "RESULTS.md"
+    results.write_text("# Benchmark results\n")
+    proc = subprocess.run(
+        [sys.executable, str(KIT), "--cpu", "--record", "--results", str(results), "--workdir", str(root / "work"),
+         "--peak-tflops", "0.05"], capture_output=True, text=True, env=train_env(), timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert "environment" in rows[0]
+    return rows[1:], results.read_text(), root / "work"
+
+
+def test_every_part_runs_and_prints_the_keys_the_gpu_run_records(kit):
+    rows, _, _ = kit
+    assert [r["part"] for r in rows] == ["health", "cache", "train", "train", "flux", "breaker", "oom"]
+    for row in rows:
+        assert set(KEYS) <= set(row), row
+
+
+def test_health_reads_the_gpu_and_is_timed_against_the_interpreter(kit):
+    health = kit[0][0]
+    assert health["exit_code"] == 0 and health["ok"] is True
+    (summary,) = [f for f in health["findings"] if f.get("summary")]
+    assert summary["gpus"] == 1 and summary["severity"] == "OK"
+    assert 0 < health["seconds_over_interpreter"] < health["seconds"]
+
+
+def test_cache_and_train_are_measured_against_their_baselines(kit):
+    rows, _, _ = kit
+    cache = rows[1]
+    assert cache["images"] == 8 and cache["samples_per_s"] > 0
+    assert cache["baseline_ratio"] == pytest.approx(cache["samples_per_s"] / cache["baseline_samples_per_s"], rel=1e-2)
+    train = {r["variant"]: r for r in rows if r["part"] == "train"}
+    assert set(train) == {"full-ckpt", "lora"}
+    for row in train.values():
+        assert row["batch"] == 2 and row["samples_per_s"] > 0 and row["baseline"]["samples_per_s"] > 0
+        assert row["baseline_ratio"] == pytest.approx(row["samples_per_s"] / row["baseline"]["samples_per_s"], rel=1e-2)
+        assert row["mfu"] == pytest.approx(row["flops_per_step"] / row["step_s"] / 0.05e12, rel=1e-2)
+    # the FLOPs are the base denoiser's on the same batch, whatever is trained
+    assert train["full-ckpt"]["flops_per_step"] == train["lora"]["flops_per_step"] > 0
+
+
+def test_flops_are_counted_per_sample_of_the_batch(kit):
+    _, _, work = kit
+    gpu = load_kit()
+    model, cache = str(work / "model-sdxl"), work / "cache-sdxl"
+    one, two = gpu.step_flops(model, cache, 1), gpu.step_flops(model, cache, 2)
+    assert two == pytest.approx(2 * one, rel=0.01) and one > 0
+
+
+def test_flux_projects_the_full_model_from_the_measured_rate(kit):
+    flux = kit[0][4]
+    assert flux["blocks"] == [1, 1] and flux["samples_per_s"] > 0 and flux["mfu"] > 0
+    projection = flux["projection"]
+    assert projection["gpus"] == 32 and projection["batch_per_gpu"] == 8
+    assert projection["s_per_step"] == pytest.approx(projection["compute_s"] + projection["allreduce_s"], abs=2e-3)
+    # FLUX.1-dev's 11.9B bf16 gradients, ring all-reduced over 32 GPUs at 50 GB/s
+    assert projection["allreduce_s"] == pytest.approx(2 * 31 / 32 * 11_901_408_320 * 2 / 50e9, rel=1e-3)
+
+
+def test_the_breaker_polls_while_the_workload_runs(kit):
+    breaker = kit[0][5]
+    assert breaker["watch_active"] is True and breaker["step_s"] > 0
+    assert isinstance(breaker["overhead_pct"], float)
+
+
+def test_a_batch_too_big_is_one_line_and_exit_3(kit):
+    oom = kit[0][6]
+    assert oom["exit_code"] == 3 and oom["traceback"] is False and oom["ok"] is True
+    assert "out of host memory at --batch-size 64" in oom["line"] and "--gradient-checkpointing" in oom["line"]
+
+
+def test_record_appends_a_table_headed_by_the_environment(kit):
+    rows, text, _ = kit
+    assert text.startswith("# Benchmark results\n")
+    assert "### GPU proof kit: cpu, driver None, torch " in text and "`python bench/gpu.py --cpu --record" in text
+    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| part")]
+    assert [line.split(" | ")[0].removeprefix("| ") for line in table] == [r["part"] for r in rows]
+
+
+def test_unknown_parts_and_no_gpu_are_usage_errors(tmp_path):
+    for args, message in ((["--cpu", "--only", "train,bake"], "--only bake: choose from"),
+                          ([], "no CUDA device")):  # fmt: skip
+        proc = subprocess.run([sys.executable, str(KIT), *args, "--workdir", str(tmp_path)], capture_output=True,
+                              text=True, env=train_env(), timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
