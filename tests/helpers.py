@@ -40,6 +40,8 @@ __all__ = [
     "Receiver",
     "Recorder",
     "RunScan",
+    "board_scalars",
+    "board_tags",
     "cache_command",
     "cache_env",
     "descendant_pids",
@@ -257,6 +259,23 @@ def run_train(
     proc = subprocess.run(train_command(args, mpi), capture_output=True, text=True, env=full_env, timeout=timeout)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
+
+
+def board_scalars(directory: Path, tag: str) -> list[tuple[int, float]]:
+    """What TensorBoard shows for `tag`: every events file of the run read back, purges applied."""
+    return [(e.step, e.value) for e in _board(directory).Scalars(tag)]
+
+
+def board_tags(directory: Path) -> list[str]:
+    return sorted(_board(directory).Tags()["scalars"])
+
+
+def _board(directory: Path) -> Any:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    events.Reload()
+    return events
 
 
 def metrics(out: Path) -> list[dict[str, Any]]:

@@ -47,6 +47,12 @@ def latest(out: Path) -> str:
     return (out / "checkpoints" / "latest").read_text().strip()
 
 
+def checkpoint_module(out: Path, step: int) -> dict[str, torch.Tensor]:
+    """The module's weights in a ZeRO-1/2 checkpoint (every rank holds them all; rank 0 saved them)."""
+    states = out / "checkpoints" / f"step-{step:08d}" / "mp_rank_00_model_states.pt"
+    return torch.load(states, map_location="cpu", weights_only=False)["module"]
+
+
 def denoiser_weights(model_dir: Path, family: Family) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / DENOISER[family] / "diffusion_pytorch_model.safetensors"))
 
@@ -171,10 +177,13 @@ def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
     """Also: gradient checkpointing (on by default) changes no bit. The straight run keeps its
     activations, the split runs recompute them."""
     model, cache = setups(Family.SDXL)
-    common = ["--cache", cache, "--model", model, "--deepspeed", "zero2", "--epochs", "2", *FAST]
+    common = ["--cache", cache, "--model", model, "--deepspeed", "zero2", "--epochs", "2", "--ema-decay", "0.8", *FAST]
     loud = [a for a in common if a != "-q"]  # rank 0's set-up line says whether checkpointing is on
     straight, split = tmp_path / "straight", tmp_path / "split"
-    plain = run_train([*loud, "--output-dir", straight, "--max-steps", "10", "--no-gradient-checkpointing"])
+    every_step = ["--checkpoint-every", "1", "--keep-checkpoints", "10"]  # each step's weights, for the EMA below
+    plain = run_train(
+        [*loud, "--output-dir", straight, "--max-steps", "10", "--no-gradient-checkpointing", *every_step]
+    )
     assert plain.returncode == 0 and "gradient checkpointing off" in plain.stderr, plain.stderr
     first = run_train([*loud, "--output-dir", split, "--max-steps", "5"])
     assert first.returncode == 0 and summary_of(first)["steps"] == 5
@@ -184,8 +193,20 @@ def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
     assert summary_of(second)["resumed_from"].endswith("step-00000005")
     # same samples, noise and timesteps at every step: the same losses, and bitwise the same weights
     assert [r["loss"] for r in metrics(straight)] == [r["loss"] for r in metrics(split)]
-    a, b = denoiser_weights(straight / "final", Family.SDXL), denoiser_weights(split / "final", Family.SDXL)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    for final in ("final-no-ema", "final"):  # the trained weights, and their EMA sharded over the 2 ranks
+        a, b = denoiser_weights(straight / final, Family.SDXL), denoiser_weights(split / final, Family.SDXL)
+        assert all(torch.equal(a[k], b[k]) for k in a), final
+    # the EMA against one computed here from each step's weights: decay 0 at the first update, then the ramp
+    steps = [checkpoint_module(straight, step) for step in range(1, 11)]
+    raw = denoiser_weights(straight / "final-no-ema", Family.SDXL)
+    assert all(torch.equal(raw[k], steps[-1][k]) for k in raw)
+    expected = dict(steps[0])
+    for t, weights in enumerate(steps[1:], start=1):
+        decay = min(0.8, (1 + t) / (10 + t))
+        expected = {k: decay * expected[k] + (1 - decay) * weights[k] for k in expected}
+    ema = denoiser_weights(straight / "final", Family.SDXL)
+    assert all(torch.allclose(ema[k], expected[k], rtol=1e-5, atol=1e-7) for k in ema)
+    assert any(not torch.allclose(ema[k], raw[k]) for k in ema)
 
 
 def test_sigusr2_checkpoints_exits_for_requeue_and_the_rerun_resumes(setups, scan, tmp_path):

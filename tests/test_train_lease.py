@@ -15,7 +15,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from helpers import FAST, metrics, mpi_rank_pids, run_train, summary_of, train_command, train_env
+from helpers import (
+    FAST,
+    board_scalars,
+    board_tags,
+    metrics,
+    mpi_rank_pids,
+    run_train,
+    summary_of,
+    train_command,
+    train_env,
+)
 
 from stk.errors import ExitCode, InputError, PreflightFailed
 from stk.models import Family
@@ -275,3 +285,8 @@ def test_resuming_with_other_settings_is_refused_unless_overridden(setups, tmp_p
     rows = metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert [row["lr"] for row in rows] == [1e-3, 1e-3, 5e-4, 5e-4]  # the new lr from the resumed step on
+    # TensorBoard (the default report) shows the same curves: each step once across the two runs
+    assert board_scalars(out / "tensorboard", "train/lr") == [(r["step"], pytest.approx(r["lr"])) for r in rows]
+    assert {"train/loss", "train/grad_norm", "train/samples_per_s", "train/step_time", "train/data_wait"} <= set(
+        board_tags(out / "tensorboard")
+    )

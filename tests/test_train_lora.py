@@ -63,14 +63,28 @@ def test_a_target_that_matches_nothing_names_the_layers_there_are(tmp_path):
 @pytest.mark.integration
 def test_ten_lora_steps_equal_five_then_resume_five(setups, tmp_path):
     model, cache = setups(Family.SDXL)
-    common = ["--cache", cache, "--model", model, "--deepspeed", "zero3", "--epochs", "2", "--lora-rank", RANK, *FAST]
+    common = ["--cache", cache, "--model", model, "--deepspeed", "zero3", "--epochs", "2", "--lora-rank", RANK,
+              "--ema-decay", "0.8", *FAST]  # fmt: skip
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert run_train([*common, "--output-dir", straight, "--max-steps", "10"]).returncode == 0
+    every_step = ["--checkpoint-every", "1", "--keep-checkpoints", "10"]  # each step's adapter, for the EMA below
+    assert run_train([*common, "--output-dir", straight, "--max-steps", "10", *every_step]).returncode == 0
     assert run_train([*common, "--output-dir", split, "--max-steps", "5"]).returncode == 0
     second = run_train([*common, "--output-dir", split, "--max-steps", "10"])
     assert second.returncode == 0, second.stderr
     assert summary_of(second)["resumed_from"].endswith("step-00000005")
     assert [r["loss"] for r in metrics(straight)] == [r["loss"] for r in metrics(split)]
-    a, b = load_file(straight / "final" / LORA_WEIGHTS), load_file(split / "final" / LORA_WEIGHTS)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for final in ("final-no-ema", "final"):  # the adapter, and its EMA sharded as ZeRO-3 partitions it
+        a, b = load_file(straight / final / LORA_WEIGHTS), load_file(split / final / LORA_WEIGHTS)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), final
+    # the EMA of the adapter against one computed here from each step's lora/ file
+    steps = [load_file(straight / "checkpoints" / f"step-{s:08d}" / "lora" / LORA_WEIGHTS) for s in range(1, 11)]
+    raw = load_file(straight / "final-no-ema" / LORA_WEIGHTS)
+    assert all(torch.equal(raw[k], steps[-1][k]) for k in raw)
+    expected = dict(steps[0])
+    for t, weights in enumerate(steps[1:], start=1):
+        decay = min(0.8, (1 + t) / (10 + t))
+        expected = {k: decay * expected[k] + (1 - decay) * weights[k] for k in expected}
+    ema = load_file(straight / "final" / LORA_WEIGHTS)
+    assert all(torch.allclose(ema[k], expected[k], rtol=1e-5, atol=1e-7) for k in ema)
+    assert any(not torch.allclose(ema[k], raw[k]) for k in ema)
     assert (split / "checkpoints" / "latest").read_text().strip() == "step-00000010"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import board_scalars, board_tags
 
 from stk.errors import BatchCheckFailed, ExitCode, InputError
 from stk.train.checkpoint import CheckpointDir, tag_for
@@ -109,6 +110,28 @@ def test_metrics_rows_past_the_resumed_step_are_dropped(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
     MetricsLog(str(tmp_path / "other"), enabled=False).start(0)  # rank != 0: writes nothing
     assert not (tmp_path / "other").exists()
+
+
+def test_tensorboard_holds_each_step_once_across_a_resume(tmp_path):
+    log = MetricsLog(str(tmp_path), enabled=True)  # tensorboard is the default
+    log.start(0)
+    for step in range(1, 8):
+        log.write({"step": step, "epoch": 0.1 * step, "loss": 1.0 / step, "grad_norm": None, "time": 1e9 + step})
+    log.close()  # killed after step 7; the last checkpoint was step 5
+    log.start(5)
+    for step in (6, 7, 8):
+        log.write({"step": step, "loss": 10.0 + step, "time": 2e9 + step})
+    log.close()
+    loss = board_scalars(tmp_path / "tensorboard", "train/loss")
+    assert [step for step, _ in loss] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [value for _, value in loss][4:] == pytest.approx([0.2, 16.0, 17.0, 18.0])
+    assert board_tags(tmp_path / "tensorboard") == ["train/loss"]  # not the step, epoch, time, nor a None
+    (tmp_path / "quiet").mkdir()
+    quiet = MetricsLog(str(tmp_path / "quiet"), enabled=True, report_to="none")
+    quiet.start(0)
+    quiet.write({"step": 1, "loss": 1.0})
+    quiet.close()
+    assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == ["metrics.jsonl"]
 
 
 def test_prune_keeps_the_newest_complete_and_drops_torn_newer_ones(tmp_path):

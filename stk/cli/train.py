@@ -15,6 +15,8 @@ from stk.cli.common import CONTEXT, common_options, default_of, options_from, ru
 from stk.models import Family
 from stk.train.dsconfig import PRECISIONS, PRESETS
 from stk.train.lora import LoraSettings
+from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
+from stk.train.metrics import REPORTERS
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
 from stk.world import World
@@ -46,6 +48,15 @@ def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     except ValueError:
         raise click.BadParameter(f"{value!r}: give two numbers, like 0.9,0.999") from None
     return first, second
+
+
+def _flow_shift(value: str | float | None) -> float | None:
+    if value is None or value == "auto":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: a number like 3.0, or auto") from None
 
 
 def _default(name: str) -> Any:
@@ -146,6 +157,32 @@ def _default(name: str) -> Any:
 @click.option("--override-resume", is_flag=True, show_envvar=True,
               help="Resume although seed, optimizer, lr, schedule, batch or accumulation differ from the "
                    "checkpoint's: this run's values apply from the resumed step on.")  # fmt: skip
+@click.option("--snr-gamma", default=default_of(LossSettings, "snr_gamma"), type=float, show_envvar=True,
+              help="SD/SDXL: min-SNR-gamma loss weighting (5 is the paper's); unset: plain MSE.")  # fmt: skip
+@click.option("--noise-offset", default=default_of(LossSettings, "noise_offset"), type=float, show_envvar=True,
+              help="SD/SDXL: add this times N(0,1) per image and channel to the noise (0.05-0.1 is usual), "
+                   "so the model learns very dark and very bright images.")  # fmt: skip
+@click.option("--timestep-sampling", type=click.Choice(TIMESTEP_SAMPLINGS), show_envvar=True,
+              default=default_of(LossSettings, "timestep_sampling"),
+              help="Flux: how noise levels are drawn: sigmoid(N(--logit-mean, --logit-std)), sigmoid(--logit-std "
+                   "* N(0,1)) (kohya's), or uniform.")  # fmt: skip
+@click.option("--logit-mean", default=default_of(LossSettings, "logit_mean"), type=float, show_envvar=True,
+              help="Flux, logit-normal: the mean (< 0 favours less noise).")  # fmt: skip
+@click.option("--logit-std", default=default_of(LossSettings, "logit_std"), type=float, show_envvar=True,
+              help="Flux, logit-normal and sigmoid: the spread.")  # fmt: skip
+@click.option("--flow-shift", default="auto", callback=lambda _ctx, _param, value: _flow_shift(value), show_envvar=True,
+              help="Flux: shift noise levels toward noise by S (sigma' = S sigma / (1 + (S-1) sigma)), or auto: "
+                   "the pipeline's own shift for the image's size.")  # fmt: skip
+@click.option("--ema-decay", default=_default("ema_decay"), type=click.FloatRange(0, 1, max_open=True),
+              show_envvar=True,
+              help="Keep an EMA of the trained weights with this decay (0.9999 is usual; 0: none), sharded "
+                   "over the ranks in fp32. OUTPUT/final then holds the EMA weights, "
+                   "OUTPUT/final-no-ema the raw ones.")  # fmt: skip
+@click.option("--ema-every", default=_default("ema_every"), type=click.IntRange(1), show_envvar=True,
+              help="Optimizer steps between EMA updates.")  # fmt: skip
+@click.option("--report-to", type=click.Choice(REPORTERS), default=_default("report_to"), show_envvar=True,
+              help="Where rank 0 also reports each step's numbers (metrics.jsonl always): tensorboard writes "
+                   "OUTPUT/tensorboard/ (tensorboard --logdir OUTPUT/tensorboard).")  # fmt: skip
 @click.option("--compile", "compile_mode", default=None, show_envvar=True,
               type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
               help="torch.compile the denoiser with this mode [default: eager].")  # fmt: skip
@@ -211,12 +248,21 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
         options.pop("lora_dropout"),
         tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else (),
     )
+    loss = LossSettings(
+        options.pop("snr_gamma"),
+        options.pop("noise_offset"),
+        options.pop("timestep_sampling"),
+        options.pop("logit_mean"),
+        options.pop("logit_std"),
+        options.pop("flow_shift"),
+    )
     size = options["local_cache_size"]
     opts = options_from(
         TrainOptions,
         options,
         optimizer=optimizer,
         lora=lora,
+        loss=loss,
         family=Family(options["family"]) if options["family"] else None,
         local_cache_bytes=int(size * 2**30) if size else None,
         notify_urls=tuple(options["notify_urls"]),

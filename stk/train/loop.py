@@ -13,7 +13,6 @@ import hashlib
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -31,6 +30,7 @@ from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.data import BatchLoader
 from stk.train.distributed import DistEnv, init_distributed, resolve_dist_env
 from stk.train.dsconfig import load_deepspeed_config, zero_stage
+from stk.train.ema import ShardedEma
 from stk.train.engine import build_engine, engine_config, full_state_dict
 from stk.train.export import export_pipeline
 from stk.train.lease import Lease
@@ -120,6 +120,7 @@ class _Run:
     total_steps: int
     first_step: int
     step: int
+    ema: ShardedEma | None = None
     last_checkpoint: str | None = None
     loss: float | None = None
 
@@ -168,12 +169,13 @@ def _leased_run(
     checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank, frozen_base=opts.lora.enabled)
     resume = world.root_call(lambda: checkpoints.resolve(opts.resume))
     plan = world.run_everywhere(lambda: plan_training(opts, world.size))
+    opts.loss.check(plan.family)
     overridden: list[str] = []
     if resume is not None:
         settings = opts.run_settings(plan.family)
         overridden = world.root_call(lambda: checkpoints.check_settings(resume, settings, opts.override_resume))
     try:
-        world.root_call(lambda: check_targets(opts.lora, objective_for(plan.family, opts.model, opts.guidance_scale)))
+        world.root_call(lambda: check_targets(opts.lora, objective_for(plan.family, opts.model)))
         world.root_call(lambda: check_cache_model(opts, plan))
         return _run(opts, world, plan, deepspeed_config, checkpoints, (resume, overridden), signals, started)
     finally:
@@ -209,7 +211,7 @@ def _run(
         run.watch.stop()
         run.metrics.close()
         run.progress.close()
-    final = _export(run) if outcome is Outcome.FINISHED else None
+    final = _export_all(run) if outcome is Outcome.FINISHED else None
     return _summary(run, outcome, final, resuming[0], started), outcome.exit_code
 
 
@@ -250,7 +252,7 @@ def _load_model(
 ) -> _Model:  # fmt: skip
     """The denoiser in its DeepSpeed engine (and the encoders, with --vae-on-the-fly)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    objective = objective_for(plan.family, opts.model, opts.guidance_scale)
+    objective = objective_for(plan.family, opts.model, opts.guidance_scale, opts.loss)
     config = engine_config(opts, deepspeed_config, precision)
     zero3 = config if zero_stage(config) == 3 else None  # built partitioned: no rank ever holds the whole model
     denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype, world, zero3))
@@ -278,13 +280,20 @@ def _setup(
     sampler, total_steps = _sampler(opts, plan, env)
     model = _load_model(opts, world, plan, device, precision, deepspeed_config, total_steps)
     step = _resume(model.engine, sampler, checkpoints, resume, opts, overridden) if resume is not None else 0
+    ema = None
+    if opts.ema_decay:
+        ema = ShardedEma(model.engine.module, opts.ema_decay, opts.ema_every, env.rank, env.world_size)
+        if resume is not None:
+            ema.load(os.path.join(resume.directory, resume.tag))
+        log.info("EMA (decay %g) of %d trained weights, %d on this rank", opts.ema_decay, ema.total, len(ema.shadow))
     watch = GpuWatch(
         None, interval=opts.health_interval, notify_urls=opts.notify_urls, notify_config=opts.notify_config,
         rank=env.rank,
     )  # fmt: skip
+    metrics = MetricsLog(opts.output_dir, env.rank == 0, opts.report_to)
     return _Run(
-        opts, plan, sampler, model, env.rank, checkpoints, MetricsLog(opts.output_dir, env.rank == 0), signals,
-        watch, Progress(world, total_steps - step, "steps", "train"), total_steps, first_step=step, step=step,
+        opts, plan, sampler, model, env.rank, checkpoints, metrics, signals, watch,
+        Progress(world, total_steps - step, "steps", "train"), total_steps, first_step=step, step=step, ema=ema,
     )  # fmt: skip
 
 
@@ -354,6 +363,8 @@ def _train(run: _Run) -> Outcome:
                 if micro < accum:
                     continue
                 run.step += 1
+                if run.ema is not None:
+                    run.ema.update(run.step)
                 agreed = agree(
                     run.signals.received is not None, run.watch.fault is not None, loss_sum / accum, run.model.device
                 )
@@ -369,7 +380,7 @@ def _train(run: _Run) -> Outcome:
                         run.step,
                         _client_state(run, position),
                         run.opts.run_settings(run.plan.family),
-                        also=_lora_beside_checkpoint(run),
+                        also=lambda folder: _beside_checkpoint(run, folder),
                     )
                 if agreed.stop:
                     return Outcome.REQUEUE
@@ -426,6 +437,8 @@ def _record(run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, 
         "data_wait": round(loader.take_wait(), 6),
         "time": round(time.time(), 3),
     }
+    if run.model.device.type == "cuda":
+        row["gpu_peak_memory"] = torch.cuda.max_memory_allocated(run.model.device)
     run.metrics.write(row)
     run.progress.update()
 
@@ -435,11 +448,13 @@ def _client_state(run: _Run, position: dict[str, Any]) -> dict[str, Any]:
     return {"stk": {"step": run.step, "sampler": position, "seed": run.opts.seed, "family": run.plan.family.value}}
 
 
-def _lora_beside_checkpoint(run: _Run) -> Callable[[str], None] | None:
-    """For a LoRA run: what writes the adapter into a checkpoint's lora/ folder, to try mid-run."""
-    if not run.opts.lora.enabled:
-        return None
-    return lambda folder: _save_lora(run, os.path.join(folder, "lora"))
+def _beside_checkpoint(run: _Run, folder: str) -> None:
+    """What a checkpoint holds besides DeepSpeed's files, on every rank: this rank's EMA share, and for a LoRA run
+    the adapter in lora/, to try mid-run."""
+    if run.ema is not None:
+        run.ema.save(folder)
+    if run.opts.lora.enabled:
+        _save_lora(run, os.path.join(folder, "lora"))
 
 
 def _save_lora(run: _Run, out: str) -> None:
@@ -451,11 +466,20 @@ def _save_lora(run: _Run, out: str) -> None:
         save_lora(objective.pipeline_class, objective.denoiser_subfolder, module.peft_config["default"], state, out)
 
 
-def _export(run: _Run) -> str:
-    """OUTPUT/final: the adapter of a LoRA run, else the trained denoiser with the source model's other components."""
+def _export_all(run: _Run) -> str:
+    """OUTPUT/final; with EMA, the raw weights in OUTPUT/final-no-ema first and the average in final/ (as diffusers'
+    examples save it)."""
+    if run.ema is not None:
+        _export(run, "final-no-ema")
+        run.ema.apply()
+    return _export(run, "final")
+
+
+def _export(run: _Run, name: str) -> str:
+    """OUTPUT/`name`: the adapter of a LoRA run, else the trained denoiser with the source model's other components."""
     import torch.distributed as dist
 
-    out = os.path.join(run.opts.output_dir, "final")
+    out = os.path.join(run.opts.output_dir, name)
     if run.opts.lora.enabled:
         _save_lora(run, out)
     else:

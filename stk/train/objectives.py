@@ -22,19 +22,20 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import Stabl
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import StableDiffusionXLPipeline
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
-from diffusers.training_utils import compute_density_for_timestep_sampling
 from diffusers.utils.torch_utils import randn_tensor
 
 from stk.errors import InputError
 from stk.models.components import load_component
 from stk.models.detect import Family, vae_scale_factor
 from stk.train.batch import StepInputs
+from stk.train.losses import LossSettings, flow_shift, min_snr_weights, offset_noise, sample_u
 from stk.train.weights import load_weights, load_weights_partitioned, weight_files
 from stk.world import World
 
 __all__ = ["OBJECTIVES", "FluxObjective", "Objective", "SDObjective", "SDXLObjective", "objective_for"]
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+PLAIN_LOSS = LossSettings()  # frozen: plain MSE and the pipeline's own Flux schedule
 
 
 class Objective(abc.ABC):
@@ -45,9 +46,10 @@ class Objective(abc.ABC):
     denoiser_class: ClassVar[type[Any]]  # a diffusers ModelMixin (and ConfigMixin)
     pipeline_class: ClassVar[type[Any]]  # whose save_lora_weights writes the family's LoRA format
 
-    def __init__(self, model: str, guidance_scale: float = 3.5) -> None:
+    def __init__(self, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS) -> None:
         self.model = model  # local diffusers pipeline directory or hub id
         self.guidance_scale = guidance_scale  # only guidance-distilled models (Flux dev) use it
+        self.settings = settings
 
     def _check_denoiser_folder(self) -> None:
         if Path(self.model).is_dir() and not (Path(self.model) / self.denoiser_subfolder).is_dir():
@@ -107,8 +109,8 @@ class SDObjective(Objective):
     denoiser_class = UNet2DConditionModel
     pipeline_class: ClassVar[type[Any]] = StableDiffusionPipeline
 
-    def __init__(self, model: str, guidance_scale: float = 3.5) -> None:
-        super().__init__(model, guidance_scale)
+    def __init__(self, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS) -> None:
+        super().__init__(model, guidance_scale, settings)
         self.scheduler = load_component(DDPMScheduler.from_pretrained, model, "scheduler")
         self.prediction_type = self.scheduler.config["prediction_type"]
         if self.prediction_type not in PREDICTION_TYPES:
@@ -124,12 +126,18 @@ class SDObjective(Objective):
     def loss(self, denoiser: torch.nn.Module, inputs: StepInputs, generator: torch.Generator) -> torch.Tensor:
         latents = inputs.latents
         noise = randn_tensor(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        if self.settings.noise_offset:
+            noise = offset_noise(noise, self.settings.noise_offset, generator)
         steps = self.scheduler.config["num_train_timesteps"]
         timesteps = torch.randint(0, steps, (len(latents),), generator=generator).to(latents.device)
         noisy = self.scheduler.add_noise(latents, noise, timesteps)
         target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
         prediction = denoiser(noisy, timesteps, **self.conditioning(inputs), return_dict=False)[0]
-        return F.mse_loss(prediction.float(), target.float())
+        gamma = self.settings.snr_gamma
+        if gamma is None:
+            return F.mse_loss(prediction.float(), target.float())
+        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        return (per_sample * min_snr_weights(self.scheduler, timesteps, gamma, self.prediction_type)).mean()
 
 
 class SDXLObjective(SDObjective):
@@ -138,8 +146,8 @@ class SDXLObjective(SDObjective):
     family = Family.SDXL
     pipeline_class = StableDiffusionXLPipeline
 
-    def __init__(self, model: str, guidance_scale: float = 3.5) -> None:
-        super().__init__(model, guidance_scale)
+    def __init__(self, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS) -> None:
+        super().__init__(model, guidance_scale, settings)
         self.vae_scale_factor = vae_scale_factor(model)
 
     def conditioning(self, inputs: StepInputs) -> dict[str, Any]:
@@ -163,15 +171,16 @@ class FluxObjective(Objective):
     denoiser_class = FluxTransformer2DModel
     pipeline_class = FluxPipeline
 
-    def __init__(self, model: str, guidance_scale: float = 3.5) -> None:
-        super().__init__(model, guidance_scale)
+    def __init__(self, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS) -> None:
+        super().__init__(model, guidance_scale, settings)
         self.scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, model, "scheduler")
 
     def sigmas(self, batch_size: int, image_seq_len: int, generator: torch.Generator) -> torch.Tensor:
-        """(batch_size,) float32 noise levels in (0, 1) on the CPU, for images of `image_seq_len` packed tokens."""
-        u = compute_density_for_timestep_sampling(
-            weighting_scheme="logit_normal", batch_size=batch_size, logit_mean=0.0, logit_std=1.0, generator=generator
-        )
+        """(batch_size,) float32 noise levels in (0, 1) on the CPU, for images of `image_seq_len` packed tokens:
+        drawn as --timestep-sampling says, shifted by --flow-shift or else as the pipeline's scheduler shifts."""
+        u = sample_u(self.settings, batch_size, generator)
+        if self.settings.flow_shift is not None:
+            return flow_shift(u, self.settings.flow_shift)
         config = self.scheduler.config
         if config["use_dynamic_shifting"]:
             mu = calculate_shift(
@@ -183,8 +192,7 @@ class FluxObjective(Objective):
             )
             shifted: torch.Tensor = self.scheduler.time_shift(mu, 1.0, u)
             return shifted
-        shift = float(config["shift"])
-        return shift * u / (1 + (shift - 1) * u)  # FlowMatchEulerDiscreteScheduler's static shift
+        return flow_shift(u, float(config["shift"]))
 
     def loss(self, denoiser: torch.nn.Module, inputs: StepInputs, generator: torch.Generator) -> torch.Tensor:
         latents = inputs.latents
@@ -220,6 +228,8 @@ OBJECTIVES: dict[Family, type[Objective]] = {
 }
 
 
-def objective_for(family: Family, model: str, guidance_scale: float = 3.5) -> Objective:
+def objective_for(
+    family: Family, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS
+) -> Objective:
     """The objective of `family` for the pipeline `model` (a local directory or a hub id)."""
-    return OBJECTIVES[Family(family)](model, guidance_scale)
+    return OBJECTIVES[Family(family)](model, guidance_scale, settings)

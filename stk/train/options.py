@@ -8,6 +8,7 @@ from typing import Any
 from stk.models import Family
 from stk.train.distributed import COLLECTIVE_TIMEOUT_S
 from stk.train.lora import LoraSettings
+from stk.train.losses import LossSettings
 from stk.train.optim import OptimizerSettings
 
 __all__ = ["TrainOptions"]
@@ -41,6 +42,9 @@ class TrainOptions:
     compile_mode: str | None = None  # torch.compile mode; None: eager
     gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: train every weight
+    loss: LossSettings = field(default_factory=LossSettings)  # min-SNR, noise offset, Flux timestep sampling
+    ema_decay: float = 0.0  # 0: no EMA; else the decay of a sharded EMA of the trained weights (stk.train.ema)
+    ema_every: int = 1  # optimizer steps between EMA updates
     local_cache_dir: str | None = None  # node-local directory for whole S3 shards
     local_cache_bytes: int | None = None
     check_shards: bool = True  # each shard's sha256 against the manifest before its first sample is used
@@ -52,6 +56,7 @@ class TrainOptions:
     health_interval: float = 10.0
     collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds a rank waits for its peers in one collective
     override_resume: bool = False  # resume although run_settings differ from the checkpoint's
+    report_to: str = "tensorboard"  # where rank 0 reports each step besides metrics.jsonl: tensorboard | none
 
     def run_settings(self, family: Family) -> dict[str, Any]:
         """What decides a run's math and sample order. A checkpoint records them: resuming with
@@ -70,4 +75,7 @@ class TrainOptions:
             "batch_size": self.batch_size,
             "grad_accum": self.grad_accum,
             **self.lora.run_settings(family),
+            **self.loss.run_settings(),
+            "ema_decay": self.ema_decay,
+            "ema_every": self.ema_every,
         }

@@ -1,0 +1,95 @@
+"""The loss options people tune, each from its published formula; the defaults are plain MSE and today's Flux
+schedule, so a run without them trains exactly as before.
+
+- min-SNR-gamma weighting (Hang et al. 2023, as diffusers' train_text_to_image.py applies it): a sample at
+  timestep t weighs min(SNR(t), gamma) / SNR(t) for epsilon prediction, min(SNR(t), gamma) / (SNR(t) + 1) for
+  v prediction. SD and SDXL.
+- noise offset (crosslabs 2023): noise + offset * N(0, 1) drawn once per image and channel, so the model can
+  learn to shift an image's mean brightness. SD and SDXL.
+- Flux's timestep sampling: logit-normal sigmoid(N(mean, std)) (SD3, diffusers' default), sigmoid
+  sigmoid(std * N(0, 1)) (kohya's, logit-normal centred at 0), or uniform U(0, 1); then the flow shift
+  sigma' = S sigma / (1 + (S - 1) sigma) for a fixed S, or `auto`: the pipeline's own resolution-dependent shift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
+
+from stk.errors import InputError
+from stk.models.detect import Family
+
+__all__ = ["TIMESTEP_SAMPLINGS", "LossSettings", "flow_shift", "min_snr_weights", "offset_noise", "sample_u"]
+
+TIMESTEP_SAMPLINGS = ("logit-normal", "sigmoid", "uniform")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    snr_gamma: float | None = None  # min-SNR-gamma weighting; None: every timestep weighs 1
+    noise_offset: float = 0.0
+    timestep_sampling: str = "logit-normal"  # Flux
+    logit_mean: float = 0.0  # Flux, logit-normal
+    logit_std: float = 1.0  # Flux, logit-normal and sigmoid
+    flow_shift: float | None = None  # Flux; None: auto, the scheduler's own shift
+
+    def check(self, family: Family) -> None:
+        """Refuse settings that mean nothing for `family` or at all, before any model loads."""
+        flux = Family(family) is Family.FLUX
+        problems = []
+        if self.snr_gamma is not None and self.snr_gamma <= 0:
+            problems.append(f"--snr-gamma {self.snr_gamma:g} must be positive (5 is the paper's)")
+        if self.noise_offset < 0:
+            problems.append(f"--noise-offset {self.noise_offset:g} must be 0 or more")
+        if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
+            problems.append(f"--timestep-sampling {self.timestep_sampling}: choose one of {TIMESTEP_SAMPLINGS}")
+        if self.logit_std <= 0:
+            problems.append(f"--logit-std {self.logit_std:g} must be positive")
+        if self.flow_shift is not None and self.flow_shift <= 0:
+            problems.append(f"--flow-shift {self.flow_shift:g} must be positive, or auto")
+        if self.timestep_sampling == "sigmoid" and self.logit_mean != 0:
+            problems.append("--timestep-sampling sigmoid is centred at 0: use logit-normal for --logit-mean")
+        if flux and (self.snr_gamma is not None or self.noise_offset):
+            problems.append("--snr-gamma and --noise-offset are for SD and SDXL (DDPM noise); Flux is a flow model")
+        flux_only = self.timestep_sampling != "logit-normal" or self.logit_mean or self.logit_std != 1.0
+        if not flux and (flux_only or self.flow_shift is not None):
+            problems.append("--timestep-sampling, --logit-mean, --logit-std and --flow-shift are for Flux")
+        if problems:
+            raise InputError("; ".join(problems))
+
+    def run_settings(self) -> dict[str, Any]:
+        """Part of a run's math: a checkpoint records them (stk.train.options)."""
+        return asdict(self)
+
+
+def min_snr_weights(scheduler: Any, timesteps: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
+    """(B,) float32 weights of each sample's MSE under min-SNR-gamma, for a DDPM scheduler's timesteps."""
+    snr = compute_snr(scheduler, timesteps)
+    clipped = torch.clamp(snr, max=gamma)
+    return clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1)
+
+
+def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator) -> torch.Tensor:
+    """`noise` plus `offset` times one N(0, 1) draw per image and channel (from the CPU generator)."""
+    b, c = noise.shape[:2]
+    shift = torch.randn((b, c, *([1] * (noise.ndim - 2))), generator=generator)
+    return noise + offset * shift.to(noise.device, noise.dtype)
+
+
+def sample_u(settings: LossSettings, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    """(B,) float32 noise levels in (0, 1) before the shift, on the CPU."""
+    if settings.timestep_sampling == "uniform":
+        return torch.rand((batch_size,), generator=generator)
+    mean = settings.logit_mean if settings.timestep_sampling == "logit-normal" else 0.0
+    return compute_density_for_timestep_sampling(
+        weighting_scheme="logit_normal", batch_size=batch_size, logit_mean=mean, logit_std=settings.logit_std,
+        generator=generator,
+    )  # fmt: skip
+
+
+def flow_shift(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's and FlowMatchEulerDiscreteScheduler's static shift of noise levels toward noise (shift > 1)."""
+    return shift * u / (1 + (shift - 1) * u)
