@@ -68,7 +68,7 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
     cached = _run(ranks, "stk.cli.cache", [scan, "--model", model, "--out", cache, "--batch-size", "8"])
     train = ["--cache", cache, "--scan", scan, "--model", model, "--batch-size", "2", "--max-steps", str(steps)]
     trained = _run(ranks, "stk.cli.train", [*train, "--output-dir", run, "--deepspeed", "zero2", "--lr", "1e-4",
-                                            "--checkpoint-every", "10"])  # fmt: skip
+                                            "--checkpoint-every", "10", "--ema-decay", "0.9"])  # fmt: skip
     adapted = _run(ranks, "stk.cli.train", [*train, "--output-dir", lora, "--deepspeed", "zero3", "--lr", "1e-3",
                                             "--lora-rank", "8"])  # fmt: skip
     layers = _load_lora(model, adapted["final"])
@@ -80,7 +80,9 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
         f"{cached['shards_written']} shard(s) -> {cache}/manifest.json\n"
         f"train: {trained['steps']} steps on {ranks} ranks, last loss {trained['loss']:.4f}, "
         f"{trained['samples_per_second']:.1f} samples/s -> {run}/metrics.jsonl, {trained['checkpoint']}\n"
-        f"final: {trained['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained)\n"
+        f"final: {trained['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained; the EMA weights, "
+        f"the raw ones in {run}/final-no-ema)\n"
+        f"curves: tensorboard --logdir {run}/tensorboard\n"
         f"lora:  {adapted['steps']} steps, ZeRO-3, last loss {adapted['loss']:.4f} -> {adapted['final']}, "
         f"loaded into the pipeline with load_lora_weights: {layers} adapted layers\n"
         f"next:  stk-cache info {cache} | jq . ; jq .loss {run}/metrics.jsonl",

@@ -8,9 +8,10 @@ order, are cut into `world` contiguous ranges. Either way a share is a list of p
 element), which is how checkpoints record it: `ema/rank-NNNNN.pt` beside DeepSpeed's files.
 
 Update k (from 1, every `every` optimizer steps) moves the average toward the weights with decay
-min(D, (1 + t) / (10 + t)), t = k - 1, and 0 at the first (the average starts as the weights after one update):
-diffusers' EMAModel ramp, so an average of a few updates is not mostly the untrained weights. The weights read are the module's (bf16 under bf16 training: the optimizer's fp32 copy is
-DeepSpeed's, and partitioned differently per stage).
+min(D, (1 + t) / (10 + t)), t = k - 1, and 0 at the first (the average starts as the weights after one
+update): diffusers' EMAModel ramp, so an average of a few updates is not mostly the untrained weights. The
+weights read are the module's (bf16 under bf16 training: the optimizer's fp32 copy is DeepSpeed's, and
+partitioned differently per stage).
 
 At the end, `apply` writes the average into the module's weights on every rank (a collective outside ZeRO-3), so
 the usual export writes it.
