@@ -169,7 +169,7 @@ def _leased_run(
     checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank, frozen_base=opts.lora.enabled)
     resume = world.root_call(lambda: checkpoints.resolve(opts.resume))
     plan = world.run_everywhere(lambda: plan_training(opts, world.size))
-    opts.loss.check(plan.family)
+    world.run_everywhere(lambda: opts.loss.check(plan.family))  # refused once, by rank 0, before any model loads
     overridden: list[str] = []
     if resume is not None:
         settings = opts.run_settings(plan.family)
@@ -311,7 +311,7 @@ def _summary(run: _Run, outcome: Outcome, final: str | None, resume: Resume | No
         loss=run.loss,
         seconds=round(seconds, 3),
         samples_per_second=round(trained / seconds, 3) if seconds > 0 else 0.0,
-        peak_gpu_memory=torch.cuda.max_memory_allocated(run.model.device) if run.model.device.type == "cuda" else None,
+        peak_gpu_memory=_peak_gpu_memory(run.model.device),
     )
 
 
@@ -437,10 +437,16 @@ def _record(run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, 
         "data_wait": round(loader.take_wait(), 6),
         "time": round(time.time(), 3),
     }
-    if run.model.device.type == "cuda":
-        row["gpu_peak_memory"] = torch.cuda.max_memory_allocated(run.model.device)
+    peak = _peak_gpu_memory(run.model.device)
+    if peak is not None:
+        row["peak_gpu_memory"] = peak
     run.metrics.write(row)
     run.progress.update()
+
+
+def _peak_gpu_memory(device: torch.device) -> int | None:
+    """Bytes: the most this rank's GPU has held in tensors so far (None on the CPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def _client_state(run: _Run, position: dict[str, Any]) -> dict[str, Any]:
