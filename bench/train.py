@@ -11,6 +11,10 @@ One run, on a generated dataset cached by stk-cache with a tiny random-weight SD
   * the same run with --no-check-shards, side by side: what checking each shard's sha256 before
     its first sample is used costs in data wait (target: a change under 1% of step time), and
     sha256 throughput on the cache's own shard files, to scale the cost to 512 MiB shards.
+  * what TensorBoard (MetricsLog with --report-to tensorboard against none: the same rows, written and flushed)
+    and the EMA (ShardedEma.update on the model's denoiser, one rank's share of 2) add to a step, as a share of
+    stk-train's median step; and the EMA's memory per rank, sharded over 2 ranks against a full fp32 copy.
+    Targets: each < 1% of step time.
   * stk's loader alone (CacheData + BatchLoader, the same sampler batches, no training) against
     today's loader: one torch.save file per latent and per text embedding through gzip level 9,
     read by a torch DataLoader with the same number of worker processes as stk's threads. Target:
@@ -41,9 +45,10 @@ from stk.datagen import generate_dataset
 from stk.models import Family, build_tiny_model
 from stk.shards.layout import file_sha256
 from stk.train.data import BatchLoader, CacheData
+from stk.train.metrics import MetricsLog
 from stk.train.sampler import BucketSampler
 
-TARGETS = {"wait_fraction": 0.01, "loader_vs_step": 5.0, "check_wait_change": 0.01}
+TARGETS = {"wait_fraction": 0.01, "loader_vs_step": 5.0, "check_wait_change": 0.01, "tensorboard": 0.01, "ema": 0.01}
 PYTHON = sys.executable
 MPIEXEC = str(Path(PYTHON).parent / "mpiexec")
 
@@ -98,6 +103,38 @@ def sha256_rate(cache: Path) -> float:
     for shard in shards:
         file_sha256(str(shard))
     return sum(s.stat().st_size for s in shards) / 1e6 / (time.perf_counter() - started)
+
+
+def tensorboard_cost(workdir: Path, rows: int = 300) -> float:
+    """Seconds per step that TensorBoard adds to metrics.jsonl: the same rows through MetricsLog, with and without."""
+    seconds = {}
+    for report_to in ("none", "tensorboard"):
+        out = workdir / f"report-{report_to}"
+        out.mkdir(parents=True, exist_ok=True)
+        log = MetricsLog(str(out), True, report_to)
+        log.start(0)
+        started = time.perf_counter()
+        for step in range(1, rows + 1):
+            log.write({"step": step, "epoch": step / rows, "loss": 1 / step, "lr": 1e-4, "grad_norm": 0.5,
+                       "samples_per_s": 20.0, "step_time": 0.2, "data_wait": 1e-4, "time": time.time()})  # fmt: skip
+        seconds[report_to] = (time.perf_counter() - started) / rows
+        log.close()
+    return seconds["tensorboard"] - seconds["none"]
+
+
+def ema_cost(model: str, updates: int = 50) -> tuple[float, int, int]:
+    """Seconds per update of one rank's EMA share (2 ranks) of the denoiser, that share's bytes, and a full fp32
+    copy's bytes (what an EMA model on every rank holds)."""
+    from stk.train.ema import ShardedEma
+    from stk.train.objectives import objective_for
+
+    denoiser = objective_for(Family.SDXL, model).load_denoiser(torch.float32)
+    ema = ShardedEma(denoiser, decay=0.999, every=1, rank=0, world=2)
+    ema.update(1)
+    started = time.perf_counter()
+    for step in range(2, updates + 2):
+        ema.update(step)
+    return (time.perf_counter() - started) / updates, ema.shadow.numel() * 4, ema.total * 4
 
 
 def stk_loader_rate(cache: Path, batch: int, threads: int, batches: int) -> float:
@@ -200,6 +237,16 @@ def main() -> None:
     rate = sha256_rate(cache)
     print(f"sha256 of the shard files: {rate:.0f} MB/s on one core; a 512 MiB shard: {512 * 2**20 / 1e6 / rate:.2f} s, "
           "once per shard per rank, on a loader or prefetch thread")  # fmt: skip
+
+    step = trained["median_step_s"]
+    board = tensorboard_cost(workdir)
+    print(f"TensorBoard: {board * 1e6:.0f} us per step, {board / step * 100:.3f}% of the median step (target < "
+          f"{TARGETS['tensorboard'] * 100:.0f}%): {verdict(board / step < TARGETS['tensorboard'])}")  # fmt: skip
+    update, share, full = ema_cost(model)
+    print(f"EMA: {update * 1e6:.0f} us per update of one rank's share, {update / step * 100:.3f}% of the median step "
+          f"(target < {TARGETS['ema'] * 100:.0f}%): {verdict(update / step < TARGETS['ema'])}; memory per rank "
+          f"{share / 2**20:.2f} MiB sharded over 2 ranks against {full / 2**20:.2f} MiB for a full fp32 copy "
+          f"({share / full:.3f}x)")  # fmt: skip
 
     batches = 200
     stk_rate = stk_loader_rate(cache, args.batch_size, args.threads, batches)
