@@ -33,17 +33,24 @@ STAGED_SUFFIX = ".h5.tmp"
 log = get_logger("shards")
 
 
+def _locked_if_still_there(fd: int, path: str) -> bool:
+    """Lock the new file or folder open as `fd`. A stale-file cleanup may have locked and removed it
+    between its creation and the lock: then `path` no longer names it, `fd` is closed, and the
+    caller creates it again."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    with contextlib.suppress(FileNotFoundError):
+        if os.path.samestat(os.fstat(fd), os.stat(path)):
+            return True
+    os.close(fd)
+    return False
+
+
 def _create_locked(path: str) -> int:
-    """A new file at `path`, opened read-write and locked. A stale-file cleanup may have locked
-    and removed it between the open and the lock: then the inode we hold is not at `path` any
-    more, and we create it again."""
+    """A new file at `path`, opened read-write and locked."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                return fd
-        os.close(fd)
+        if _locked_if_still_there(fd, path):
+            return fd
 
 
 class StagedFile(io.RawIOBase):
@@ -125,11 +132,8 @@ def locked_temp_dir(parent: str, prefix: str) -> tuple[str, int]:
     while True:
         path = tempfile.mkdtemp(prefix=prefix, dir=parent)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        with contextlib.suppress(FileNotFoundError):  # a cleanup may have taken it before the lock
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                return path, fd
-        os.close(fd)
+        if _locked_if_still_there(fd, path):
+            return path, fd
 
 
 def _is_staged_shard(name: str) -> bool:

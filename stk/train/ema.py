@@ -153,7 +153,7 @@ class ShardedEma:
 
         if self.world == 1:
             return self.shadow
-        size = -(-self.total // self.world) + 1
+        size = -(-self.total // self.world)  # the largest range
         mine = torch.zeros(size)
         mine[: self.shadow.numel()] = self.shadow
         mine = mine.to(self._trainable[0].device)  # NCCL gathers on the GPU
