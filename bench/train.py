@@ -15,6 +15,9 @@ One run, on a generated dataset cached by stk-cache with a tiny random-weight SD
     and the EMA (ShardedEma.update on the model's denoiser, one rank's share of 2) add to a step, as a share of
     stk-train's median step; and the EMA's memory per rank, sharded over 2 ranks against a full fp32 copy.
     Targets: each < 1% of step time.
+  * sample images: a round of --prompts prompts (30 inference steps) in stk-train on --ranks ranks, each making
+    its share, against the same round on one rank (what trainers that sample on the main process alone take,
+    while the other ranks wait): seconds per round, per image, and the ratio. Reported, no target.
   * stk's loader alone (CacheData + BatchLoader, the same sampler batches, no training) against
     today's loader: one torch.save file per latent and per text embedding through gzip level 9,
     read by a torch DataLoader with the same number of worker processes as stk's threads. Target:
@@ -90,10 +93,13 @@ def train(
                "--batch-size", str(batch), "--deepspeed", "zero2", "--checkpoint-every", "0", "--resume", "none",
                "--loader-threads", str(threads), "--allow-oversubscription", "-q", *extra]  # fmt: skip
     summary: dict[str, Any] = json.loads(run(command))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r][1:]  # training steps (a round at step 0 is a row of its own)
     waited, stepped = sum(r["data_wait"] for r in rows), sum(r["step_time"] for r in rows)
     step = statistics.median(r["step_time"] for r in rows)
-    return {"summary": summary, "wait_fraction": waited / stepped, "median_step_s": step, "per_rank_rate": batch / step}
+    rounds = [r["sample_seconds"] for r in rows if "sample_seconds" in r]
+    return {"summary": summary, "wait_fraction": waited / stepped, "median_step_s": step, "per_rank_rate": batch / step,
+            "sample_round_s": statistics.median(rounds) if rounds else None}  # fmt: skip
 
 
 def sha256_rate(cache: Path) -> float:
@@ -210,6 +216,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="stk loader threads = baseline DataLoader workers")
+    parser.add_argument("--prompts", type=int, default=4, help="sample prompts per round")
     parser.add_argument("--workdir", default=None, help="keep the dataset, model and cache here between runs")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="stk-bench-train-"))
@@ -247,6 +254,17 @@ def main() -> None:
           f"(target < {TARGETS['ema'] * 100:.0f}%): {verdict(update / step < TARGETS['ema'])}; memory per rank "
           f"{share / 2**20:.2f} MiB sharded over 2 ranks against {full / 2**20:.2f} MiB for a full fp32 copy "
           f"({share / full:.3f}x)")  # fmt: skip
+
+    prompts = [arg for k in range(args.prompts) for arg in ("--validation-prompt", f"prompt number {k}")]
+    sampling = [*prompts, "--validation-every", "10", "--validation-steps", "30"]
+    rounds = {ranks: train(model, scan, cache, workdir / f"samples-{ranks}", 20, args.batch_size, ranks, args.threads,
+                           *sampling)["sample_round_s"] for ranks in (args.ranks, 1)}  # fmt: skip
+    split, alone = rounds[args.ranks], rounds[1]
+    per_image = split * args.ranks / args.prompts
+    print(f"samples: a round of {args.prompts} prompts at 64x64, 30 inference steps: {split:.2f} s on {args.ranks} "
+          f"ranks ({per_image:.3f} s per image per rank), {alone:.2f} s on 1 rank as main-process sampling takes: "
+          f"ratio {alone / split:.2f}x; every 500 steps of this model's step it is "
+          f"{split / (500 * step) * 100:.2f}% of training time")  # fmt: skip
 
     batches = 200
     stk_rate = stk_loader_rate(cache, args.batch_size, args.threads, batches)

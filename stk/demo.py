@@ -3,8 +3,9 @@
 Generates a small mixed dataset (every format stk reads, rotated photos, captions, a broken file,
 a damaged EXIF block, formats stk does not train on) and
 a tiny random-weight SDXL-like model, then runs the pipeline with 2 MPI ranks exactly as a
-cluster job would: stk-scan, stk-cache, then stk-train (DeepSpeed ZeRO-2 on the CPU), every weight and then a
-LoRA (ZeRO-3), which diffusers' load_lora_weights loads at the end.
+cluster job would: stk-scan, stk-cache (with two validation prompts), then stk-train (DeepSpeed ZeRO-2 on the CPU),
+every weight with an EMA and then a LoRA (ZeRO-3), each making sample images of the prompts along the way and
+logging to TensorBoard; diffusers' load_lora_weights loads the LoRA at the end.
 """
 
 from __future__ import annotations
@@ -65,12 +66,17 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
          "--gpus", str(ranks),  # the training below runs on this many ranks
          "--allow-oversubscription"],  # small demo buckets: apply the repeats they need
     )  # fmt: skip
-    cached = _run(ranks, "stk.cli.cache", [scan, "--model", model, "--out", cache, "--batch-size", "8"])
-    train = ["--cache", cache, "--scan", scan, "--model", model, "--batch-size", "2", "--max-steps", str(steps)]
+    prompts = os.path.join(workdir, "prompts.txt")
+    with open(prompts, "w", encoding="utf-8") as f:
+        f.write("a red square on a blue background\ntwo circles\n")
+    cached = _run(ranks, "stk.cli.cache", [scan, "--model", model, "--out", cache, "--batch-size", "8",
+                                           "--validation-prompts", prompts])  # fmt: skip
+    train = ["--cache", cache, "--scan", scan, "--model", model, "--batch-size", "2", "--max-steps", str(steps),
+             "--validation-every", "10", "--validation-steps", "10"]  # samples of the cache's prompts  # fmt: skip
     trained = _run(ranks, "stk.cli.train", [*train, "--output-dir", run, "--deepspeed", "zero2", "--lr", "1e-4",
                                             "--checkpoint-every", "10", "--ema-decay", "0.9"])  # fmt: skip
     adapted = _run(ranks, "stk.cli.train", [*train, "--output-dir", lora, "--deepspeed", "zero3", "--lr", "1e-3",
-                                            "--lora-rank", "8"])  # fmt: skip
+                                            "--lora-rank", "8", "--caption-dropout", "0.1"])  # fmt: skip
     layers = _load_lora(model, adapted["final"])
     click.echo(
         f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images in "
@@ -82,10 +88,12 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
         f"{trained['samples_per_second']:.1f} samples/s -> {run}/metrics.jsonl, {trained['checkpoint']}\n"
         f"final: {trained['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained; the EMA weights, "
         f"the raw ones in {run}/final-no-ema)\n"
-        f"curves: tensorboard --logdir {run}/tensorboard\n"
+        f"samples: {run}/samples/step-*/grid.png and {lora}/samples/ (the prompts at step 0, every 10 steps and "
+        f"the end; the EMA and the LoRA in use)\n"
+        f"curves: tensorboard --logdir {run}/tensorboard (losses, lr, the samples)\n"
         f"lora:  {adapted['steps']} steps, ZeRO-3, last loss {adapted['loss']:.4f} -> {adapted['final']}, "
         f"loaded into the pipeline with load_lora_weights: {layers} adapted layers\n"
-        f"next:  stk-cache info {cache} | jq . ; jq .loss {run}/metrics.jsonl",
+        f"next:  stk-cache info {cache} | jq . ; jq -c '{{step, loss}}' {run}/metrics.jsonl",
         err=True,
     )
 

@@ -44,6 +44,7 @@ from stk.cache.keys import text_key
 from stk.datagen import generate_dataset, make_image
 from stk.models import Family, build_tiny_model, load_encoders
 from stk.preprocess import CropMode, preprocess
+from stk.prompts import EMPTY_CAPTION
 from stk.scan.reader import read_scan
 from stk.shards import CacheReader, Manifest
 
@@ -152,6 +153,11 @@ class Scanned:
     def captions(self) -> set[str]:
         return {row["caption"] for row in self.rows}
 
+    @property
+    def texts(self) -> set[str]:
+        """What a cache of the scan embeds: its captions and the empty caption (stk-train's --caption-dropout)."""
+        return self.captions | {EMPTY_CAPTION}
+
 
 @pytest.fixture(scope="module")
 def scanned(tmp_path_factory: pytest.TempPathFactory) -> Scanned:
@@ -219,7 +225,7 @@ def test_cache_holds_what_the_vae_and_text_encoders_give(
     verify = run_cache(["verify", cache.path, "--scan", scanned.scan])
     assert verify.returncode == 0, verify.stderr
     report = summary_of(verify)
-    assert report == {"ok": True, "shards": report["shards"], "latents": 40, "texts": len(scanned.captions),
+    assert report == {"ok": True, "shards": report["shards"], "latents": 40, "texts": len(scanned.texts),
                       "bad_input": 1}  # fmt: skip
 
     rows = {row["path"]: row for row in scanned.rows}
@@ -249,6 +255,7 @@ def test_cache_holds_what_the_vae_and_text_encoders_give(
 
         encoders = load_encoders(models[family], device="cpu")
         captions = {job.text_key: job.caption for job in jobs}
+        captions[text_key(EMPTY_CAPTION, text_recipe(reader.manifest.config))] = EMPTY_CAPTION
         assert set(reader.text_keys()) == set(captions)
         for key, caption in captions.items():
             stored = reader.text(key)
@@ -265,7 +272,7 @@ def test_cache_holds_what_the_vae_and_text_encoders_give(
 
 def test_a_shared_caption_is_encoded_and_stored_once(scanned: Scanned, built: Callable[[Family], Built]) -> None:
     cache = built(Family.SD)
-    distinct = scanned.captions
+    distinct = scanned.texts
     assert len(distinct) < len(scanned.rows)
     assert cache.summary["captions"] == cache.summary["encoded_captions"] == len(distinct)
     jobs = jobs_of(cache.path, scanned.scan)
@@ -313,6 +320,7 @@ def test_two_ranks_give_the_same_keys_and_bitwise_equal_tensors(
 BIG_ARGS = [*FP32, "--latents", "params", "--shard-size", "1", "--batch-size", "1", "--threads", "1"]
 BIG_IMAGES = 240
 BIG_CAPTIONS = 5
+BIG_TEXTS = BIG_CAPTIONS + 1  # and the empty caption
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +341,7 @@ def big_clean(models: dict[Family, str], big_scan: Path, tmp_path_factory: pytes
     proc = run_cache([big_scan, "--model", models[Family.FLUX], "--out", out, *BIG_ARGS])
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
-    assert summary["encoded_images"] == BIG_IMAGES and summary["captions"] == BIG_CAPTIONS
+    assert summary["encoded_images"] == BIG_IMAGES and summary["captions"] == BIG_TEXTS
     assert summary["shards_written"] >= 6, "shards too large for the kill and repair tests"
     return out
 
@@ -377,9 +385,9 @@ def test_kill9_one_rank_then_resume(models: dict[Family, str], big_scan: Path, b
     assert manifest is not None
     assert not (out / "manifest.d").exists() or not finished_parts(out)
     assert sorted(os.listdir(out / "shards")) == sorted(e["name"] for e in manifest.shards), "unlisted leftovers"
-    assert shard_rows(out) == (BIG_IMAGES, BIG_CAPTIONS)  # no key written twice
+    assert shard_rows(out) == (BIG_IMAGES, BIG_TEXTS)  # no key written twice
     with CacheReader(str(big_clean)) as clean, CacheReader(str(out)) as resumed:
-        assert len(resumed.latent_keys()) == BIG_IMAGES and len(resumed.text_keys()) == BIG_CAPTIONS
+        assert len(resumed.latent_keys()) == BIG_IMAGES and len(resumed.text_keys()) == BIG_TEXTS
         assert_same_latents(clean, resumed)  # batches of one image: bitwise equal to the clean run
         assert clean.text_keys() == resumed.text_keys()
 
@@ -492,8 +500,8 @@ def test_trim_padding_stores_the_real_tokens_of_the_untrimmed_encoding(
     assert trimmed_recipe != full_recipe
     with CacheReader(str(out)) as trimmed, CacheReader(str(full.path)) as padded:
         assert trimmed.latent_keys() == padded.latent_keys()  # latents do not depend on the text settings
-        assert len(trimmed.text_keys()) == len(scanned.captions)
-        for caption in sorted(scanned.captions):
+        assert len(trimmed.text_keys()) == len(scanned.texts)
+        for caption in sorted(scanned.texts):
             short, long = trimmed.text(text_key(caption, trimmed_recipe)), padded.text(text_key(caption, full_recipe))
             assert short.length == long.length < 77, caption
             assert long.arrays["prompt_embeds"].shape == (77, 96)
@@ -557,7 +565,7 @@ def test_s3_cache_round_trip(
     info = run_cache(["info", url, *endpoint_args])
     assert info.returncode == 0, info.stderr
     facts = summary_of(info)
-    assert (facts["latents"], facts["texts"], facts["family"]) == (40, len(scanned.captions), "sd")
+    assert (facts["latents"], facts["texts"], facts["family"]) == (40, len(scanned.texts), "sd")
     verify = run_cache(["verify", url, "--scan", scanned.scan, *endpoint_args])
     assert verify.returncode == 0, verify.stderr
     assert summary_of(verify)["ok"] is True
@@ -594,14 +602,14 @@ def test_info_reports_samples_buckets_bytes_and_compression(scanned: Scanned, bu
     assert proc.returncode == 0, proc.stderr
     info = summary_of(proc)
     good = scanned.good
-    assert (info["family"], info["latents"], info["texts"]) == ("sd", len(good), len(scanned.captions))
+    assert (info["family"], info["latents"], info["texts"]) == ("sd", len(good), len(scanned.texts))
     assert info["buckets"] == dict(Counter(f"{r['bucket_height'] // 8}x{r['bucket_width'] // 8}" for r in good))
     shard_files = list((cache.path / "shards").glob("*.h5"))
     assert info["shards"] == len(shard_files)
     assert info["bytes"] == sum(p.stat().st_size for p in shard_files)
     # float32: a (4, h/8, w/8) latent per image, a (77, 32) embedding per distinct caption
     raw = sum(4 * 4 * (r["bucket_height"] // 8) * (r["bucket_width"] // 8) for r in good)
-    raw += len(scanned.captions) * 77 * 32 * 4
+    raw += len(scanned.texts) * 77 * 32 * 4
     assert info["raw_bytes"] == raw
     assert info["compression_ratio"] == round(raw / info["bytes"], 3)
     assert info["scaling_factor"] == pytest.approx(0.18215) and info["shift_factor"] is None

@@ -5,6 +5,7 @@ and feed bad setups."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -18,29 +19,53 @@ from diffusers import DiffusionPipeline
 from helpers import (
     FAST,
     MPIEXEC,
+    PROMPTS,
+    SAMPLING,
     TRAIN,
     Recorder,
+    board_images,
+    cache_command,
     gpu,
     metrics,
     mpi_rank_pids,
     run_train,
+    sample_pngs,
+    samples_match,
     scan_env,
     step_inputs,
     summary_of,
     train_command,
     train_env,
+    wandb_history,
 )
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from stk.errors import ExitCode
 from stk.models import Family
+from stk.shards import CacheReader
 from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora
 from stk.train.objectives import objective_for
 
 pytestmark = pytest.mark.integration
 
 DENOISER = {Family.SD: "unet", Family.SDXL: "unet", Family.FLUX: "transformer"}
+
+
+def check_samples(out: Path, steps: list[int], size: tuple[int, int] = (64, 64), board: bool = True) -> None:
+    """A round of PNGs (one per prompt, in order, and a grid of 2 x 2 cells) after each of `steps`, and in
+    TensorBoard (`board`); each round's time in metrics.jsonl."""
+    assert sorted(p.name for p in (out / "samples").iterdir()) == [f"step-{s:08d}" for s in steps]
+    for step in steps:
+        pngs = sample_pngs(out, step)
+        assert sorted(pngs) == ["0-a-red-square.png", "1-two-blue-circles.png", "2-x.png", "grid.png"]
+        for name, png in pngs.items():
+            image = Image.open(io.BytesIO(png))
+            assert image.format == "PNG" and image.size == (size if name != "grid.png" else (2 * size[0], 2 * size[1]))
+    assert [r["step"] for r in metrics(out) if "sample_seconds" in r] == steps
+    if board:
+        assert [s for s, _ in board_images(out / "tensorboard", "samples/grid")] == steps
 
 
 def latest(out: Path) -> str:
@@ -116,7 +141,9 @@ def check_lora(out: Path, model: str, family: Family, extra: list[str]) -> None:
 
 # --- ZeRO 1, 2 and 3 on each family ------------------------------------------------------------------------------
 
-# Three cells train a LoRA (one per family, one per kind of ZeRO) and load it into the family's pipeline.
+# Three cells train a LoRA (one per family, one per kind of ZeRO) and load it into the family's pipeline. Every
+# cell makes samples at step 0 and 3 (the end), but the last: its resolution cannot be allocated (a round that fails,
+# as one out of memory does), which must cost the samples only.
 MATRIX = [
     ("zero2", Family.SD, ["--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]),
     ("zero3", Family.SD, []),
@@ -126,7 +153,18 @@ MATRIX = [
     ("zero1", Family.FLUX, []),
     ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
     ("zero3", Family.FLUX, ["--grad-accum", "2", "--lora-rank", "4"]),
-    ("zero2-offload", Family.SD, ["--lora-rank", "4", "--lora-alpha", "8"]),  # DeepSpeed's CPU Adam: JIT-built once
+    (
+        "zero2-offload",
+        Family.SD,
+        [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",  # DeepSpeed's CPU Adam: JIT-built once
+            "--validation-resolution",
+            "524288x524288",
+        ],
+    ),
 ]
 
 
@@ -136,14 +174,20 @@ def test_zero_stage_trains_checkpoints_and_exports(preset, family, extra, setups
     out = tmp_path / "run"
     proc = run_train(
         ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", out, "--deepspeed", preset,
-         "--max-steps", "3", *FAST, *extra],
+         "--max-steps", "3", *FAST, *SAMPLING, *extra],
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
     assert summary["outcome"] == "finished" and summary["steps"] == 3 and summary["final"] == str(out / "final")
-    rows = metrics(out)
+    rows = [r for r in metrics(out) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["loss"] > 0 and r["step_time"] > 0 and r["data_wait"] >= 0 for r in rows)
+    if "--validation-resolution" in extra:
+        failed = [line for line in proc.stderr.splitlines() if "samples at step" in line]
+        assert len(failed) == 2 and all("out of memory" in line and "training goes on" in line for line in failed)
+        assert not (out / "samples").exists()
+    else:
+        check_samples(out, [0, 3])
     assert latest(out) == "step-00000003"
     if "--lora-rank" in extra:
         check_lora(out, model, family, extra)
@@ -177,7 +221,8 @@ def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
     """Also: gradient checkpointing (on by default) changes no bit. The straight run keeps its
     activations, the split runs recompute them."""
     model, cache = setups(Family.SDXL)
-    common = ["--cache", cache, "--model", model, "--deepspeed", "zero2", "--epochs", "2", "--ema-decay", "0.8", *FAST]
+    common = ["--cache", cache, "--model", model, "--deepspeed", "zero2", "--epochs", "2", "--ema-decay", "0.8", *FAST,
+              *SAMPLING, "--validation-every", "5"]  # fmt: skip
     loud = [a for a in common if a != "-q"]  # rank 0's set-up line says whether checkpointing is on
     straight, split = tmp_path / "straight", tmp_path / "split"
     every_step = ["--checkpoint-every", "1", "--keep-checkpoints", "10"]  # each step's weights, for the EMA below
@@ -192,7 +237,7 @@ def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
     assert second.returncode == 0, second.stderr
     assert summary_of(second)["resumed_from"].endswith("step-00000005")
     # same samples, noise and timesteps at every step: the same losses, and bitwise the same weights
-    assert [r["loss"] for r in metrics(straight)] == [r["loss"] for r in metrics(split)]
+    assert [r.get("loss") for r in metrics(straight)][1:] == [r.get("loss") for r in metrics(split)][1:]
     for final in ("final-no-ema", "final"):  # the trained weights, and their EMA sharded over the 2 ranks
         a, b = denoiser_weights(straight / final, Family.SDXL), denoiser_weights(split / final, Family.SDXL)
         assert all(torch.equal(a[k], b[k]) for k in a), final
@@ -207,6 +252,14 @@ def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
     ema = denoiser_weights(straight / "final", Family.SDXL)
     assert all(torch.allclose(ema[k], expected[k], rtol=1e-5, atol=1e-7) for k in ema)
     assert any(not torch.allclose(ema[k], raw[k]) for k in ema)
+    # samples: the same PNG bytes from both runs, and those of the final step are what SDXL's own pipeline makes from
+    # final/ (the EMA; it encodes the prompts itself), with the same seed, to one level in a few pixels; the raw
+    # weights make other images
+    for step in (5, 10):
+        assert sample_pngs(straight, step) == sample_pngs(split, step), step
+    for weights, close in (("final", True), ("final-no-ema", False)):
+        pipe = DiffusionPipeline.from_pretrained(straight / weights)
+        assert samples_match(pipe, sample_pngs(straight, 10), guidance=5.0) == close, weights
 
 
 def test_sigusr2_checkpoints_exits_for_requeue_and_the_rerun_resumes(setups, scan, tmp_path):
@@ -244,11 +297,48 @@ def test_vae_on_the_fly_trains_from_the_scan_and_images(setups, scan, tmp_path):
     model, _ = setups(Family.SDXL)
     out = tmp_path / "run"
     proc = run_train(
-        ["--vae-on-the-fly", "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "2", *FAST], mpi=2
-    )
+        ["--vae-on-the-fly", "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "2",
+         "--caption-dropout", "0.5", *FAST], mpi=2,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in metrics(out)] == [1, 2] and summary_of(proc)["final"] == str(out / "final")
     check_final(out / "final", Family.SDXL)
+
+
+def test_prompts_stored_by_stk_cache_make_samples_with_no_text_encoder_loaded(setups, scan, tmp_path):
+    """stk-cache --validation-prompts embeds the prompts beside the empty caption; stk-train then makes samples of
+    them (given no prompt itself) and drops captions without loading a text encoder. A rerun with other prompts
+    encodes only those. The run reports to W&B, offline: its log holds each step's numbers and the images."""
+    model, plain_cache = setups(Family.FLUX)
+    with CacheReader(str(plain_cache)) as plain:
+        texts = len(plain.text_keys())  # the scan's captions and the empty one
+    cache, prompts = tmp_path / "cache", tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    args = [scan, "--model", model, "--out", cache, "--dtype", "float32", "--validation-prompts", prompts, "-q"]
+    made = subprocess.run(cache_command(args), capture_output=True, text=True, env=train_env(), timeout=300)
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["encoded_captions"] == texts + len(PROMPTS)
+    out = tmp_path / "run"
+    proc = run_train(["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "2", "--caption-dropout",
+                      "0.5", "--validation-steps", "2", "--report-to", "wandb", *[a for a in FAST if a != "-q"]],
+                     env={"WANDB_MODE": "offline"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "text encoders" not in proc.stderr and "samples of 3 prompts" in proc.stderr, proc.stderr
+    check_samples(out, [0, 2], board=False)
+    assert not (out / "tensorboard").exists()
+    history = wandb_history(out)
+    losses = {row["_step"]: row["train/loss"] for row in history if "train/loss" in row}
+    assert losses == {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
+    grids = [row["_step"] for row in history if "samples/grid/path" in row]
+    assert grids == [0, 2]
+    assert all((next(out.glob("wandb/offline-run-*/files")) / row["samples/grid/path"]).is_file()
+               for row in history if "samples/grid/path" in row)  # fmt: skip
+    (tmp_path / "other.txt").write_text("one more prompt\n")
+    args[args.index(prompts)] = tmp_path / "other.txt"
+    again = subprocess.run(cache_command(args), capture_output=True, text=True, env=train_env(), timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert (json.loads(again.stdout)["encoded_images"], json.loads(again.stdout)["encoded_captions"]) == (0, 1)
+    assert json.loads((cache / "manifest.json").read_text())["validation_prompts"] == ["one more prompt"]
 
 
 def test_trains_from_an_s3_cache_through_a_local_shard_directory(setups, scan, tmp_path, s3_server):
@@ -394,6 +484,12 @@ BAD_SETUPS = {
     "cache-missing": (["--cache", "/nonexistent/cache"], ExitCode.INPUT, ["no manifest.json"]),
     "lora-targets-unknown": (["--lora-rank", "4", "--lora-targets", "to_q,attn3"], ExitCode.INPUT,
                              ["--lora-targets attn3: no such layer in the sd denoiser", "to_out.0, to_q, to_v"]),
+    "prompt-file-empty": (["--validation-prompts", "EMPTY"], ExitCode.INPUT, ["no prompts in it (one per line)"]),
+    "prompt-file-missing": (["--validation-prompts", "/nonexistent/prompts.txt"], ExitCode.INPUT,
+                            ["/nonexistent/prompts.txt: no such prompt file"]),
+    "sample-size-unaligned": (["--validation-prompt", "a", "--validation-resolution", "100x64"], ExitCode.INPUT,
+                              ["--validation-resolution 100x64: sd makes images whose sides are multiples of 8"]),
+    "sample-size-not-a-size": (["--validation-resolution", "big"], ExitCode.USAGE, ["give WIDTHxHEIGHT"]),
 }  # fmt: skip
 
 
@@ -403,7 +499,9 @@ def test_bad_setup_gives_its_message_and_code(case, setups, scan, wider_scan, tm
     model, cache = setups(Family.SD)
     (tmp_path / "bad.json").write_text("{ not json")
     (tmp_path / "fp16.json").write_text(json.dumps({"fp16": {"enabled": True}}))
-    substitutions = {"BAD_JSON": str(tmp_path / "bad.json"), "FP16": str(tmp_path / "fp16.json")}
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    substitutions = {"BAD_JSON": str(tmp_path / "bad.json"), "FP16": str(tmp_path / "fp16.json"),
+                     "EMPTY": str(tmp_path / "empty.txt")}  # fmt: skip
     args = ["--cache", cache, "--scan", scan, "--model", model]
     for flag, value in (("--no-cache", cache), ("--no-scan", scan)):
         if flag in extra:

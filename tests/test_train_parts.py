@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,21 @@ def test_tensorboard_holds_each_step_once_across_a_resume(tmp_path):
     quiet.write({"step": 1, "loss": 1.0})
     quiet.close()
     assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == ["metrics.jsonl"]
+
+
+def test_wandb_resumes_its_own_run_and_a_missing_wandb_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for resumed in (0, 2):
+        log = MetricsLog(str(tmp_path), enabled=True, report_to="wandb")
+        log.start(resumed)
+        log.write({"step": resumed + 1, "loss": 1.0})
+        log.close()
+    run_id = (tmp_path / "wandb" / "stk-run-id").read_text().strip()
+    runs = list(tmp_path.glob("wandb/offline-run-*"))
+    assert runs and all(run.name.endswith(f"-{run_id}") for run in runs)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what Python does for a package that is not installed
+    with pytest.raises(InputError, match=r"wandb is not installed \(pip install 'stk\[wandb\]'\)"):
+        MetricsLog(str(tmp_path / "other"), enabled=True, report_to="wandb")
 
 
 def test_prune_keeps_the_newest_complete_and_drops_torn_newer_ones(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from stk import storage
 from stk.cache.encode import Counters, EncodeSettings, encode_latents, encode_texts
 from stk.cache.identity import ERRORS, ImageJob, cache_config, jobs_for, latent_recipe, text_recipe
+from stk.cache.keys import text_key
 from stk.cache.parts import PartRecorder, read_parts, remove_parts
 from stk.cache.plan import assign, latent_batches, local_work_dir, text_batches
 from stk.errors import InputError, check_max_errors, parse_max_errors
@@ -21,6 +22,7 @@ from stk.log import get_logger
 from stk.metadata import to_json_lines
 from stk.models import Encoders, Family, load_encoders
 from stk.progress import Progress
+from stk.prompts import EMPTY_CAPTION, read_prompts
 from stk.scan.reader import read_buckets, read_scan
 from stk.shards import CacheReader, Manifest, ShardInfo, ShardWriter
 from stk.shards.manifest import shard_entry
@@ -47,6 +49,7 @@ class CacheOptions:
     settings: EncodeSettings = field(default_factory=EncodeSettings)
     force: bool = False
     max_errors: str = "1%"  # as stk-scan's: a count, or a percentage of the scan's images
+    validation_prompts: str | None = None  # a file of prompts to embed for stk-train's samples; None: keep the cache's
 
 
 @dataclass
@@ -55,7 +58,7 @@ class CacheSummary:
     model: str
     family: str
     images: int  # scan rows
-    captions: int  # distinct captions
+    captions: int  # distinct captions: the scan's, the empty caption and the validation prompts
     encoded_images: int
     encoded_captions: int
     reused_images: int
@@ -104,7 +107,7 @@ _Share = tuple[list[list[ImageJob]], list[list[tuple[str, str]]]]  # one rank's 
 _Done = tuple[list[ShardInfo], Counters]  # one rank's finished shards and counts
 
 
-def _prepare_manifest(opts: CacheOptions, config: dict[str, Any]) -> Manifest:
+def _prepare_manifest(opts: CacheOptions, config: dict[str, Any], prompts: list[str] | None) -> Manifest:
     """The manifest with shards from an interrupted run folded in; refuses another config."""
     manifest = Manifest.load(opts.cache)
     entries, part_files = read_parts(opts.cache)
@@ -119,6 +122,8 @@ def _prepare_manifest(opts: CacheOptions, config: dict[str, Any]) -> Manifest:
         manifest, entries = None, []  # the old shards are unlisted now, and removed below
     if manifest is None:
         manifest = Manifest(config=config, shards=[], scaling_factor=config["scaling_factor"])
+    if prompts is not None:
+        manifest.validation_prompts = prompts
     manifest.merge(entries)
     manifest.save(opts.cache)
     remove_parts(part_files)
@@ -159,9 +164,11 @@ def _check_errors(opts: CacheOptions, errors: list[dict[str, Any]], images: int,
     )
 
 
-def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> tuple[_Plan, list[_Share]]:
+def _plan(
+    opts: CacheOptions, config: dict[str, Any], prompts: list[str] | None, world: World
+) -> tuple[_Plan, list[_Share]]:
     scan = read_scan(opts.scan_dir)
-    manifest = _prepare_manifest(opts, config)
+    manifest = _prepare_manifest(opts, config, prompts)
     done_latents: set[str] = set()
     done_texts: set[str] = set()
     if manifest.shards:
@@ -170,6 +177,9 @@ def _plan(opts: CacheOptions, config: dict[str, Any], world: World) -> tuple[_Pl
         reader.close()
     jobs = jobs_for(scan, latent_recipe(config), text_recipe(config))
     captions = {job.text_key: job.caption for job in jobs}
+    # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
+    for caption in (EMPTY_CAPTION, *manifest.validation_prompts):
+        captions[text_key(caption, text_recipe(config))] = caption
     todo_jobs = [job for job in jobs if job.key not in done_latents]
     todo_captions = {k: c for k, c in captions.items() if k not in done_texts}
     lat = latent_batches(todo_jobs, opts.batch_size)
@@ -266,10 +276,12 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
     every finished shard and encodes only the rest."""
     started = time.monotonic()
     parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the encoding
+    file = opts.validation_prompts
+    prompts = world.run_everywhere(lambda: read_prompts(file) if file else None)  # before any model loads
     encoders, config = world.run_everywhere(lambda: _load(opts, world))
     return split_work(
         world,
-        lambda: _plan(opts, config, world),
+        lambda: _plan(opts, config, prompts, world),
         lambda plan, share: _encode_share(opts, world, encoders, plan.run_id, share),
         lambda plan, done: _finish(opts, world, config, plan, done, started),
         # a disk failure as its StkError naming the rank; nothing unfinished is listed

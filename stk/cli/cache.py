@@ -76,6 +76,9 @@ def _defaults(name: str) -> Any:
               show_envvar=True, help="How latents and embeddings are stored.")  # fmt: skip
 @click.option("--trim-padding", is_flag=True, show_envvar=True,
               help="Store only the real tokens of sequence embeddings (see README for when it is exact).")  # fmt: skip
+@click.option("--validation-prompts", default=None, show_envvar=True,
+              help="A file of prompts, one per line, to embed for stk-train's sample images: a run on this "
+                   "cache then loads no text encoder (Flux's T5: 9 GB) [default: keep the cache's].")  # fmt: skip
 @click.option("--force", is_flag=True, show_envvar=True, help="Replace a cache made with another model or config.")
 @max_errors_option("images", CacheOptions)
 @common_options

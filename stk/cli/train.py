@@ -12,13 +12,15 @@ from typing import Any, TextIO
 import click
 
 from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command
+from stk.errors import InputError
 from stk.models import Family
 from stk.train.dsconfig import PRECISIONS, PRESETS
 from stk.train.lora import LoraSettings
 from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
-from stk.train.metrics import REPORTERS
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
+from stk.train.reporters import REPORTERS
+from stk.train.samples import SampleSettings, parse_resolution
 from stk.world import World
 
 EPILOG = """\b
@@ -29,7 +31,9 @@ Examples:
 
 \b
 Outputs (in --output-dir, which every rank must share): checkpoints/ (DeepSpeed, `latest` moved
-only after every rank saved), metrics.jsonl (one line per step), final/ (diffusers model).
+only after every rank saved), metrics.jsonl (one line per step), tensorboard/, samples/step-N/
+(with --validation-prompt), final/ (diffusers model; with --ema-decay the EMA, final-no-ema/ the
+raw weights; with --lora-rank the LoRA file).
 A summary JSON line goes to stdout.
 
 \b
@@ -57,6 +61,15 @@ def _flow_shift(value: str | float | None) -> float | None:
         return float(value)
     except ValueError:
         raise click.BadParameter(f"{value!r}: a number like 3.0, or auto") from None
+
+
+def _resolution(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        return parse_resolution(value)
+    except InputError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _default(name: str) -> Any:
@@ -180,9 +193,34 @@ def _default(name: str) -> Any:
                    "OUTPUT/final-no-ema the raw ones.")  # fmt: skip
 @click.option("--ema-every", default=_default("ema_every"), type=click.IntRange(1), show_envvar=True,
               help="Optimizer steps between EMA updates.")  # fmt: skip
+@click.option("--caption-dropout", default=default_of(LossSettings, "caption_dropout"), type=click.FloatRange(0, 1),
+              show_envvar=True,
+              help="Train each sample on the empty caption with this probability (0.1 is usual), so classifier-"
+                   "free guidance has an unconditional prediction to work with.")  # fmt: skip
+@click.option("--validation-prompt", "validation_prompts", multiple=True, show_envvar=True,
+              help="Make a sample image of this prompt at step 0, every --validation-every steps and at the end, "
+                   "into OUTPUT/samples/step-N/ and TensorBoard (repeatable) [default: the prompts the cache "
+                   "holds, from stk-cache --validation-prompts].")  # fmt: skip
+@click.option("--validation-prompts", "validation_prompts_file", default=None, show_envvar=True,
+              help="A file of prompts, one per line, after any --validation-prompt.")  # fmt: skip
+@click.option("--validation-every", default=default_of(SampleSettings, "every"), type=click.IntRange(0),
+              show_envvar=True,
+              help="Optimizer steps between sample rounds (0: only at step 0 and the end).")  # fmt: skip
+@click.option("--validation-steps", default=None, type=click.IntRange(1), show_envvar=True,
+              help="Inference steps per sample [default: 30; Flux 28].")  # fmt: skip
+@click.option("--validation-guidance", default=None, type=click.FloatRange(0), show_envvar=True,
+              help="Guidance scale of the samples [default: SD 7.5, SDXL 5, Flux 3.5].")  # fmt: skip
+@click.option("--validation-resolution", default=None, show_envvar=True,
+              callback=lambda _ctx, _param, value: _resolution(value),
+              help="WIDTHxHEIGHT of the samples [default: the run's most common bucket].")  # fmt: skip
+@click.option("--validation-seed", default=default_of(SampleSettings, "seed"), type=int, show_envvar=True,
+              help="Prompt k's noise is drawn from this + k: the same image on any number of ranks.")  # fmt: skip
+@click.option("--no-validation", is_flag=True, show_envvar=True, help="No samples, whatever the cache holds.")
 @click.option("--report-to", type=click.Choice(REPORTERS), default=_default("report_to"), show_envvar=True,
-              help="Where rank 0 also reports each step's numbers (metrics.jsonl always): tensorboard writes "
-                   "OUTPUT/tensorboard/ (tensorboard --logdir OUTPUT/tensorboard).")  # fmt: skip
+              help="Where rank 0 also reports each step's numbers and the sample images (metrics.jsonl always): "
+                   "tensorboard writes OUTPUT/tensorboard/ (tensorboard --logdir OUTPUT/tensorboard); wandb needs "
+                   "pip install 'stk[wandb]' (WANDB_PROJECT names the project; WANDB_MODE=offline writes "
+                   "OUTPUT/wandb/ for wandb sync).")  # fmt: skip
 @click.option("--compile", "compile_mode", default=None, show_envvar=True,
               type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
               help="torch.compile the denoiser with this mode [default: eager].")  # fmt: skip
@@ -255,6 +293,17 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
         options.pop("logit_mean"),
         options.pop("logit_std"),
         options.pop("flow_shift"),
+        options.pop("caption_dropout"),
+    )
+    samples = SampleSettings(
+        tuple(options.pop("validation_prompts")),
+        options.pop("validation_prompts_file"),
+        options.pop("validation_every"),
+        options.pop("validation_steps"),
+        options.pop("validation_guidance"),
+        options.pop("validation_resolution"),
+        options.pop("validation_seed"),
+        not options.pop("no_validation"),
     )
     size = options["local_cache_size"]
     opts = options_from(
@@ -263,6 +312,7 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
         optimizer=optimizer,
         lora=lora,
         loss=loss,
+        samples=samples,
         family=Family(options["family"]) if options["family"] else None,
         local_cache_bytes=int(size * 2**30) if size else None,
         notify_urls=tuple(options["notify_urls"]),

@@ -32,11 +32,13 @@ def shard_entry(info: ShardInfo) -> dict[str, Any]:
 class Manifest:
     """`config`: the model and preprocessing the cache was made with (a cache is never extended
     under another); `shards`: [{name, latents, texts, bytes, sha256}]; `scaling_factor`: the
-    VAE's, at the top level for trainers; `extra`: any other top-level keys, kept as they are."""
+    VAE's, at the top level for trainers; `validation_prompts`: the prompts stk-cache embedded for
+    stk-train's samples (keyed like captions); `extra`: any other top-level keys, kept as they are."""
 
     config: dict[str, Any]
     shards: list[dict[str, Any]] = field(default_factory=list)
     scaling_factor: float | None = None
+    validation_prompts: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def merge(self, entries: Iterable[dict[str, Any]]) -> None:
@@ -62,7 +64,10 @@ class Manifest:
             if not isinstance(version, int) or version > MANIFEST_VERSION:
                 raise InputError(f"{location}: manifest version {version!r}; this stk reads up to {MANIFEST_VERSION}")
             manifest = Manifest(
-                config=data.pop("config"), shards=data.pop("shards"), scaling_factor=data.pop("scaling_factor", None)
+                config=data.pop("config"),
+                shards=data.pop("shards"),
+                scaling_factor=data.pop("scaling_factor", None),
+                validation_prompts=[str(p) for p in data.pop("validation_prompts", [])],
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InputError(f"{location}: not a cache manifest ({exc})") from exc
@@ -75,6 +80,7 @@ class Manifest:
             **self.extra,
             "config": self.config,
             "scaling_factor": self.scaling_factor,
+            "validation_prompts": self.validation_prompts,
             "shards": self.shards,
         }
         storage.write_atomic(storage.join(cache, MANIFEST), (json.dumps(data, indent=1) + "\n").encode())

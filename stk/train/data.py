@@ -22,7 +22,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from stk import storage
-from stk.cache.identity import ImageJob, jobs_for
+from stk.cache.identity import ImageJob, jobs_for, text_recipe
+from stk.cache.keys import text_key
 from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
 from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
@@ -45,6 +46,13 @@ class TrainData(Protocol):
 
     def prefetch(self, keys: list[str]) -> None:
         """Warm what load(keys) will need (S3 shards); may do nothing."""
+
+    def caption_arrays(self, caption: str) -> dict[str, np.ndarray] | None:
+        """A caption's stored embedding (validation prompts, the empty caption), or None if not stored."""
+
+    @property
+    def validation_prompts(self) -> list[str]:
+        """The prompts the data source holds embeddings of for samples."""
 
     def close(self) -> None: ...
 
@@ -113,6 +121,17 @@ class CacheData:
             logvar=_stack_float32(logvars) if len(logvars) == len(samples) else None,
             text=_collate_text([texts[s.text_key].arrays for s in samples]),
         )
+
+    def caption_arrays(self, caption: str) -> dict[str, np.ndarray] | None:
+        key = text_key(caption, text_recipe(self.manifest.config))
+        try:
+            return self.reader.text(key).arrays
+        except KeyError:
+            return None
+
+    @property
+    def validation_prompts(self) -> list[str]:
+        return list(self.manifest.validation_prompts)
 
     def prefetch(self, keys: list[str]) -> None:
         """Download (S3) or check (local) the shards that hold these latents, then those that hold their
@@ -222,6 +241,13 @@ class ImageData:
 
     def prefetch(self, keys: list[str]) -> None:
         """Nothing to warm: images are read by load() itself."""
+
+    def caption_arrays(self, caption: str) -> dict[str, np.ndarray] | None:
+        return None  # captions are encoded each step: nothing is stored
+
+    @property
+    def validation_prompts(self) -> list[str]:
+        return []
 
     def close(self) -> None:
         pass

@@ -20,6 +20,8 @@ the usual export writes it.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,27 +137,51 @@ class ShardedEma:
 
     def apply(self) -> None:
         """Write the average into the module's weights, on every rank (a collective outside ZeRO-3)."""
+        self._write(self.shadow)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """The average in the module's weights for the duration (sample images), the trained weights back after;
+        every rank (a collective outside ZeRO-3). Costs this rank's share in fp32 while it lasts."""
+        with torch.no_grad():
+            trained = torch.cat([piece.view(self.zero3).float() for piece in self.pieces] or [torch.zeros(0)])
+        self.apply()
+        try:
+            yield
+        finally:
+            self._write(trained)
+
+    def _write(self, share: torch.Tensor) -> None:
+        """Every rank's `share` (values laid out as its pieces) into the module's weights."""
         with torch.no_grad():
             if self.zero3:
-                for piece, values in zip(self.pieces, self._shadow_views, strict=True):
+                # DeepSpeed keeps weights under its persistence threshold (LoRA's, say) whole on every rank and
+                # forward passes read those copies: partitioned first, gathered again from the written partitions
+                persistent: list[Any] = [p for p in self._trainable if getattr(p, "ds_persist", False)]
+                if persistent:
+                    persistent[0].partition(persistent)
+                sizes = [p.stop - p.start for p in self.pieces]
+                for piece, values in zip(self.pieces, share.split(sizes), strict=True):
                     piece.view(True).copy_(values)
+                if persistent:
+                    persistent[0].all_gather(persistent)
                 return
-            full = self._gather()
+            full = self._gather(share)
             offset = 0
             for param in self._trainable:
                 n = param.numel()
                 param.data.view(-1).copy_(full[offset : offset + n])
                 offset += n
 
-    def _gather(self) -> torch.Tensor:
-        """The whole flat average on every rank: each rank's range, all-gathered (padded to equal sizes)."""
+    def _gather(self, share: torch.Tensor) -> torch.Tensor:
+        """Every rank's range of values, all-gathered (padded to equal sizes) into the whole flat weights."""
         import torch.distributed as dist
 
         if self.world == 1:
-            return self.shadow
+            return share
         size = -(-self.total // self.world)  # the largest range
         mine = torch.zeros(size)
-        mine[: self.shadow.numel()] = self.shadow
+        mine[: share.numel()] = share
         mine = mine.to(self._trainable[0].device)  # NCCL gathers on the GPU
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)

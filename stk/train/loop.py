@@ -24,6 +24,7 @@ from stk.errors import ExitCode, InputError
 from stk.health.breaker import GpuWatch
 from stk.log import get_logger
 from stk.progress import Progress
+from stk.prompts import EMPTY_CAPTION
 from stk.train.batch import Batch, StepInputs
 from stk.train.cachemodel import check_cache_model
 from stk.train.checkpoint import CheckpointDir, Resume
@@ -31,17 +32,22 @@ from stk.train.data import BatchLoader
 from stk.train.distributed import DistEnv, init_distributed, resolve_dist_env
 from stk.train.dsconfig import load_deepspeed_config, zero_stage
 from stk.train.ema import ShardedEma
+from stk.train.embeddings import Embeddings, embed_captions
 from stk.train.engine import build_engine, engine_config, full_state_dict
 from stk.train.export import export_pipeline
 from stk.train.lease import Lease
 from stk.train.lora import add_lora, check_targets, lora_state_dict, save_lora
+from stk.train.losses import drop_captions
 from stk.train.metrics import MetricsLog
 from stk.train.objectives import Objective, objective_for
 from stk.train.optim import apply_optimizer_settings
 from stk.train.options import TrainOptions
 from stk.train.plan import TrainPlan, plan_training
 from stk.train.preflight import check_gpu_layout, check_shared_output
+from stk.train.render import SampleRenderer, write_round
+from stk.train.reporters import check_reporter
 from stk.train.sampler import BucketSampler
+from stk.train.samples import SamplePlan, plan_samples
 from stk.train.stopping import (
     StopSignals,
     agree,
@@ -121,6 +127,8 @@ class _Run:
     first_step: int
     step: int
     ema: ShardedEma | None = None
+    renderer: SampleRenderer | None = None
+    empty_caption: dict[str, torch.Tensor] | None = None  # its embedding, with --caption-dropout
     last_checkpoint: str | None = None
     loss: float | None = None
 
@@ -170,6 +178,8 @@ def _leased_run(
     resume = world.root_call(lambda: checkpoints.resolve(opts.resume))
     plan = world.run_everywhere(lambda: plan_training(opts, world.size))
     world.run_everywhere(lambda: opts.loss.check(plan.family))  # refused once, by rank 0, before any model loads
+    world.run_everywhere(lambda: check_reporter(opts.report_to))
+    samples = world.run_everywhere(lambda: _plan_samples(opts, plan))
     overridden: list[str] = []
     if resume is not None:
         settings = opts.run_settings(plan.family)
@@ -177,10 +187,16 @@ def _leased_run(
     try:
         world.root_call(lambda: check_targets(opts.lora, objective_for(plan.family, opts.model)))
         world.root_call(lambda: check_cache_model(opts, plan))
-        return _run(opts, world, plan, deepspeed_config, checkpoints, (resume, overridden), signals, started)
+        return _run(opts, world, plan, samples, deepspeed_config, checkpoints, (resume, overridden), signals, started)
     finally:
         plan.data.close()
         _end_distributed()
+
+
+def _plan_samples(opts: TrainOptions, plan: TrainPlan) -> SamplePlan | None:
+    """The samples to make (stk.train.samples), the most common bucket weighed by its repeats."""
+    sizes = {hw: len(keys) * plan.repeats.get(hw, 1) for hw, keys in plan.buckets.items()}
+    return plan_samples(opts.samples, plan.family, plan.data.validation_prompts, sizes, plan.vae_scale_factor)
 
 
 def _end_distributed() -> None:
@@ -196,16 +212,21 @@ def _run(
     opts: TrainOptions,
     world: World,
     plan: TrainPlan,
+    samples: SamplePlan | None,
     deepspeed_config: dict[str, Any],
     checkpoints: CheckpointDir,
     resuming: tuple[Resume | None, list[str]],
     signals: StopSignals,
     started: float,
 ) -> tuple[TrainSummary, ExitCode]:
-    run = _setup(opts, world, plan, deepspeed_config, checkpoints, resuming, signals)
+    run = _setup(opts, world, plan, samples, deepspeed_config, checkpoints, resuming, signals)
     run.metrics.start(run.step)
     run.watch.start()
     try:
+        if run.renderer is not None and run.step == 0:  # the baseline, before the first step
+            seconds = _sample(run)
+            if seconds is not None:
+                run.metrics.write({"step": 0, "sample_seconds": seconds, "time": round(time.time(), 3)})
         outcome = _train(run)
     finally:
         run.watch.stop()
@@ -271,13 +292,14 @@ def _load_model(
 
 
 def _setup(
-    opts: TrainOptions, world: World, plan: TrainPlan, deepspeed_config: dict[str, Any],
+    opts: TrainOptions, world: World, plan: TrainPlan, samples: SamplePlan | None, deepspeed_config: dict[str, Any],
     checkpoints: CheckpointDir, resuming: tuple[Resume | None, list[str]], signals: StopSignals,
 ) -> _Run:  # fmt: skip
     """Everything the step loop needs, the checkpoint resumed from loaded."""
     resume, overridden = resuming
     env, device, precision = _start_distributed(opts, world)
     sampler, total_steps = _sampler(opts, plan, env)
+    embeddings = _embeddings(opts, world, plan, samples, device, precision)  # before the denoiser: encoders freed
     model = _load_model(opts, world, plan, device, precision, deepspeed_config, total_steps)
     step = _resume(model.engine, sampler, checkpoints, resume, opts, overridden) if resume is not None else 0
     ema = None
@@ -291,10 +313,42 @@ def _setup(
         rank=env.rank,
     )  # fmt: skip
     metrics = MetricsLog(opts.output_dir, env.rank == 0, opts.report_to)
+    renderer = None
+    if samples is not None:
+        module = model.engine.module
+        renderer = SampleRenderer(samples, model.objective, module, embeddings, device, model.dtype, env.rank,
+                                  env.world_size)  # fmt: skip
+        log.info("samples of %d prompts at %dx%d, %d steps: at step 0, every %d steps and at the end (%s/)",
+                 len(samples.prompts), samples.width, samples.height, samples.steps, samples.every,
+                 os.path.join(opts.output_dir, "samples"))  # fmt: skip
     return _Run(
         opts, plan, sampler, model, env.rank, checkpoints, metrics, signals, watch,
         Progress(world, total_steps - step, "steps", "train"), total_steps, first_step=step, step=step, ema=ema,
+        renderer=renderer, empty_caption=embeddings.get(EMPTY_CAPTION) if opts.loss.caption_dropout else None,
     )  # fmt: skip
+
+
+def _embeddings(
+    opts: TrainOptions, world: World, plan: TrainPlan, samples: SamplePlan | None, device: torch.device,
+    precision: str,
+) -> Embeddings:  # fmt: skip
+    """The prompts' embeddings and the empty caption's, for samples and --caption-dropout: from the cache, or
+    encoded now by the model's text encoders (loaded on every rank, freed after)."""
+    captions = list(samples.prompts) if samples is not None else []
+    if samples is not None or opts.loss.caption_dropout:
+        captions.append(EMPTY_CAPTION)
+    if not captions:
+        return {}
+    from stk.models import load_encoders
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def encoders() -> Any:
+        log.info("encoding %d prompts with %s's text encoders (stk-cache --validation-prompts stores them)",
+                 len(captions), opts.model)  # fmt: skip
+        return world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
+
+    return embed_captions(captions, plan.data.caption_arrays, encoders)
 
 
 def _summary(run: _Run, outcome: Outcome, final: str | None, resume: Resume | None, started: float) -> TrainSummary:
@@ -369,7 +423,12 @@ def _train(run: _Run) -> Outcome:
                     run.signals.received is not None, run.watch.fault is not None, loss_sum / accum, run.model.device
                 )
                 run.loss = agreed.loss
-                _record(run, loader, agreed.loss, trained_in_epoch, time.monotonic() - step_started)
+                seconds = time.monotonic() - step_started
+                sampled = None
+                due = run.renderer is not None and run.renderer.plan.due(run.step, run.total_steps)
+                if due and not (agreed.stop or agreed.fault):
+                    sampled = _sample(run)
+                _record(run, loader, agreed.loss, trained_in_epoch, seconds, sampled)
                 if agreed.fault:
                     return Outcome.GPU_FAULT
                 position = {**run.sampler.state_dict(), "step": trained_in_epoch}
@@ -414,6 +473,8 @@ def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
     latent = mean
     if logvar is not None:  # a fresh sample of the latent distribution each time the image is seen
         latent = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=generator)
+    if run.empty_caption is not None:
+        text = drop_captions(text, run.empty_caption, run.opts.loss.caption_dropout, generator)
     if run.plan.shift_factor is not None:
         latent = latent - run.plan.shift_factor
     return StepInputs(
@@ -424,7 +485,9 @@ def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
     )
 
 
-def _record(run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, seconds: float) -> None:
+def _record(
+    run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, seconds: float, sampled: float | None
+) -> None:
     grad_norm = run.model.engine.get_global_grad_norm()
     row = {
         "step": run.step,
@@ -440,8 +503,29 @@ def _record(run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, 
     peak = _peak_gpu_memory(run.model.device)
     if peak is not None:
         row["peak_gpu_memory"] = peak
+    if sampled is not None:
+        row["sample_seconds"] = sampled
     run.metrics.write(row)
     run.progress.update()
+
+
+def _sample(run: _Run) -> float | None:
+    """A round of samples after step `run.step` on every rank; rank 0 writes them and returns the round's seconds
+    (None elsewhere). A failed round is a warning: it never stops training."""
+    assert run.renderer is not None
+    result = run.renderer.render(run.ema)
+    if result is None:
+        return None
+    prompts = run.renderer.plan.prompts
+    if result.failures:
+        kept = f"{len(result.pngs)} of {len(prompts)} written" if result.pngs else "none written"
+        log.warning("samples at step %d: %s (%s); training goes on", run.step, "; ".join(result.failures), kept)
+    if result.pngs:
+        try:
+            run.metrics.images(run.step, write_round(run.opts.output_dir, run.step, prompts, result.pngs))
+        except Exception as exc:
+            log.warning("samples at step %d not written: %s; training goes on", run.step, str(exc).splitlines()[0])
+    return round(result.seconds, 3)
 
 
 def _peak_gpu_memory(device: torch.device) -> int | None:

@@ -6,6 +6,9 @@ schedule, so a run without them trains exactly as before.
   v prediction. SD and SDXL.
 - noise offset (crosslabs 2023): noise + offset * N(0, 1) drawn once per image and channel, so the model can
   learn to shift an image's mean brightness. SD and SDXL.
+- caption dropout (as diffusers' examples' --proportion_empty_prompts): each sample's caption embedding is the
+  empty caption's with probability P, so the model also learns the unconditional prediction that classifier-free
+  guidance subtracts. Every family.
 - Flux's timestep sampling: logit-normal sigmoid(N(mean, std)) (SD3, diffusers' default), sigmoid
   sigmoid(std * N(0, 1)) (kohya's, logit-normal centred at 0), or uniform U(0, 1); then the flow shift
   sigma' = S sigma / (1 + (S - 1) sigma) for a fixed S, or `auto`: the pipeline's own resolution-dependent shift.
@@ -17,12 +20,21 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 
 from stk.errors import InputError
 from stk.models.detect import Family
 
-__all__ = ["TIMESTEP_SAMPLINGS", "LossSettings", "flow_shift", "min_snr_weights", "offset_noise", "sample_u"]
+__all__ = [
+    "TIMESTEP_SAMPLINGS",
+    "LossSettings",
+    "drop_captions",
+    "flow_shift",
+    "min_snr_weights",
+    "offset_noise",
+    "sample_u",
+]
 
 TIMESTEP_SAMPLINGS = ("logit-normal", "sigmoid", "uniform")
 
@@ -35,6 +47,7 @@ class LossSettings:
     logit_mean: float = 0.0  # Flux, logit-normal
     logit_std: float = 1.0  # Flux, logit-normal and sigmoid
     flow_shift: float | None = None  # Flux; None: auto, the scheduler's own shift
+    caption_dropout: float = 0.0  # probability of training a sample on the empty caption
 
     def check(self, family: Family) -> None:
         """Refuse settings that mean nothing for `family` or at all, before any model loads."""
@@ -44,6 +57,8 @@ class LossSettings:
             problems.append(f"--snr-gamma {self.snr_gamma:g} must be positive (5 is the paper's)")
         if self.noise_offset < 0:
             problems.append(f"--noise-offset {self.noise_offset:g} must be 0 or more")
+        if not 0 <= self.caption_dropout <= 1:
+            problems.append(f"--caption-dropout {self.caption_dropout:g} is a probability: from 0 to 1 (0.1 is usual)")
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             problems.append(f"--timestep-sampling {self.timestep_sampling}: choose one of {TIMESTEP_SAMPLINGS}")
         if self.logit_std <= 0:
@@ -63,6 +78,27 @@ class LossSettings:
     def run_settings(self) -> dict[str, Any]:
         """Part of a run's math: a checkpoint records them (stk.train.options)."""
         return asdict(self)
+
+
+def drop_captions(
+    text: dict[str, torch.Tensor], empty: dict[str, torch.Tensor], probability: float, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """The batch's caption embeddings (B, L, D) / (B, D), each sample's replaced by the empty caption's (L', D) /
+    (D,) with `probability` (one uniform draw per sample from the CPU generator). Sequences of unequal length are
+    zero-padded to the longer, as a batch of captions stored without padding is."""
+    batch = next(iter(text.values())).shape[0]
+    dropped = torch.rand((batch,), generator=generator) < probability
+    if not dropped.any():
+        return text
+    out = {}
+    for name, values in text.items():
+        blank = empty[name].to(values.device, values.dtype)
+        if values.ndim == 3:
+            length = max(values.shape[1], blank.shape[0])
+            values = F.pad(values, (0, 0, 0, length - values.shape[1]))
+            blank = F.pad(blank, (0, 0, 0, length - blank.shape[0]))
+        out[name] = torch.where(dropped.view(-1, *([1] * (values.ndim - 1))).to(values.device), blank, values)
+    return out
 
 
 def min_snr_weights(scheduler: Any, timesteps: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:

@@ -1,11 +1,10 @@
 """What a run reports per optimizer step, written by rank 0: OUTPUT/metrics.jsonl (one JSON line per
 step, flushed at once, so `tail -f metrics.jsonl | jq` follows a run and a killed run loses nothing it
-reported) and, with `--report-to tensorboard` (the default), the same numbers as TensorBoard scalars in
-OUTPUT/tensorboard/.
+reported) and the same numbers, with the sample images, to a reporter (stk.train.reporters: TensorBoard by
+default). A round of samples at step 0 (before training) is a row of its own.
 
-A resumed run trains again the steps after its checkpoint: their rows are dropped from metrics.jsonl, and
-TensorBoard is told to purge its events from that step on (SummaryWriter's purge_step), so both hold each
-step once.
+A resumed run trains again the steps after its checkpoint: their rows are dropped from metrics.jsonl, so it
+holds each step once.
 """
 
 from __future__ import annotations
@@ -15,23 +14,21 @@ import os
 from typing import IO, Any
 
 from stk.storage.failures import storage_errors
+from stk.train.reporters import Reporter, check_reporter, open_reporter
 
-__all__ = ["REPORTERS", "TENSORBOARD_DIR", "MetricsLog"]
+__all__ = ["MetricsLog"]
 
-REPORTERS = ("tensorboard", "none")
-TENSORBOARD_DIR = "tensorboard"
 # metrics.jsonl fields that are not curves (the step is the x axis)
 _NOT_SCALARS = frozenset({"step", "epoch", "time"})
 
 
 class MetricsLog:
     def __init__(self, output_dir: str, enabled: bool, report_to: str = "tensorboard") -> None:
-        if report_to not in REPORTERS:
-            raise ValueError(f"report_to {report_to!r}: choose one of {REPORTERS}")
+        check_reporter(report_to)
+        self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.tensorboard_dir = os.path.join(output_dir, TENSORBOARD_DIR)
         self._file: IO[str] | None = None
-        self._board: Any = None  # torch.utils.tensorboard.SummaryWriter
+        self._reporter: Reporter | None = None
         self.enabled = enabled
         self.report_to = report_to
 
@@ -42,11 +39,7 @@ class MetricsLog:
             return
         with storage_errors(self.path):
             self._start(resumed_step)
-        if self.report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            with storage_errors(self.tensorboard_dir):
-                self._board = SummaryWriter(self.tensorboard_dir, purge_step=resumed_step + 1)
+        self._reporter = open_reporter(self.report_to, self.output_dir, resumed_step)
 
     def _start(self, resumed_step: int) -> None:
         if os.path.exists(self.path):
@@ -63,20 +56,26 @@ class MetricsLog:
             with storage_errors(self.path):
                 self._file.write(json.dumps(row) + "\n")
                 self._file.flush()
-        if self._board is not None:
-            with storage_errors(self.tensorboard_dir):
-                for name, value in row.items():
-                    if name not in _NOT_SCALARS and isinstance(value, (int, float)):
-                        self._board.add_scalar(f"train/{name}", value, row["step"], walltime=row.get("time"))
-                self._board.flush()
+        if self._reporter is not None:
+            values = {
+                f"train/{name}": value
+                for name, value in row.items()
+                if name not in _NOT_SCALARS and isinstance(value, (int, float))
+            }
+            self._reporter.scalars(values, row["step"], row.get("time"))
+
+    def images(self, step: int, images: dict[str, Any]) -> None:
+        """Sample images (tag -> HxWx3 uint8 array) at `step`, to the reporter."""
+        if self._reporter is not None:
+            self._reporter.images(images, step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._board is not None:
-            self._board.close()
-            self._board = None
+        if self._reporter is not None:
+            self._reporter.close()
+            self._reporter = None
 
 
 def _step(line: str) -> int:

@@ -10,6 +10,7 @@ from stk.train.distributed import COLLECTIVE_TIMEOUT_S
 from stk.train.lora import LoraSettings
 from stk.train.losses import LossSettings
 from stk.train.optim import OptimizerSettings
+from stk.train.samples import SampleSettings
 
 __all__ = ["TrainOptions"]
 
@@ -43,6 +44,7 @@ class TrainOptions:
     gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: train every weight
     loss: LossSettings = field(default_factory=LossSettings)  # min-SNR, noise offset, Flux timestep sampling
+    samples: SampleSettings = field(default_factory=SampleSettings)  # the --validation-* options
     ema_decay: float = 0.0  # 0: no EMA; else the decay of a sharded EMA of the trained weights (stk.train.ema)
     ema_every: int = 1  # optimizer steps between EMA updates
     local_cache_dir: str | None = None  # node-local directory for whole S3 shards
@@ -56,7 +58,7 @@ class TrainOptions:
     health_interval: float = 10.0
     collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds a rank waits for its peers in one collective
     override_resume: bool = False  # resume although run_settings differ from the checkpoint's
-    report_to: str = "tensorboard"  # where rank 0 reports each step besides metrics.jsonl: tensorboard | none
+    report_to: str = "tensorboard"  # where rank 0 reports besides metrics.jsonl: tensorboard | wandb | none
 
     def run_settings(self, family: Family) -> dict[str, Any]:
         """What decides a run's math and sample order. A checkpoint records them: resuming with
