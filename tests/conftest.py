@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from helpers import TRAIN, TRAIN_IMAGES, Receiver, RunScan, cache_command, scan_command, scan_env
+from helpers import PROMPTS, TRAIN, TRAIN_IMAGES, Receiver, RunScan, cache_command, scan_command, scan_env
 from slurm_cluster import slurm_cluster  # noqa: F401  (the real Slurm fixture, tests/slurm_cluster.py)
 from weed_server import WeedServer
 
@@ -116,17 +116,21 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")  # tests copy a model or cache before changing it
 def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], tuple[str, Path]]:
-    """setups(family) -> (model dir, cache dir), built on first use."""
+    """setups(family) -> (model dir, cache dir), built on first use. The Flux cache holds PROMPTS' embeddings."""
     done: dict[Family, tuple[str, Path]] = {}
 
     def get(family: Family) -> tuple[str, Path]:
         if family not in done:
             root = tmp_path_factory.mktemp(f"train-{family.value}")
-            from stk.models import build_tiny_model
+            from stk.models import Family, build_tiny_model
 
             model = build_tiny_model(family, str(root / "model"))
             cache = root / "cache"
             args = [scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"]
+            if family is Family.FLUX:  # the Flux cache holds the sample prompts (what stk-cache --validation-prompts
+                prompts = root / "prompts.txt"  # does); a run on it samples them unless told otherwise
+                prompts.write_text("\n".join(PROMPTS) + "\n")
+                args += ["--validation-prompts", prompts]
             env = {**scan_env(), "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(cache_command(args), capture_output=True, text=True, env=env, timeout=300)
             assert proc.returncode == 0, proc.stderr

@@ -619,7 +619,7 @@ def test_info_reports_samples_buckets_bytes_and_compression(scanned: Scanned, bu
 # --- 10. one-line errors --------------------------------------------------------------------------------------------
 
 
-def test_a_missing_scan_or_a_directory_that_is_no_model_is_one_line_and_exit_3(
+def test_a_missing_scan_a_directory_that_is_no_model_or_an_empty_prompt_file_is_one_line_and_exit_3(
     models: dict[Family, str], scanned: Scanned, tmp_path: Path
 ) -> None:
     missing = tmp_path / "no-such-scan"
@@ -639,6 +639,14 @@ def test_a_missing_scan_or_a_directory_that_is_no_model_is_one_line_and_exit_3(
     lines = error_lines(proc)
     assert len(lines) == 1 and "model_index.json" in lines[0] and str(not_a_model) in lines[0], proc.stderr
     assert not (tmp_path / "cache2").exists()
+
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n \n")
+    proc = run_cache([scanned.scan, "--model", models[Family.SD], "--out", tmp_path / "cache3",
+                      "--validation-prompts", empty])  # fmt: skip
+    lines = error_lines(proc)
+    assert proc.returncode == 3 and len(lines) == 1 and f"{empty}: no prompts in it (one per line)" in lines[0]
+    assert not (tmp_path / "cache3").exists()
 
 
 def test_a_missing_bucket_is_one_line_naming_the_bucket_and_the_endpoint(
