@@ -46,6 +46,7 @@ NODES = 4
 GPUS_PER_NODE, CPUS_PER_NODE = 2, 4
 START_TIMEOUT_S = 30
 SHARED_MEMORY = Path("/dev/shm")
+RUN_NETNS = Path("/run/netns")
 REPO = Path(__file__).resolve().parent.parent
 VENV = Path(sys.prefix)  # the venv this session runs in (sys.executable's)
 
@@ -243,11 +244,21 @@ def _make_network(tag: str, subnet: ipaddress.IPv4Network, netns: dict[str, str]
     return veths
 
 
-def _remove_network(netns: dict[str, str], bridge: str) -> list[str]:
-    """Delete the namespaces (their veths go with them) and the bridge; what could not be removed."""
+def _mounted(path: Path) -> bool:
+    """Whether `path` is a mount point (mountinfo: a bind mount of a directory onto itself, as
+    `ip netns add` makes of /run/netns, has the device of its parent, so os.path.ismount misses it)."""
+    with open("/proc/self/mountinfo") as mounts:
+        return any(line.split()[4] == str(path) for line in mounts)
+
+
+def _remove_network(netns: dict[str, str], bridge: str, run_netns_before: tuple[bool, bool]) -> list[str]:
+    """Delete the namespaces (their veths go with them) and the bridge, and the /run/netns mount and
+    directory that `ip netns add` made if they were not there before and no namespace is left in
+    them; what could not be removed."""
+    existed, mounted = run_netns_before
     left = []
     for ns in netns.values():
-        if Path("/run/netns", ns).exists():
+        if (RUN_NETNS / ns).exists():
             for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
                 # A process of ours still in the node (a job step that outlived slurmd): end it.
                 with contextlib.suppress(ProcessLookupError):
@@ -259,6 +270,11 @@ def _remove_network(netns: dict[str, str], bridge: str) -> list[str]:
         and subprocess.run(["ip", "link", "del", bridge], capture_output=True).returncode
     ):
         left.append(f"bridge {bridge}")
+    if not mounted and _mounted(RUN_NETNS) and not any(RUN_NETNS.iterdir()):
+        subprocess.run(["umount", str(RUN_NETNS)], capture_output=True)
+    if not existed and not _mounted(RUN_NETNS):
+        with contextlib.suppress(OSError):
+            RUN_NETNS.rmdir()
     return left
 
 
@@ -412,6 +428,7 @@ def start_nodes(partition: str = "debug") -> Iterator[SlurmNodes]:
     root.chmod(0o755)  # munged runs as user munge and must reach root/munge
     (root / "logs").mkdir()
     segments = _mpich_segments()
+    run_netns_before = (RUN_NETNS.exists(), _mounted(RUN_NETNS))
     cluster: SlurmNodes | None = None
     munged: subprocess.Popen[bytes] | None = None
     try:
@@ -442,7 +459,7 @@ def start_nodes(partition: str = "debug") -> Iterator[SlurmNodes]:
                 _stop(proc)
         if munged is not None:
             _stop(munged)
-        left = _remove_network(netns, bridge)
+        left = _remove_network(netns, bridge, run_netns_before)
         _remove_node_segments(segments)
         shutil.rmtree(root, ignore_errors=True)
         if left:
