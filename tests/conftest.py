@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from helpers import PROMPTS, TRAIN, TRAIN_IMAGES, Receiver, RunScan, cache_command, scan_command, scan_env
 from slurm_cluster import slurm_cluster  # noqa: F401  (the real Slurm fixture, tests/slurm_cluster.py)
+from slurm_nodes import slurm_nodes  # noqa: F401  (the real four-node Slurm fixture, tests/slurm_nodes.py)
 from weed_server import WeedServer
 
 from stk.datagen import GeneratedImage, generate_dataset
