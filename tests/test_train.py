@@ -19,7 +19,6 @@ from diffusers import DiffusionPipeline
 from helpers import (
     FAST,
     MPIEXEC,
-    PROMPTS,
     SAMPLING,
     TRAIN,
     Recorder,
@@ -43,7 +42,6 @@ from safetensors.torch import load_file
 
 from stk.errors import ExitCode
 from stk.models import Family
-from stk.shards import CacheReader
 from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora
 from stk.train.objectives import objective_for
 
@@ -65,6 +63,20 @@ def check_samples(out: Path, steps: list[int], size: tuple[int, int] = (64, 64),
     assert [r["step"] for r in metrics(out) if "sample_seconds" in r] == steps
     if board:
         assert [s for s, _ in board_images(out / "tensorboard", "samples/grid")] == steps
+
+
+def check_wandb(out: Path, steps: list[int]) -> None:
+    """The samples, and an offline W&B log instead of TensorBoard: each step's loss as metrics.jsonl has it, the
+    grid at each round's step, its image file beside the log."""
+    check_samples(out, steps, board=False)
+    assert not (out / "tensorboard").exists()
+    history = wandb_history(out)
+    losses = {row["_step"]: row["train/loss"] for row in history if "train/loss" in row}
+    assert losses == {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
+    grids = [row for row in history if "samples/grid/path" in row]
+    assert [row["_step"] for row in grids] == steps
+    files = next(out.glob("wandb/offline-run-*/files"))
+    assert all((files / row["samples/grid/path"]).is_file() for row in grids)
 
 
 def latest(out: Path) -> str:
@@ -149,7 +161,8 @@ MATRIX = [
     ("zero1", Family.SDXL, ["--grad-accum", "2", "--lora-rank", "4", "--lora-dropout", "0.1"]),
     ("zero2", Family.SDXL, ["--no-gradient-checkpointing"]),  # the other cells checkpoint (the default)
     ("zero3", Family.SDXL, ["--optimizer", "lion", "--lr", "1e-4"]),
-    ("zero1", Family.FLUX, []),
+    # the Flux cache holds the prompts (stk-cache --validation-prompts, conftest.py): no text encoder loads; W&B
+    ("zero1", Family.FLUX, ["--caption-dropout", "0.5", "--report-to", "wandb"]),
     ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
     ("zero3", Family.FLUX, ["--grad-accum", "2", "--lora-rank", "4"]),
     (
@@ -173,7 +186,8 @@ def test_zero_stage_trains_checkpoints_and_exports(preset, family, extra, setups
     out = tmp_path / "run"
     proc = run_train(
         ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", out, "--deepspeed", preset,
-         "--max-steps", "3", *FAST, *SAMPLING, *extra],
+         "--max-steps", "3", *[a for a in FAST if a != "-q"], *SAMPLING, *extra],
+        env={"WANDB_MODE": "offline"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
@@ -185,8 +199,12 @@ def test_zero_stage_trains_checkpoints_and_exports(preset, family, extra, setups
         failed = [line for line in proc.stderr.splitlines() if "samples at step" in line]
         assert len(failed) == 2 and all("out of memory" in line and "training goes on" in line for line in failed)
         assert not (out / "samples").exists()
+    elif "wandb" in extra:
+        check_wandb(out, [0, 3])
     else:
         check_samples(out, [0, 3])
+    if family is Family.FLUX:
+        assert "text encoders" not in proc.stderr, "the prompts' embeddings are in the cache"
     assert latest(out) == "step-00000003"
     if "--lora-rank" in extra:
         check_lora(out, model, family, extra)
@@ -302,31 +320,6 @@ def test_vae_on_the_fly_trains_from_the_scan_and_images(setups, scan, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in metrics(out)] == [1, 2] and summary_of(proc)["final"] == str(out / "final")
     check_final(out / "final", Family.SDXL)
-
-
-def test_prompts_stored_by_stk_cache_make_samples_with_no_text_encoder_loaded(setups, tmp_path):
-    """The session's Flux cache was made with stk-cache --validation-prompts (conftest.py): it lists the prompts
-    and holds their embeddings beside the empty caption's. stk-train, given no prompt, makes samples of them and
-    drops captions without loading a text encoder. The run reports to W&B, offline: its log holds each step's
-    numbers and the images."""
-    model, cache = setups(Family.FLUX)
-    with CacheReader(str(cache)) as reader:
-        assert reader.manifest.validation_prompts == PROMPTS
-    out = tmp_path / "run"
-    proc = run_train(["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "2", "--caption-dropout",
-                      "0.5", "--validation-steps", "2", "--report-to", "wandb", *[a for a in FAST if a != "-q"]],
-                     env={"WANDB_MODE": "offline"})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "text encoders" not in proc.stderr and "samples of 3 prompts" in proc.stderr, proc.stderr
-    check_samples(out, [0, 2], board=False)
-    assert not (out / "tensorboard").exists()
-    history = wandb_history(out)
-    losses = {row["_step"]: row["train/loss"] for row in history if "train/loss" in row}
-    assert losses == {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
-    grids = [row["_step"] for row in history if "samples/grid/path" in row]
-    assert grids == [0, 2]
-    assert all((next(out.glob("wandb/offline-run-*/files")) / row["samples/grid/path"]).is_file()
-               for row in history if "samples/grid/path" in row)  # fmt: skip
 
 
 def test_trains_from_an_s3_cache_through_a_local_shard_directory(setups, scan, tmp_path, s3_server):
