@@ -38,9 +38,9 @@ test: install test-deps
 # Debian packages the integration tests drive (a real one-node Slurm), installed only when missing.
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null || echo sudo)
 test-deps:
-	@command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null || \
 	  ($(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y --no-install-recommends slurm-wlm munge)
+	    apt-get install -y --no-install-recommends slurm-wlm munge iproute2)
 
 test-unit: install
 	$(PY) -m pytest -q -m "not integration" tests
