@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["SlurmCluster", "slurm_cluster"]
+__all__ = ["SlurmClient", "SlurmCluster", "slurm_cluster"]
 
 BINARIES = ("slurmctld", "slurmd", "munged", "munge", "scontrol", "sinfo", "sbatch", "squeue")
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
@@ -33,25 +33,31 @@ MUNGE_KEY = Path("/etc/munge/munge.key")
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 GPUS, CPUS = 8, 8
 START_TIMEOUT_S = 30
+# slurm.conf lines every test cluster shares: no cgroups, no accounting, MPI only when asked, fake GPUs by gres
+CONF_COMMON = """SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+SlurmdParameters=config_overrides
+GresTypes=gpu
+"""
 
 
-@dataclass
-class SlurmCluster:
-    """The running cluster: `env` (with SLURM_CONF) is what subprocesses need to reach it."""
+class SlurmClient:
+    """What a test does with a running cluster through Slurm's clients: needs `env` (with SLURM_CONF), `jobs_dir`
+    and `logs()` from the cluster class."""
 
-    node: str
-    partition: str
-    root: Path
-    conf: Path
     env: dict[str, str]
-    gpus: int = GPUS
-    cpus: int = CPUS
-    daemons: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    jobs_dir: Path = field(init=False)
+    jobs_dir: Path
 
-    def __post_init__(self) -> None:
-        self.jobs_dir = self.root / "jobs"
-        self.jobs_dir.mkdir(exist_ok=True)
+    def logs(self) -> str:
+        raise NotImplementedError
 
     def run(self, args: Sequence[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         """Run a Slurm client (scontrol, sinfo, srun ...) against this cluster; text output."""
@@ -88,6 +94,34 @@ class SlurmCluster:
                 raise AssertionError(f"job {job_id} still {state} after {timeout} s:\n{self.logs()}")
             time.sleep(0.2)
 
+    def output(self, job_id: str) -> str:
+        """The default sbatch output file's text (slurm-JOBID.out in jobs_dir)."""
+        return (self.jobs_dir / f"slurm-{job_id}.out").read_text()
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job -o` as a dict (JobState, ExitCode, ...); kept for MinJobAge after the end."""
+        line = self.run(["scontrol", "show", "job", "-o", job_id]).stdout.strip()
+        return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+@dataclass
+class SlurmCluster(SlurmClient):
+    """The running cluster: `env` (with SLURM_CONF) is what subprocesses need to reach it."""
+
+    node: str
+    partition: str
+    root: Path
+    conf: Path
+    env: dict[str, str]
+    gpus: int = GPUS
+    cpus: int = CPUS
+    daemons: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    jobs_dir: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.jobs_dir = self.root / "jobs"
+        self.jobs_dir.mkdir(exist_ok=True)
+
     def wait_idle(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait until sinfo says plain "idle" (a RESUME leaves the node "idle*", not responding, ~1 s)."""
         deadline = time.monotonic() + timeout
@@ -101,15 +135,6 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 pytest.fail(f"node {self.node} not idle within {timeout} s (state {state!r}):\n{self.logs()}")
             time.sleep(0.2)
-
-    def output(self, job_id: str) -> str:
-        """The default sbatch output file's text (slurm-JOBID.out in jobs_dir)."""
-        return (self.jobs_dir / f"slurm-{job_id}.out").read_text()
-
-    def job(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job -o` as a dict (JobState, ExitCode, ...); kept for MinJobAge after the end."""
-        line = self.run(["scontrol", "show", "job", "-o", job_id]).stdout.strip()
-        return dict(part.split("=", 1) for part in line.split() if "=" in part)
 
     def logs(self, tail: int = 3000) -> str:
         """The end of the daemons' logs, for failure messages."""
@@ -212,19 +237,7 @@ SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-ReturnToService=2
-SlurmdParameters=config_overrides
-GresTypes=gpu
-NodeName={node} NodeAddr=127.0.0.1 CPUs={CPUS} Gres=gpu:{GPUS} State=UNKNOWN
+{CONF_COMMON}NodeName={node} NodeAddr=127.0.0.1 CPUs={CPUS} Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName={partition} Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
     )

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from slurm_cluster import FINISHED, _stop, free_ports
+from slurm_cluster import CONF_COMMON, SlurmClient, _stop, free_ports
 
 __all__ = ["SlurmNodes", "slurm_nodes", "start_nodes"]
 
@@ -75,7 +75,7 @@ class Unavailable(Exception):
 
 
 @dataclass
-class SlurmNodes:
+class SlurmNodes(SlurmClient):
     """The running cluster. `env` (with SLURM_CONF) is what host-side Slurm clients need; `shared` is
     the directory every node sees at the same path (jobs, outputs, caches)."""
 
@@ -96,15 +96,6 @@ class SlurmNodes:
     def __post_init__(self) -> None:
         self.jobs_dir = self.shared / "jobs"
         self.jobs_dir.mkdir(exist_ok=True)
-
-    def run(self, args: Sequence[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-        """Run a Slurm client (scontrol, sinfo, srun ...) from the host against this cluster; text output."""
-        proc = subprocess.run(
-            [str(a) for a in args], capture_output=True, text=True, env=self.env, timeout=timeout, cwd=self.jobs_dir
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(f"{' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}")
-        return proc
 
     def node_exec(
         self, node: str, args: Sequence[str], check: bool = True, timeout: float = 30
@@ -134,32 +125,6 @@ class SlurmNodes:
         """The host's path to `node`'s private /tmp (through its slurmd's root)."""
         return Path(f"/proc/{self.daemons[f'slurmd-{node}'].pid}/root/tmp")
 
-    def submit(self, script: str | Path, *args: str, options: Sequence[str] = (), timeout: float = 60) -> str:
-        """sbatch SCRIPT ARGS (a Path, or the script's text), wait until the job left the queue; its id.
-        Output goes to `output(job_id)` unless `options` say otherwise."""
-        if not isinstance(script, Path):
-            fd, name = tempfile.mkstemp(suffix=".sh", dir=self.jobs_dir)
-            os.close(fd)
-            Path(name).write_text(script)
-            script = Path(name)
-        proc = self.run(["sbatch", "--parsable", *options, str(script), *args])
-        job_id = proc.stdout.strip().split(";")[0]
-        self.wait(job_id, timeout)
-        return job_id
-
-    def wait(self, job_id: str, timeout: float = 60) -> None:
-        """Poll `squeue -h -j` until the job is finished or gone (cheaper than sbatch --wait)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            proc = self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False)
-            state = proc.stdout.strip()
-            if proc.returncode != 0 or not state or state in FINISHED:
-                return
-            if time.monotonic() > deadline:
-                self.run(["scancel", job_id], check=False)
-                raise AssertionError(f"job {job_id} still {state} after {timeout} s:\n{self.logs()}")
-            time.sleep(0.2)
-
     def states(self) -> dict[str, str]:
         """sinfo's state per node ("idle", "idle*", "alloc", "drain" ...)."""
         out = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout
@@ -178,15 +143,6 @@ class SlurmNodes:
             if time.monotonic() > deadline:
                 pytest.fail(f"nodes not idle within {timeout} s ({states}):\n{self.logs()}")
             time.sleep(0.1)
-
-    def output(self, job_id: str) -> str:
-        """The default sbatch output file's text (slurm-JOBID.out in jobs_dir)."""
-        return (self.jobs_dir / f"slurm-{job_id}.out").read_text()
-
-    def job(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job -o` as a dict (JobState, ExitCode, ...); kept for MinJobAge after the end."""
-        line = self.run(["scontrol", "show", "job", "-o", job_id]).stdout.strip()
-        return dict(part.split("=", 1) for part in line.split() if "=" in part)
 
     def logs(self, tail: int = 2000) -> str:
         """The end of the daemons' logs, for failure messages."""
@@ -358,19 +314,8 @@ SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/logs/slurmctld.log
 SlurmdLogFile={root}/logs/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-ReturnToService=2
-SlurmdParameters=config_overrides
-GresTypes=gpu
-NodeName=node[1-{NODES}] NodeAddr={net}.[{first}-{last}] CPUs={CPUS_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
+{CONF_COMMON}NodeName=node[1-{NODES}] NodeAddr={net}.[{first}-{last}] CPUs={CPUS_PER_NODE} \
+Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
 PartitionName={partition} Nodes=node[1-{NODES}] Default=YES MaxTime=INFINITE State=UP
 """
     )
