@@ -50,14 +50,48 @@ GresTypes=gpu
 
 
 class SlurmClient:
-    """What a test does with a running cluster through Slurm's clients: needs `env` (with SLURM_CONF), `jobs_dir`
-    and `logs()` from the cluster class."""
+    """What a test does with a running cluster through Slurm's clients: needs `env` (with SLURM_CONF), `jobs_dir`,
+    `daemons`, `root`, and the cluster class's `node_names()` and `log_files()`."""
 
     env: dict[str, str]
     jobs_dir: Path
+    root: Path
+    daemons: dict[str, subprocess.Popen[bytes]]
 
-    def logs(self) -> str:
+    def node_names(self) -> list[str]:
         raise NotImplementedError
+
+    def log_files(self) -> list[str]:
+        """The daemons' logs, relative to `root`."""
+        raise NotImplementedError
+
+    def states(self) -> dict[str, str]:
+        """sinfo's state per node ("idle", "idle*", "alloc", "drain" ...)."""
+        out = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout
+        return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+
+    def wait_idle(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait until sinfo says plain "idle" for every node (a RESUME leaves a node "idle*", not responding, ~1 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.states()
+            if sorted(states) == sorted(self.node_names()) and set(states.values()) == {"idle"}:
+                return
+            for name, proc in self.daemons.items():
+                if proc.poll() is not None:
+                    pytest.fail(f"{name} exited with {proc.returncode}:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"nodes not idle within {timeout} s ({states}):\n{self.logs()}")
+            time.sleep(0.1)
+
+    def logs(self, tail: int = 3000) -> str:
+        """The end of the daemons' logs, for failure messages."""
+        parts = []
+        for name in self.log_files():
+            path = self.root / name
+            text = path.read_text(errors="replace")[-tail:] if path.exists() else "(none)"
+            parts.append(f"--- {name}\n{text}")
+        return "\n".join(parts)
 
     def run(self, args: Sequence[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         """Run a Slurm client (scontrol, sinfo, srun ...) against this cluster; text output."""
@@ -122,28 +156,11 @@ class SlurmCluster(SlurmClient):
         self.jobs_dir = self.root / "jobs"
         self.jobs_dir.mkdir(exist_ok=True)
 
-    def wait_idle(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Wait until sinfo says plain "idle" (a RESUME leaves the node "idle*", not responding, ~1 s)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            state = self.run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], check=False).stdout.strip()
-            if state == "idle":
-                return
-            for name, proc in self.daemons.items():
-                if proc.poll() is not None:
-                    pytest.fail(f"{name} exited with {proc.returncode}:\n{self.logs()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"node {self.node} not idle within {timeout} s (state {state!r}):\n{self.logs()}")
-            time.sleep(0.2)
+    def node_names(self) -> list[str]:
+        return [self.node]
 
-    def logs(self, tail: int = 3000) -> str:
-        """The end of the daemons' logs, for failure messages."""
-        parts = []
-        for name in ("slurmctld.log", "slurmd.log"):
-            path = self.root / name
-            text = path.read_text(errors="replace")[-tail:] if path.exists() else "(none)"
-            parts.append(f"--- {name}\n{text}")
-        return "\n".join(parts)
+    def log_files(self) -> list[str]:
+        return ["slurmctld.log", "slurmd.log"]
 
 
 def _missing_prerequisites() -> list[str]:

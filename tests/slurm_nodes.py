@@ -44,7 +44,6 @@ BINARIES = ("slurmctld", "slurmd", "munged", "munge", "unmunge", "scontrol", "si
             "ip", "nsenter", "unshare", "mount", "mknod")  # fmt: skip
 NODES = 4
 GPUS_PER_NODE, CPUS_PER_NODE = 2, 4
-START_TIMEOUT_S = 30
 SHARED_MEMORY = Path("/dev/shm")
 RUN_NETNS = Path("/run/netns")
 REPO = Path(__file__).resolve().parent.parent
@@ -125,33 +124,15 @@ class SlurmNodes(SlurmClient):
         """The host's path to `node`'s private /tmp (through its slurmd's root)."""
         return Path(f"/proc/{self.daemons[f'slurmd-{node}'].pid}/root/tmp")
 
-    def states(self) -> dict[str, str]:
-        """sinfo's state per node ("idle", "idle*", "alloc", "drain" ...)."""
-        out = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout
-        return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+    @property
+    def root(self) -> Path:  # type: ignore[override]  (where the logs are: the shared directory)
+        return self.shared
 
-    def wait_idle(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Wait until sinfo says plain "idle" for every node."""
-        deadline = time.monotonic() + timeout
-        while True:
-            states = self.states()
-            if len(states) == len(self.nodes) and set(states.values()) == {"idle"}:
-                return
-            for name, proc in self.daemons.items():
-                if proc.poll() is not None:
-                    pytest.fail(f"{name} exited with {proc.returncode}:\n{self.logs()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"nodes not idle within {timeout} s ({states}):\n{self.logs()}")
-            time.sleep(0.1)
+    def node_names(self) -> list[str]:
+        return list(self.nodes)
 
-    def logs(self, tail: int = 2000) -> str:
-        """The end of the daemons' logs, for failure messages."""
-        parts = []
-        for name in ["munge/munged.log", "logs/slurmctld.log", *(f"logs/slurmd-{node}.log" for node in self.nodes)]:
-            path = self.shared / name
-            text = path.read_text(errors="replace")[-tail:] if path.exists() else "(none)"
-            parts.append(f"--- {name}\n{text}")
-        return "\n".join(parts)
+    def log_files(self) -> list[str]:
+        return ["munge/munged.log", "logs/slurmctld.log", *(f"logs/slurmd-{node}.log" for node in self.nodes)]
 
 
 def _missing_prerequisites() -> list[str]:

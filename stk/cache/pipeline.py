@@ -175,11 +175,12 @@ def _plan(
         reader = CacheReader(opts.cache)
         done_latents, done_texts = set(reader.latent_keys()), set(reader.text_keys())
         reader.close()
-    jobs = jobs_for(scan, latent_recipe(config), text_recipe(config))
+    texts = text_recipe(config)
+    jobs = jobs_for(scan, latent_recipe(config), texts)
     captions = {job.text_key: job.caption for job in jobs}
     # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
     for caption in (EMPTY_CAPTION, *manifest.validation_prompts):
-        captions[text_key(caption, text_recipe(config))] = caption
+        captions[text_key(caption, texts)] = caption
     todo_jobs = [job for job in jobs if job.key not in done_latents]
     todo_captions = {k: c for k, c in captions.items() if k not in done_texts}
     lat = latent_batches(todo_jobs, opts.batch_size)

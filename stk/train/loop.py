@@ -44,7 +44,7 @@ from stk.train.optim import apply_optimizer_settings
 from stk.train.options import TrainOptions
 from stk.train.plan import TrainPlan, plan_training
 from stk.train.preflight import check_gpu_layout, check_shared_output
-from stk.train.render import SampleRenderer, write_round
+from stk.train.render import SAMPLES_DIR, SampleRenderer, write_round
 from stk.train.reporters import check_reporter
 from stk.train.sampler import BucketSampler
 from stk.train.samples import SamplePlan, plan_samples
@@ -246,6 +246,11 @@ def _start_distributed(opts: TrainOptions, world: World) -> tuple[DistEnv, torch
     return env, device, opts.precision or ("bf16" if device.type == "cuda" else "fp32")
 
 
+def _dtype(precision: str) -> torch.dtype:
+    """The dtype the denoiser (and whatever runs beside it) computes in."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketSampler, int]:
     """This rank's sampler and the optimizer steps to train."""
     sampler = BucketSampler(
@@ -272,7 +277,7 @@ def _load_model(
     deepspeed_config: dict[str, Any], total_steps: int,
 ) -> _Model:  # fmt: skip
     """The denoiser in its DeepSpeed engine (and the encoders, with --vae-on-the-fly)."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = _dtype(precision)
     objective = objective_for(plan.family, opts.model, opts.guidance_scale, opts.loss)
     config = engine_config(opts, deepspeed_config, precision)
     zero3 = config if zero_stage(config) == 3 else None  # built partitioned: no rank ever holds the whole model
@@ -320,7 +325,7 @@ def _setup(
                                   env.world_size)  # fmt: skip
         log.info("samples of %d prompts at %dx%d, %d steps: at step 0, every %d steps and at the end (%s/)",
                  len(samples.prompts), samples.width, samples.height, samples.steps, samples.every,
-                 os.path.join(opts.output_dir, "samples"))  # fmt: skip
+                 os.path.join(opts.output_dir, SAMPLES_DIR))  # fmt: skip
     return _Run(
         opts, plan, sampler, model, env.rank, checkpoints, metrics, signals, watch,
         Progress(world, total_steps - step, "steps", "train"), total_steps, first_step=step, step=step, ema=ema,
@@ -341,7 +346,7 @@ def _embeddings(
         return {}
     from stk.models import load_encoders
 
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = _dtype(precision)
 
     def encoders() -> Any:
         log.info("encoding %d prompts with %s's text encoders (stk-cache --validation-prompts stores them)",

@@ -48,7 +48,7 @@ def check_reporter(name: str) -> None:
 
 
 def open_reporter(name: str, output_dir: str, resumed_step: int) -> Reporter | None:
-    check_reporter(name)
+    """The reporter `name` (checked by `check_reporter` first), or None for none."""
     if name == "tensorboard":
         return _TensorBoard(os.path.join(output_dir, TENSORBOARD_DIR), resumed_step)
     if name == "wandb":
