@@ -143,8 +143,8 @@ def test_wandb_resumes_its_own_run_and_a_missing_wandb_is_refused(tmp_path, monk
         log.write({"step": resumed + 1, "loss": 1.0})
         log.close()
     run_id = (tmp_path / "wandb" / "stk-run-id").read_text().strip()
-    runs = list(tmp_path.glob("wandb/offline-run-*"))
-    assert runs and all(run.name.endswith(f"-{run_id}") for run in runs)
+    runs = list(tmp_path.glob("wandb/offline-run-*"))  # two runs in one second: the second folder ends in "-1"
+    assert len(runs) == 2 and all((run / f"run-{run_id}.wandb").is_file() for run in runs)
     monkeypatch.setitem(sys.modules, "wandb", None)  # what Python does for a package that is not installed
     with pytest.raises(InputError, match=r"wandb is not installed \(pip install 'stk\[wandb\]'\)"):
         MetricsLog(str(tmp_path / "other"), enabled=True, report_to="wandb")
