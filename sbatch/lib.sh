@@ -3,13 +3,16 @@
 #
 # STK_HOME    the stk checkout (default: the directory sbatch was called from); its bin/ goes on PATH
 # STK_CONFIG  a TOML file with [scan], [cache], [train], [launch] tables (passed as --config)
-# STK_MPI     srun's MPI plugin: pmi2 for MPICH (the default install), pmix for OpenMPI
+# STK_MPI     how stk-scan and stk-cache start their ranks: hydra (the default) is the mpiexec of
+#             MPICH (the default install), which starts its proxies with srun and serves the ranks'
+#             PMI itself; pmi2 (MPICH) or pmix (OpenMPI) start them with `srun --mpi=STK_MPI`. Slurm
+#             22.05's pmi2 plugin hangs on MPICH's longer PMI requests across nodes: keep hydra there.
 # STK_HEALTH_GATE=0 skips the health gate; STK_HEALTH_ARGS adds options to its stk-health check
 
 STK_HOME="${STK_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}"
 export PATH="$STK_HOME/bin:$PATH"
 export HDF5_USE_FILE_LOCKING=FALSE   # fcntl locks fail or hang on NFS and Lustre
-STK_MPI="${STK_MPI:-pmi2}"
+STK_MPI="${STK_MPI:-hydra}"
 stk_config=()
 [ -n "${STK_CONFIG:-}" ] && stk_config=(--config "$STK_CONFIG")
 
@@ -35,10 +38,22 @@ stk_health_gate() {
     return 0
 }
 
+# stk_ranks: the command that starts a program once per task of the allocation, as one MPI world
+# (see STK_MPI): "${stk_ranks[@]}" stk-cache ...
+stk_ranks=(srun --mpi="$STK_MPI")
+if [ "$STK_MPI" = hydra ]; then
+    stk_mpiexec="$STK_HOME/.venv/bin/mpiexec"   # beside the python mpi4py runs in, as stk-launch picks
+    [ -x "$stk_mpiexec" ] || stk_mpiexec="$(command -v mpiexec || echo mpiexec)"
+    # hydra reads the hosts and tasks per node from Slurm; the variable only makes its srun warn
+    stk_ranks=(env -u SLURM_NTASKS_PER_NODE "$stk_mpiexec" -n "${SLURM_NTASKS:-1}")
+fi
+
 # Run a command (srun, stk-launch) in the background so the batch shell can take Slurm's
 # --signal=B:USR2 (time limit, preemption) and pass it on; when the command exits 75
 # (checkpointed, requeue me) or 69 (storage, network or a peer rank failed: a rerun, maybe on
-# other nodes, resumes), requeue. Every template runs its command through it.
+# other nodes, resumes), requeue. On 76 (a GPU failed in training) the health gate runs again: the
+# node it finds sick drains itself and the job requeues onto others; if it finds none, the job
+# ends with 76. Every template runs its command through it.
 stk_run_requeueable() {
     "$@" &
     local child=$!
@@ -54,6 +69,8 @@ stk_run_requeueable() {
     case "$code" in
         75) why="checkpointed" ;;
         69) why="storage, the network or a peer rank failed (exit 69; its reason is logged above)" ;;
+        76) echo "stk: $(date +%T) a GPU failed during the run (exit 76); checking every node" >&2
+            stk_health_gate ;;   # the sick node drains itself and the job requeues, to resume elsewhere
     esac
     if [ -n "$why" ]; then
         echo "stk: $(date +%T) $why; requeueing job $SLURM_JOB_ID to continue" >&2

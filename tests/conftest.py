@@ -5,6 +5,7 @@ in helpers.py."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +34,15 @@ def _no_shared_memory_left_behind() -> Iterator[None]:
     yield
     for leftover in set(SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*")) - before:
         leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def keep_logging() -> Iterator[None]:
+    """A command run in-process (CliRunner) points the 'stk' logger at the runner's stderr; put it back afterwards."""
+    logger = logging.getLogger("stk")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 @pytest.fixture

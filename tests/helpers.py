@@ -194,9 +194,10 @@ def kill_cache_ranks_when(
 
 
 class Receiver:
-    """An HTTP server on 127.0.0.1 that records the JSON bodies POSTed to it."""
+    """An HTTP server that records the JSON bodies POSTed to it: on 127.0.0.1, or on `host` (the
+    four-node cluster's bridge address, which its nodes reach)."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
         self.bodies: list[dict[str, Any]] = []
         received = self.bodies
 
@@ -210,13 +211,13 @@ class Receiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.host, self.port = host, self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def url(self, path: str = "/hook") -> str:
-        return f"json://127.0.0.1:{self.port}{path}"
+        return f"json://{self.host}:{self.port}{path}"
 
     def events(self) -> list[str]:
         return [b["type"] for b in self.bodies]
@@ -225,6 +226,18 @@ class Receiver:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
+
+
+# --- in-process CLI runs (click's CliRunner) --------------------------------------------------------
+
+
+def clean_env(**extra: str) -> dict[str, str | None]:
+    """An environment for CliRunner: no STK_ settings, no Slurm or MPI launcher from the caller."""
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith(("STK_", "SLURM_"))}
+    for name in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        env[name] = None
+    env.update(extra)
+    return env
 
 
 # --- stk-train --------------------------------------------------------------------------

@@ -120,6 +120,22 @@ class SlurmNodes(SlurmClient):
             )
         return proc
 
+    def node_pids(self, node: str, marker: str) -> list[int]:
+        """The pids of processes running on `node` (in its network namespace, slurmd's own excluded)
+        whose command line contains `marker`: what `pkill` on that node alone would match."""
+        slurmd = self.daemons[f"slurmd-{node}"].pid
+        netns = os.readlink(f"/proc/{slurmd}/ns/net")
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == slurmd:
+                continue
+            try:
+                if os.readlink(entry / "ns" / "net") == netns and marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:  # gone meanwhile
+                continue
+        return pids
+
     def node_tmp(self, node: str) -> Path:
         """The host's path to `node`'s private /tmp (through its slurmd's root)."""
         return Path(f"/proc/{self.daemons[f'slurmd-{node}'].pid}/root/tmp")

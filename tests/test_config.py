@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import logging
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
-from helpers import scan_env
+from helpers import clean_env, scan_env
 from slurm_cluster import free_ports
 
 from stk.cli.scan import main as scan_main
@@ -125,24 +122,6 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tiny") / "images"
     generate_dataset(str(root), 6)
     return root
-
-
-@pytest.fixture
-def keep_logging() -> Iterator[None]:
-    """stk-scan points the 'stk' logger at CliRunner's stderr; put it back afterwards."""
-    logger = logging.getLogger("stk")
-    saved = (logger.handlers[:], logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
-
-
-def clean_env(**extra: str) -> dict[str, str | None]:
-    """An environment for CliRunner: no STK_ settings, no Slurm or MPI launcher from the caller."""
-    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith(("STK_", "SLURM_"))}
-    for name in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
-        env[name] = None
-    env.update(extra)
-    return env
 
 
 def run_scan_cli(source: Path, out: Path, *args: str, env: dict[str, str | None] | None = None) -> Result:

@@ -280,6 +280,7 @@ def test_stk_launch_returns_69_when_a_rank_stops_answering_and_leaves_no_rank_be
         stopped.append(pid)
 
     proc, seconds = fault_mid_training(command, train_env(), out, stop_rank_1)
+    assert (tmp_path / "hosts").read_text() == "localhost slots=2\n"
     assert proc.returncode == ExitCode.INFRA, proc.stderr[-4000:]  # DeepSpeed's launcher itself returns 0
     assert seconds < TIMEOUT_S + 45
     assert_reason(proc.stderr, 0, 0, f"no answer within --collective-timeout {TIMEOUT_S} s")

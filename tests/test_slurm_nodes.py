@@ -1,7 +1,6 @@
 """Slurm across four nodes (tests/slurm_nodes.py: four namespaces on a bridge, one slurmd each): srun
 and sbatch reach every node, MPI ranks under `srun --mpi=pmi2` form one world over four hostnames,
-and each node's /tmp is its own. (sbatch/pipeline.sh across the four nodes: issue 15, in progress;
-docs/DEVELOPMENT.md says what stops it.)"""
+and each node's /tmp is its own. The templates across these nodes: tests/test_slurm_pipeline.py."""
 
 from __future__ import annotations
 

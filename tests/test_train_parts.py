@@ -13,12 +13,12 @@ import pytest
 import torch
 from helpers import board_scalars, board_tags
 
-from stk.errors import BatchCheckFailed, ExitCode, InputError
+from stk.errors import BatchCheckFailed, ExitCode, InputError, PreflightFailed
 from stk.train.checkpoint import CheckpointDir, tag_for
 from stk.train.dsconfig import PRESETS, builds_own_optimizer, load_deepspeed_config, training_config, zero_stage
 from stk.train.metrics import MetricsLog
 from stk.train.optim import OptimizerSettings, client_optimizer, lr_schedule, optimizer_section
-from stk.train.preflight import _ranges, check_buckets
+from stk.train.preflight import _one_view, _ranges, check_buckets
 from stk.train.stopping import StopSignals, is_gpu_error, is_out_of_memory, is_peer_failure, out_of_memory, peer_failed
 
 
@@ -243,3 +243,17 @@ def test_stop_signals_are_recorded_not_fatal():
     finally:
         signals.restore()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+def test_ranks_that_see_other_output_dirs_are_grouped_by_node_the_odd_ones_last():
+    """What four nodes see when node c mounts a copy of the directory and node d cannot list it."""
+    reports = [(0, "a", (0, 1, 2)), (1, "a", (0, 1, 2)), (2, "b", (0, 1, 2)), (3, "c", (3,)), (4, "d", ())]
+    with pytest.raises(PreflightFailed) as caught:
+        _one_view("/shared/run", reports, 5)
+    assert str(caught.value).splitlines()[:4] == [
+        "--output-dir /shared/run is not one directory shared by every rank:",
+        "  a, b, rank(s) 0-2: see the files of rank(s) 0-2 only",
+        "  c, rank(s) 3: see the files of rank(s) 3 only",
+        "  d, rank(s) 4: see no rank's files",
+    ]
+    _one_view("/shared/run", [(0, "a", (0, 1)), (1, "b", (0, 1))], 2)  # every rank saw every token

@@ -28,7 +28,7 @@ Examples (from an sbatch script or salloc; everything after -- goes to stk-train
 \b
 It writes the hostfile (`host slots=N`, N = GPUs per node), sets STK_MASTER_ADDR (the first
 host) and STK_MASTER_PORT (20000 + job id % 20000), TORCH_NCCL_ASYNC_ERROR_HANDLING=1,
-HDF5_USE_FILE_LOCKING=FALSE and the NCCL interfaces for every rank, and runs
+HDF5_USE_FILE_LOCKING=FALSE and the NCCL and gloo interfaces for every rank, and runs
 `deepspeed --launcher mpich|openmpi` (or srun). SIGUSR2 or SIGTERM to stk-launch asks the ranks
 to checkpoint (SIGUSR2 to stk-train); it waits for them and exits with their code.
 
@@ -64,6 +64,8 @@ and no --hosts, or no slot count; 69 mpirun or srun cannot be run here.
               help="NCCL_SOCKET_IFNAME for every rank, e.g. ib0 or ^lo,docker [default: as set].")  # fmt: skip
 @click.option("--nccl-ib-hca", default=None, show_envvar=True,
               help="NCCL_IB_HCA for every rank, e.g. mlx5_0,mlx5_1 [default: as set].")  # fmt: skip
+@click.option("--gloo-socket-ifname", default=None, show_envvar=True,
+              help="GLOO_SOCKET_IFNAME for every rank (CPU collectives), e.g. eth0 [default: as set].")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Write the hostfile, print the environment and the command; run nothing.")
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED, metavar="[--] STK-TRAIN-ARGS...")
 @common_options

@@ -29,7 +29,7 @@ __all__ = [
 VIAS = ("deepspeed", "srun")
 MPI_IMPLS = ("mpich", "openmpi")
 # What OpenMPI's mpirun must pass to the ranks by name (MPICH's passes everything).
-FORWARDED_PREFIXES = ("STK_", "NCCL_", "TORCH_", "HDF5_", "DS_", "OMP_", "HF_", "AWS_")
+FORWARDED_PREFIXES = ("STK_", "NCCL_", "GLOO_", "TORCH_", "HDF5_", "DS_", "OMP_", "HF_", "AWS_")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class LaunchSettings:
     master_port: int | None = None
     nccl_socket_ifname: str | None = None
     nccl_ib_hca: str | None = None
+    gloo_socket_ifname: str | None = None
     s3_endpoint_url: str | None = None
     s3_retry_seconds: float | None = None
     hosts_given: bool = False  # --hosts chose the hosts: srun gets --nodelist
@@ -105,7 +106,7 @@ def plan_launch(
 
 def launch_environment(settings: LaunchSettings, allocation: Allocation, environ: Mapping[str, str]) -> dict[str, str]:
     """The variables every rank needs: the rendezvous stk-train's rank 0 uses, NCCL's behaviour
-    on a dead peer, HDF5 without file locks (NFS, Lustre), the NCCL interfaces. A value already in
+    on a dead peer, HDF5 without file locks (NFS, Lustre), the NCCL and gloo interfaces. A value already in
     the environment is kept unless an option sets it."""
     env = {
         "STK_MASTER_ADDR": settings.master_addr or environ.get("STK_MASTER_ADDR") or allocation.hosts[0],
@@ -113,7 +114,12 @@ def launch_environment(settings: LaunchSettings, allocation: Allocation, environ
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "HDF5_USE_FILE_LOCKING": environ.get("HDF5_USE_FILE_LOCKING", "FALSE"),
     }
-    for name, value in (("NCCL_SOCKET_IFNAME", settings.nccl_socket_ifname), ("NCCL_IB_HCA", settings.nccl_ib_hca)):
+    interfaces = (
+        ("NCCL_SOCKET_IFNAME", settings.nccl_socket_ifname),
+        ("NCCL_IB_HCA", settings.nccl_ib_hca),
+        ("GLOO_SOCKET_IFNAME", settings.gloo_socket_ifname),
+    )
+    for name, value in interfaces:
         if value or environ.get(name):
             env[name] = value or environ[name]
     if settings.s3_endpoint_url and "STK_TRAIN_S3_ENDPOINT_URL" not in environ:

@@ -73,15 +73,20 @@ def read_ranks(status_dir: str) -> list[RankStatus]:
 
 
 def job_exit_code(launcher_code: int, rank_codes: Sequence[int | None]) -> int:
-    """The job's code: a rank's error (the highest), else failure if a rank ended without a code,
-    else the GPU-fault code, else the requeue code, else the launcher's own code."""
+    """The job's code: a rank's error (the highest), else the infrastructure code if a rank ended
+    without one (killed: a rerun resumes), else the GPU-fault code, else the requeue code, else the
+    launcher's own code."""
     ended = [c for c in rank_codes if c is not None]
     errors = [c for c in ended if c not in (ExitCode.OK, ExitCode.REQUEUE, ExitCode.GPU_FAULT)]
     if errors:
         return max(errors)
-    if None in rank_codes:
-        log.error("%d rank(s) on this node ended without an exit code (killed?)", rank_codes.count(None))
-        return launcher_code or int(ExitCode.INTERNAL)
+    if None in rank_codes:  # killed: a node lost, the OOM killer, or the launcher ending them after a peer died
+        log.error(
+            "%d rank(s) on this node were killed before they could exit (a peer or its node was lost?): exit %d, "
+            "a rerun resumes from the last checkpoint",
+            rank_codes.count(None), ExitCode.INFRA,
+        )  # fmt: skip
+        return int(ExitCode.INFRA)
     for code in (ExitCode.GPU_FAULT, ExitCode.REQUEUE):
         if code in ended:
             return int(code)

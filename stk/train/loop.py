@@ -13,7 +13,8 @@ import hashlib
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -93,6 +94,8 @@ class TrainSummary:
     seconds: float
     samples_per_second: float
     peak_gpu_memory: int | None  # bytes, this rank's torch.cuda.max_memory_allocated (None on the CPU)
+    ranks: int
+    hosts: dict[str, int]  # host name -> ranks it ran: where the job really ran, in its log
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "outcome": self.outcome.value}
@@ -129,6 +132,7 @@ class _Run:
     ema: ShardedEma | None = None
     renderer: SampleRenderer | None = None
     empty_caption: dict[str, torch.Tensor] | None = None  # its embedding, with --caption-dropout
+    hosts: dict[str, int] = field(default_factory=dict)  # host -> ranks on it
     last_checkpoint: str | None = None
     loss: float | None = None
 
@@ -330,6 +334,7 @@ def _setup(
         opts, plan, sampler, model, env.rank, checkpoints, metrics, signals, watch,
         Progress(world, total_steps - step, "steps", "train"), total_steps, first_step=step, step=step, ema=ema,
         renderer=renderer, empty_caption=embeddings.get(EMPTY_CAPTION) if opts.loss.caption_dropout else None,
+        hosts=dict(sorted(Counter(world.allgather(world.node)).items())),
     )  # fmt: skip
 
 
@@ -371,6 +376,8 @@ def _summary(run: _Run, outcome: Outcome, final: str | None, resume: Resume | No
         seconds=round(seconds, 3),
         samples_per_second=round(trained / seconds, 3) if seconds > 0 else 0.0,
         peak_gpu_memory=_peak_gpu_memory(run.model.device),
+        ranks=sum(run.hosts.values()),
+        hosts=run.hosts,
     )
 
 

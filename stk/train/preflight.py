@@ -50,22 +50,33 @@ def check_shared_output(world: World, output_dir: str) -> None:
 
     world.run_everywhere(write_token)
     world.barrier()
-    seen = set(os.listdir(tokens)) if os.path.isdir(tokens) else set()
-    missing = [r for r in range(world.size) if f"rank-{r}" not in seen]
-    reports = world.allgather((world.rank, world.node, missing))
+    names = set(os.listdir(tokens)) if os.path.isdir(tokens) else set()
+    seen = tuple(r for r in range(world.size) if f"rank-{r}" in names)
+    reports = world.allgather((world.rank, world.node, seen))
     world.barrier()
     if world.is_root:  # only this run's tokens: another run may be checking the same directory
         shutil.rmtree(tokens, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(tokens))
-    blind = [(rank, node, miss) for rank, node, miss in reports if miss]
-    if blind:
-        lines = [f"--output-dir {output_dir} is not one directory shared by every rank:"]
-        lines += [
-            f"  rank {rank} on {node} does not see the files of rank(s) {_ranges(miss)}" for rank, node, miss in blind
-        ]
-        lines.append("Checkpoints and the final model need a path every node mounts (NFS, Lustre), the same on each.")
-        raise PreflightFailed("\n".join(lines))
+    world.run_everywhere(lambda: _one_view(output_dir, reports, world.size))  # every rank has it: said once
+
+
+def _one_view(output_dir: str, reports: list[tuple[int, str, tuple[int, ...]]], size: int) -> None:
+    """Raise PreflightFailed unless every rank saw every rank's token; the message groups the ranks
+    by what they saw, the odd ones out (a node with a local copy of the directory) last."""
+    views: dict[tuple[int, ...], list[tuple[int, str]]] = {}
+    for rank, node, view in reports:
+        views.setdefault(view, []).append((rank, node))
+    if list(views) == [tuple(range(size))]:
+        return
+    lines = [f"--output-dir {output_dir} is not one directory shared by every rank:"]
+    for view, members in sorted(views.items(), key=lambda item: -len(item[1])):
+        nodes = ", ".join(sorted({node for _, node in members}))
+        ranks = _ranges([rank for rank, _ in members])
+        seen = f"see the files of rank(s) {_ranges(list(view))} only" if view else "see no rank's files"
+        lines.append(f"  {nodes}, rank(s) {ranks}: {seen}")
+    lines.append("Checkpoints and the final model need a path every node mounts (NFS, Lustre), the same on each.")
+    raise PreflightFailed("\n".join(lines))
 
 
 def check_gpu_layout(world: World, gpus_on_node: int) -> None:
