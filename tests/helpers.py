@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -60,6 +61,7 @@ __all__ = [
     "summary_of",
     "train_command",
     "train_env",
+    "upload_cache",
 ]  # fmt: skip
 
 
@@ -226,6 +228,16 @@ class Receiver:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
+
+
+def upload_cache(client: Any, cache: Path) -> str:
+    """A copy of a local stk-cache directory in a new bucket of `client`'s server; its s3:// URL."""
+    bucket = f"cache-{uuid.uuid4().hex[:10]}"
+    client.create_bucket(Bucket=bucket)
+    for path in cache.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"cache/{path.relative_to(cache)}")
+    return f"s3://{bucket}/cache"
 
 
 # --- in-process CLI runs (click's CliRunner) --------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Receiver, free_ports, gpu, train_env
+from helpers import S3_ENV, Receiver, free_ports, gpu, s3_client, train_env, upload_cache
 from slurm_nodes import SlurmNodes
+from weed_server import WeedServer
 
 from stk.datagen import generate_dataset
 from stk.models import Family, build_tiny_model
@@ -45,6 +47,7 @@ SETTINGS = {
 }  # fmt: skip
 GPUS = "/tmp/stk-gpus.json"  # STK_HEALTH_SCRIPT: each node's own file, in its private /tmp
 HEALTH_STATE = "/tmp/stk-health-state.json"  # what a node alerted, on that node
+LOCAL_SHARDS = "/tmp/stk-test-shards"  # --local-cache-dir: each node's own
 
 
 @dataclass
@@ -311,6 +314,35 @@ def test_output_dir_not_shared_by_node4_fails_before_any_model_loads_naming_node
     assert "node1, node2, node3, rank(s) 0-2: see the files of rank(s) 0-2 only" in text, text
     assert "node4, rank(s) 3: see the files of rank(s) 3 only" in text, text
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_each_node_keeps_its_own_copy_of_the_s3_shards_in_its_local_dir(pipeline: Run, slurm_nodes: SlurmNodes):
+    """The cache on S3 (a server on the bridge, which every node reaches) and --local-cache-dir in
+    each node's private /tmp: every node holds one whole copy of each shard its rank read (no
+    temp files left), and the run finishes on the shared output directory."""
+    server = WeedServer(slurm_nodes.shared / "weed", ip=slurm_nodes.host_address)
+    server.data.mkdir()
+    server.start()
+    try:
+        url = upload_cache(s3_client(server.endpoint), pipeline.root / "cache")
+        out = pipeline.root / "train-local-shards"
+        jobs = submit(slurm_nodes, pipeline.root, ["--from", "train"], FOUR_NODES_ONE_RANK, MODEL=pipeline.model,
+                      RUN=str(pipeline.root), OUT=str(out), CACHE=url, STK_TRAIN_S3_ENDPOINT_URL=server.endpoint,
+                      STK_TRAIN_LOCAL_CACHE_DIR=LOCAL_SHARDS, **S3_ENV, **ONE_RANK)  # fmt: skip
+        slurm_nodes.wait(jobs["train"], timeout=240)
+    finally:
+        server.kill()
+    info = slurm_nodes.job(jobs["train"])
+    assert info["JobState"] == "COMPLETED", f"{info}\n{log(pipeline.root, 'train', jobs['train'])}"
+    shards = sorted(p.name for p in (pipeline.root / "cache" / "shards").iterdir())
+    for node in NODES:
+        local = slurm_nodes.node_tmp(node) / Path(LOCAL_SHARDS).name
+        copies = [p.name.split("-", 1)[1] for p in local.iterdir()]  # named <url hash>-<shard>
+        assert copies and len(set(copies)) == len(copies) and set(copies) <= set(shards), (node, copies, shards)
+        shutil.rmtree(local)
+    assert not Path(LOCAL_SHARDS).exists()  # nothing landed in the host's own /tmp
+    (summary,) = summaries(log(pipeline.root, "train", jobs["train"]))
+    assert summary["outcome"] == "finished" and summary["hosts"] == dict.fromkeys(NODES, 1), summary
 
 
 def test_scan_and_cache_jobs_requeue_themselves_when_s3_stays_down(pipeline: Run, slurm_nodes: SlurmNodes):

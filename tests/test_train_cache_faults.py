@@ -10,13 +10,12 @@ import re
 import shutil
 import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import h5py
 import pytest
-from helpers import FAST, S3_ENV, cache_command, cache_env, metrics, run_train, s3_client
+from helpers import FAST, S3_ENV, cache_command, cache_env, metrics, run_train, s3_client, upload_cache
 
 from stk.errors import ExitCode
 from stk.models import Family
@@ -34,15 +33,6 @@ def stk_cache(args: list[Any], mpi: int = 0, env: dict[str, str] | None = None) 
     return proc
 
 
-def upload(client: Any, cache: Path) -> str:
-    bucket = f"faults-{uuid.uuid4().hex[:10]}"
-    client.create_bucket(Bucket=bucket)
-    for path in cache.rglob("*"):
-        if path.is_file():
-            client.upload_file(str(path), bucket, f"cache/{path.relative_to(cache)}")
-    return f"s3://{bucket}/cache"
-
-
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if " ERROR " in line]
 
@@ -58,7 +48,7 @@ def test_two_ranks_share_one_local_shard_dir_under_a_limit_that_forces_evictions
     proc = stk_cache([scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"], mpi=2)
     assert proc.returncode == 0, proc.stderr
     assert len(list((cache / "shards").iterdir())) == 2
-    url = upload(s3_client(s3_server), cache)
+    url = upload_cache(s3_client(s3_server), cache)
     local, out = tmp_path / "shards", tmp_path / "run"
     local.mkdir()
     stale = local / "0123456789abcdef-an-earlier-run.h5"  # a copy no process holds: the first to evict
@@ -112,7 +102,7 @@ def test_a_flipped_byte_stops_training_until_verify_repair_and_a_rebuild(
     flip_byte(shard, where)
     target, s3 = str(cache), []
     if storage == "s3":
-        target, s3 = upload(s3_client(s3_server), cache), ["--s3-endpoint-url", s3_server]
+        target, s3 = upload_cache(s3_client(s3_server), cache), ["--s3-endpoint-url", s3_server]
     train = ["--cache", target, "--scan", scan, "--model", model, "--max-steps", "2", *s3, *FAST]
 
     started = time.monotonic()

@@ -1,4 +1,4 @@
-"""A real S3 server for tests: SeaweedFS `weed mini` on 127.0.0.1.
+"""A real S3 server for tests: SeaweedFS `weed mini` on 127.0.0.1 (or another local address).
 
 Its ports and data directory are fixed when it is made, so it can be stopped (SIGSTOP), killed and
 started again as the same server: the same endpoint, the same buckets and objects. That is what
@@ -80,12 +80,13 @@ def _weed_binary() -> str:
 class WeedServer:
     data: Path
     args: tuple[str, ...] = ()  # more `weed mini` options, e.g. -s3.config=FILE (identities: authentication on)
+    ip: str = "127.0.0.1"  # or the four-node cluster's bridge address, which its nodes reach
     ports: dict[str, int] = field(default_factory=lambda: _free_ports())
     proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3.port']}"
+        return f"http://{self.ip}:{self.ports['s3.port']}"
 
     @property
     def log_path(self) -> Path:
@@ -97,8 +98,8 @@ class WeedServer:
             _weed_binary(),
             "mini",
             f"-dir={self.data}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             "-admin.ui=false",
             "-webdav=false",
             "-s3.port.iceberg=0",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ __all__ = [
     "DistEnv",
     "export_dist_env",
     "init_distributed",
+    "prefer_own_build_tools",
     "resolve_dist_env",
 ]
 
@@ -76,6 +78,18 @@ def export_dist_env(env: DistEnv, environ: MutableMapping[str, str] = os.environ
     )
 
 
+def prefer_own_build_tools(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Put this python's bin directory first on PATH. DeepSpeed builds its C++ ops (the CPU
+    shared-memory allreduce, CPU Adam) with the first `ninja` on PATH; pip's ninja, installed beside
+    this python for DeepSpeed, and a system one (Debian's comes with cmake) keep build logs the other
+    cannot read, so runs that alternate between them rebuild every op, ~30 s each on 2 cores."""
+    own = os.path.dirname(sys.executable)
+    path = environ.get("PATH", os.defpath)
+    if not os.path.isfile(os.path.join(own, "ninja")) or path.split(os.pathsep)[0] == own:
+        return
+    environ["PATH"] = os.pathsep.join([own, *(entry for entry in path.split(os.pathsep) if entry != own)])
+
+
 def init_distributed(env: DistEnv, backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     """Export `env` and start torch.distributed through DeepSpeed (nccl on GPUs, else gloo), with
     `timeout` for the rendezvous and for every collective after it."""
@@ -83,6 +97,7 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout: datetime
     import torch
 
     export_dist_env(env)
+    prefer_own_build_tools()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     _default_group_timeout(timeout)
     try:
