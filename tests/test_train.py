@@ -326,18 +326,13 @@ def test_vae_on_the_fly_trains_from_the_scan_and_images(setups, scan, tmp_path):
 
 
 def test_trains_from_an_s3_cache_through_a_local_shard_directory(setups, scan, tmp_path, s3_server):
-    from helpers import S3_ENV, s3_client
+    from helpers import S3_ENV, s3_client, upload_cache
 
     model, cache = setups(Family.SD)
-    bucket = "train-cache"
-    client = s3_client(s3_server)
-    client.create_bucket(Bucket=bucket)
-    for path in cache.rglob("*"):
-        if path.is_file():
-            client.upload_file(str(path), bucket, f"cache/{path.relative_to(cache)}")
+    url = upload_cache(s3_client(s3_server), cache)
     local, out = tmp_path / "shards", tmp_path / "run"
     proc = run_train(
-        ["--cache", f"s3://{bucket}/cache", "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "2",
+        ["--cache", url, "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "2",
          "--local-cache-dir", local, "--s3-endpoint-url", s3_server, *FAST],
         env=S3_ENV,
     )  # fmt: skip
