@@ -1,4 +1,4 @@
-# stk: make install | demo | test | lint | bench | gpu-wheels, then gpu-check on a GPU machine
+# stk: make install | demo | test | lint | bench | lock | test-latest | gpu-wheels, then gpu-check on a GPU machine
 #
 # MPI=pip  (default) installs MPICH from PyPI next to mpi4py: works on any machine.
 # MPI=site builds mpi4py against the site's MPI (the mpicc on PATH, or MPICC=/path/mpicc),
@@ -13,21 +13,37 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(MPI)
 export DS_BUILD_OPS := 0
 
-.PHONY: install demo test test-deps test-unit test-integration lint bench gpu-wheels gpu-check clean
+.PHONY: install lock demo test test-latest test-deps test-unit test-integration lint bench gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
+# constraints.txt is the lock: every distribution an install takes, pinned (`make lock` writes it from setup.cfg).
+# PINS is how an install honours it; `make test-latest` empties it to try the newest releases.
+PINS ?= -c constraints.txt
+
 $(STAMP): setup.cfg constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q $(PINS) --upgrade pip setuptools wheel
+	$(PIP) install -q $(PINS) torch==2.13.0
 ifeq ($(MPI),site)
-	MPICC=$(MPICC) $(PIP) install -q --no-binary=mpi4py --no-cache-dir -c constraints.txt mpi4py
-	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	MPICC=$(MPICC) $(PIP) install -q --no-binary=mpi4py --no-cache-dir $(PINS) mpi4py
+	$(PIP) install -q $(PINS) -e '.[dev]'
 else
-	$(PIP) install -q -c constraints.txt -e '.[dev,mpich]'
+	$(PIP) install -q $(PINS) -e '.[dev,mpich]'
 endif
 	touch $@
+
+# The lock for every platform and Python stk supports (markers where versions differ), with the install tools.
+lock: install
+	printf 'pip\nsetuptools\nwheel\n' | $(VENV)/bin/uv pip compile setup.cfg - --extra dev --extra mpich --universal \
+	  --python-version 3.10 --annotation-style line --custom-compile-command 'make lock' -o constraints.txt
+
+# The suite against the newest release of everything (torch stays pinned by setup.cfg), in a venv of its own,
+# so that a release that breaks stk is seen before the lock moves to it.
+LATEST_VENV := .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(MAKE) test VENV=$(LATEST_VENV) PINS=
 
 demo: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m stk.demo
@@ -87,4 +103,4 @@ gpu-check:
 	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 bench/gpu.py --record $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .whl
+	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .whl

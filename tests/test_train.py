@@ -382,12 +382,17 @@ def test_scripted_gpu_fault_stops_every_rank_with_the_gpu_code_and_one_alert(set
     assert alerts[0]["rank"] == 1 and alerts[0]["job_id"] == "4242" and alerts[0]["fault"]["gpu"]["index"] == 1
 
 
-def test_no_gpu_means_nothing_to_watch_and_training_goes_on(setups, tmp_path):
+def test_max_steps_past_one_epoch_trains_that_many_and_no_gpu_means_nothing_to_watch(setups, tmp_path):
+    """One process, batch 8: an epoch of the 24 images is 3 steps; --max-steps 4 goes on into the second epoch
+    (--epochs stays at its default, 1). The same run shows that no GPU leaves nothing to watch."""
     model, cache = setups(Family.SD)
     out = tmp_path / "run"
-    proc = run_train(["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "1", *FAST[:-1]], mpi=0)
+    args = ["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "4", *FAST[:-1], "--batch-size", 8]
+    proc = run_train(args, mpi=0)
     assert proc.returncode == 0, proc.stderr
     assert "no NVIDIA driver: nothing to watch" in proc.stderr
+    assert summary_of(proc)["steps"] == 4
+    assert [(row["step"], row["epoch"]) for row in metrics(out)] == [(1, 0.3333), (2, 0.6667), (3, 1.0), (4, 1.3333)]
 
 
 # --- preflight and bad setups: a clear message and a documented code, before any model loads ---------------------

@@ -49,6 +49,26 @@ def test_each_familys_default_targets_name_layers_of_its_denoiser(family, tmp_pa
     assert DEFAULT_TARGETS[family]
 
 
+def test_flux_default_targets_are_diffusers_and_leave_the_final_projection_alone(tmp_path):
+    from peft.tuners.lora import LoraLayer
+
+    from stk.models import build_tiny_model
+
+    # transcribed from diffusers' examples/dreambooth/train_dreambooth_lora_flux.py (target_modules, no --lora_layers)
+    diffusers_flux = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                      "ff_context.net.2"]  # fmt: skip
+    assert sorted(DEFAULT_TARGETS[Family.FLUX]) == sorted(diffusers_flux)
+    model = build_tiny_model(Family.FLUX, str(tmp_path / "model"))
+    denoiser = objective_for(Family.FLUX, model).load_denoiser(torch.float32)
+    add_lora(denoiser, LoraSettings(rank=RANK), Family.FLUX, seed=0)
+    assert not isinstance(denoiser.proj_out, LoraLayer)
+    assert isinstance(denoiser.single_transformer_blocks[0].attn.to_q, LoraLayer)
+    asked = objective_for(Family.FLUX, model).load_denoiser(torch.float32)
+    add_lora(asked, LoraSettings(rank=RANK, targets=("proj_out",)), Family.FLUX, seed=0)
+    assert isinstance(asked.proj_out, LoraLayer)
+
+
 def test_a_target_that_matches_nothing_names_the_layers_there_are(tmp_path):
     from stk.models import build_tiny_model
 

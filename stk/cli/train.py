@@ -142,7 +142,7 @@ def _default(name: str) -> Any:
 )
 @click.option("--epochs", default=_default("epochs"), type=click.IntRange(1), show_envvar=True)
 @click.option("--max-steps", default=None, type=click.IntRange(1), show_envvar=True,
-              help="Stop after this many optimizer steps (caps --epochs).")  # fmt: skip
+              help="Train this many optimizer steps, as many epochs as they take (wins over --epochs).")  # fmt: skip
 @click.option(
     "--seed", default=_default("seed"), show_envvar=True, help="Sample order, noise and timesteps all follow from it."
 )

@@ -262,8 +262,8 @@ def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketS
     )
     if not sampler.steps_per_epoch:
         raise InputError("no bucket fills one effective batch: nothing to train (see the bucket check above)")
-    total = sampler.steps_per_epoch * opts.epochs
-    total_steps = min(total, opts.max_steps) if opts.max_steps else total
+    # --max-steps wins over --epochs either way, as every peer's max_train_steps does: the epochs follow from it
+    total_steps = opts.max_steps or sampler.steps_per_epoch * opts.epochs
     log.info(
         "%s: %d samples in %d buckets, %d optimizer steps per epoch of %d samples each; training %d steps",
         plan.family.value,

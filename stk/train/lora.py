@@ -1,6 +1,6 @@
 """LoRA through peft, as diffusers' own training examples add it: the denoiser's weights frozen, low-rank adapters
-on its attention projections (and Flux's feed-forward layers) trained, and the adapters saved in the format
-`pipe.load_lora_weights` reads.
+on its attention projections (and Flux's double blocks' feed-forward layers) trained, and the adapters saved in the
+format `pipe.load_lora_weights` reads.
 
 Under ZeRO-3 the adapter's parameters are partitioned like any other, so saving gathers them (and only them)
 first; every rank takes part, rank 0 writes.
@@ -33,13 +33,14 @@ __all__ = [
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name load_lora_weights looks for
 
 _ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora(_sdxl).py
-# diffusers' train_dreambooth_lora_flux.py: both attention streams and feed-forwards of the double blocks; then the
-# single blocks' MLP in and out projections (`proj_out` also names the transformer's last projection).
+# diffusers' train_dreambooth_lora_flux.py: the attention projections of both streams (the single blocks'
+# `attn.to_q/k/v` match too) and the double blocks' feed-forwards. Not `proj_out`: the name ends the single blocks' MLP
+# and also names the transformer's last projection, which diffusers leaves alone; `--lora-targets` adds `proj_mlp` or
+# `proj_out` on request.
 _FLUX = (
     *(f"attn.{name}" for name in _ATTENTION),
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-    "proj_mlp", "proj_out",
 )  # fmt: skip
 DEFAULT_TARGETS: dict[Family, tuple[str, ...]] = {Family.SD: _ATTENTION, Family.SDXL: _ATTENTION, Family.FLUX: _FLUX}
 

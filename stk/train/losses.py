@@ -9,8 +9,9 @@ schedule, so a run without them trains exactly as before.
 - caption dropout (as diffusers' examples' --proportion_empty_prompts): each sample's caption embedding is the
   empty caption's with probability P, so the model also learns the unconditional prediction that classifier-free
   guidance subtracts. Every family.
-- Flux's timestep sampling: logit-normal sigmoid(N(mean, std)) (SD3, diffusers' default), sigmoid
-  sigmoid(std * N(0, 1)) (kohya's, logit-normal centred at 0), or uniform U(0, 1); then the flow shift
+- Flux's timestep sampling: logit-normal sigmoid(N(mean, std)) (stk's default; the default of diffusers' SD3
+  scripts, `--weighting_scheme logit_normal`), sigmoid sigmoid(std * N(0, 1)) (kohya's, logit-normal centred at
+  0), or uniform U(0, 1) (the default of diffusers' Flux scripts, `--weighting_scheme none`); then the flow shift
   sigma' = S sigma / (1 + (S - 1) sigma) for a fixed S, or `auto`: the pipeline's own resolution-dependent shift.
 """
 

@@ -32,7 +32,7 @@ class TrainOptions:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     epochs: int = 1
-    max_steps: int | None = None  # optimizer steps; caps epochs
+    max_steps: int | None = None  # optimizer steps, as many epochs as they take; None: --epochs
     seed: int = 0
     repeats: int | None = None  # None: the scan's per-bucket repeats, else 1
     allow_oversubscription: bool = False
