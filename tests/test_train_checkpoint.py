@@ -83,9 +83,9 @@ def test_every_file_of_a_checkpoint_is_listed_with_its_size_digest_and_writer(tr
     _, out = trained
     for step in (2, 4):
         files = record(out, step)["files"]
-        on_disk = {
-            str(p.relative_to(step_dir(out, step))) for p in step_dir(out, step).rglob("*") if p.is_file()
-        } - {SETTINGS}
+        on_disk = {str(p.relative_to(step_dir(out, step))) for p in step_dir(out, step).rglob("*") if p.is_file()} - {
+            SETTINGS
+        }
         assert set(files) == on_disk, on_disk ^ set(files)
         assert {MODEL, OPTIM.format(0), OPTIM.format(1), "ema/rank-00000.pt", "ema/rank-00001.pt"} <= set(files)
         assert files[OPTIM.format(1)]["rank"] == 1 and files["ema/rank-00001.pt"]["rank"] == 1

@@ -112,9 +112,15 @@ class CheckpointDir:
             step = int(tag.removeprefix("step-"))
             return [Resume(self.path, name) for s, name in tags if s <= step]
         # `latest` names a folder that is gone: any checkpoint whose record lists its files was complete
-        log.warning("%s/%s names %r, which is not there: resuming from the newest checkpoint that verifies",
-                    self.path, LATEST, tag)  # fmt: skip
-        return [Resume(self.path, name) for _, name in tags if _has_digests(Resume(self.path, name))]
+        where = f"{self.path}/{LATEST} names {tag!r}, which is not there"
+        recorded = [Resume(self.path, name) for _, name in tags if _has_digests(Resume(self.path, name))]
+        if not recorded:
+            raise CheckpointDamaged(
+                f"{where}, and no other checkpoint lists its files to verify it by: pick one with --resume-from "
+                "PATH, or start over with --resume none"
+            )
+        log.warning("%s: resuming from the newest checkpoint that verifies", where)
+        return recorded
 
     def save(
         self,
