@@ -313,7 +313,8 @@ def _portable(exc: Exception | None) -> Exception | None:
     """`exc` as it can travel to the other ranks (pickled): StkErrors as they are, others as their one line."""
     if exc is None or isinstance(exc, StkError):
         return exc
-    return RuntimeError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+    lines = str(exc).strip().splitlines()
+    return RuntimeError(f"{type(exc).__name__}: {lines[0] if lines else ''}")
 
 
 def _files(resume: Resume) -> dict[str, FileRecord] | None:
@@ -340,12 +341,11 @@ def _has_digests(resume: Resume) -> bool:
 
 def _damage(resume: Resume, world: World) -> list[str]:
     """What is wrong with this rank's share of the checkpoint's files (all of them on a world of one)."""
-    folder = os.path.join(resume.directory, resume.tag)
     try:
         files = _files(resume)
     except ValueError as exc:
-        return [f"{folder}/{exc}"] if world.is_root else []
-    return damage(folder, files or {}, world.rank, world.size)
+        return [f"{_where(resume)}/{exc}"] if world.is_root else []
+    return damage(_where(resume), files or {}, world.rank, world.size)
 
 
 def _where(resume: Resume) -> str:
