@@ -9,6 +9,7 @@ from fractions import Fraction
 __all__ = [
     "BatchCheckFailed",
     "CacheIncomplete",
+    "CheckpointDamaged",
     "ExitCode",
     "InfraError",
     "InputError",
@@ -29,7 +30,7 @@ class ExitCode(enum.IntEnum):
     INPUT = 3  # source, table, bucket or output unusable: nothing was produced
     TOO_MANY_ERRORS = 4  # outputs written, but more bad files than --max-errors allows
     BATCH_CHECK = 5  # outputs written, but some bucket cannot fill one effective batch
-    INCOMPLETE = 6  # stk-cache verify: shards missing or damaged, or scan rows without a cache entry
+    INCOMPLETE = 6  # shards missing or damaged, or scan rows without a cache entry; no checkpoint that verifies
     PREFLIGHT = 7  # stk-train: the job cannot run as set up (output not shared, uneven nodes); nothing trained
     INFRA = 69  # storage, network or a peer failed (S3 down past the retry budget, disk full): retry, maybe elsewhere
     REQUEUE = 75  # stk-train: checkpointed on SIGUSR2/SIGTERM; requeue the job to continue (EX_TEMPFAIL)
@@ -65,6 +66,12 @@ class BatchCheckFailed(StkError):
 
 
 class CacheIncomplete(StkError):
+    exit_code = ExitCode.INCOMPLETE
+
+
+class CheckpointDamaged(StkError):
+    """No checkpoint to resume from matches the digests it was saved with."""
+
     exit_code = ExitCode.INCOMPLETE
 
 

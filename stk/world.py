@@ -23,6 +23,7 @@ __all__ = [
     "get_world",
     "launched_by_mpi",
     "on_abort",
+    "raised_everywhere",
     "raised_on_every_rank",
     "split_work",
 ]
@@ -131,6 +132,12 @@ def _everywhere(exc: Exception, rank: int, node: str | None) -> Exception:
         setattr(exc, _ORIGIN, (rank, node))
     setattr(exc, _EVERYWHERE, True)
     return exc
+
+
+def raised_everywhere(exc: Exception, rank: int, node: str | None = None) -> Exception:
+    """`exc`, marked as raised on every rank together where `rank` (on `node`) had it: for an error the ranks
+    agreed on through another collective than World's (torch.distributed's, in a checkpoint save)."""
+    return _everywhere(exc, rank, node)
 
 
 def raised_on_every_rank(exc: BaseException) -> bool:

@@ -43,6 +43,8 @@ def test_errnos_map_to_infra_or_input_with_the_path() -> None:
     assert isinstance(read_only, InfraError) and "/d/manifest.json" in str(read_only)
     denied = as_stk_error(PermissionError(errno.EACCES, "Permission denied", "/d/y"), where="rank 1 on n1")
     assert isinstance(denied, InputError) and str(denied).startswith("rank 1 on n1: permission denied: /d/y")
+    during_a_save = as_stk_error(PermissionError(errno.EACCES, "Permission denied", "/o/c"), saving=True)
+    assert isinstance(during_a_save, InfraError) and "permission denied: /o/c" in str(during_a_save)  # requeued
     assert as_stk_error(FileNotFoundError(errno.ENOENT, "No such file", "/d/z")) is None
     assert as_stk_error(ValueError("no errno here")) is None
 

@@ -13,13 +13,14 @@ import pytest
 import torch
 from helpers import board_scalars, board_tags
 
-from stk.errors import BatchCheckFailed, ExitCode, InputError, PreflightFailed
+from stk.errors import BatchCheckFailed, CheckpointDamaged, ExitCode, InputError, PreflightFailed
 from stk.train.checkpoint import CheckpointDir, tag_for
 from stk.train.dsconfig import PRESETS, builds_own_optimizer, load_deepspeed_config, training_config, zero_stage
 from stk.train.metrics import MetricsLog
 from stk.train.optim import OptimizerSettings, client_optimizer, lr_schedule, optimizer_section
 from stk.train.preflight import _one_view, _ranges, check_buckets
 from stk.train.stopping import StopSignals, is_gpu_error, is_out_of_memory, is_peer_failure, out_of_memory, peer_failed
+from stk.world import World
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -160,15 +161,15 @@ def test_prune_keeps_the_newest_complete_and_drops_torn_newer_ones(tmp_path):
 
 def test_resume_resolution(tmp_path):
     checkpoints = CheckpointDir(str(tmp_path), keep=1, rank=0)
-    assert checkpoints.resolve("auto") is None and checkpoints.resolve("none") is None
+    assert checkpoints.resolve("auto", World()) is None and checkpoints.resolve("none", World()) is None
     (tmp_path / "checkpoints" / tag_for(4)).mkdir(parents=True)
     (tmp_path / "checkpoints" / "latest").write_text(tag_for(4))
-    resume = checkpoints.resolve("auto")
+    resume = checkpoints.resolve("auto", World())  # saved without digests: resumed as it is (with a warning)
     assert resume is not None and resume.tag == tag_for(4) and resume.directory == checkpoints.path
-    assert checkpoints.resolve(str(tmp_path / "checkpoints" / tag_for(4))) == resume
+    assert checkpoints.resolve(str(tmp_path / "checkpoints" / tag_for(4)), World()) == resume
     (tmp_path / "checkpoints" / "latest").write_text(tag_for(5))
-    with pytest.raises(InputError, match="not there"):
-        checkpoints.resolve("auto")
+    with pytest.raises(CheckpointDamaged, match="not there, and no other checkpoint lists its files"):
+        checkpoints.resolve("auto", World())
     with pytest.raises(InputError, match="keep at least 1"):
         CheckpointDir(str(tmp_path), keep=0, rank=0)
 

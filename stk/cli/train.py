@@ -39,9 +39,10 @@ A summary JSON line goes to stdout.
 \b
 Exit codes: 0 finished; 2 bad option; 3 unusable input (cache, model, config; a cache made with
 another VAE or text encoders: --force); 5 a bucket cannot fill one effective batch; 6 the cache
-does not cover the scan, or a shard is damaged (stk-cache verify CACHE --repair, then stk-cache);
-7 preflight failed (output dir not shared or in use by another run, uneven GPUs); 69 a peer
-rank, storage or the network failed (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM,
+does not cover the scan, or a shard is damaged (stk-cache verify CACHE --repair, then stk-cache),
+or no checkpoint verifies (the message names the files); 7 preflight failed (output dir not
+shared or in use by another run, uneven GPUs); 69 a peer rank, storage or the network failed, or
+a checkpoint could not be written (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM,
 requeue the job to continue; 76 GPU fault (circuit breaker open); 1 a bug (traceback in the log).
 """
 
@@ -166,7 +167,12 @@ def _default(name: str) -> Any:
     help="Newest kept.",
 )
 @click.option("--resume", default=_default("resume"), show_envvar=True,
-              help="auto: from OUTPUT/checkpoints/latest if any; none; or a checkpoint directory.")  # fmt: skip
+              help="auto: from the newest checkpoint that verifies, OUTPUT/checkpoints/latest first (falling back "
+                   "to older ones needs --keep-checkpoints 2 or more); none: start over; a checkpoint directory: "
+                   "as --resume-from.")  # fmt: skip
+@click.option("--resume-from", metavar="PATH", show_envvar=True,
+              help="Resume from this checkpoint directory (OUTPUT/checkpoints/step-NNNNNNNN), verified; exit 6 "
+                   "if it is damaged.")  # fmt: skip
 @click.option("--override-resume", is_flag=True, show_envvar=True,
               help="Resume although seed, optimizer, lr, schedule, batch or accumulation differ from the "
                    "checkpoint's: this run's values apply from the resumed step on.")  # fmt: skip
@@ -305,6 +311,11 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
         options.pop("validation_seed"),
         not options.pop("no_validation"),
     )
+    resume_from = options.pop("resume_from")
+    if resume_from:
+        if options["resume"] not in ("auto", resume_from):
+            raise click.UsageError(f"--resume {options['resume']} and --resume-from {resume_from}: give one")
+        options["resume"] = resume_from
     size = options["local_cache_size"]
     opts = options_from(
         TrainOptions,

@@ -2,7 +2,9 @@
 
 A full disk, an exhausted quota, a file system remounted read-only or a failing device are the
 infrastructure's fault (InfraError, exit 69: rerun, maybe elsewhere); permission denied is the
-user's to fix (InputError, exit 3). Python reports these as OSError with an errno; h5py reports
+user's to fix (InputError, exit 3), except in the middle of a save (`saving`): the output was
+writable when the run started, so a checkpoint that cannot be written is the infrastructure's
+fault too (exit 69, requeued). Python reports these as OSError with an errno; h5py reports
 them as OSError or RuntimeError with the errno only inside HDF5's multi-line message
 ("..., errno = 28, error message = 'No space left on device', ..."). Either way the person gets
 one line: what failed, the path, and what to do. Other libraries put the errno in their text
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 
 from stk.errors import InfraError, InputError, StkError
 
-__all__ = ["as_stk_error", "disk_state_error", "storage_errors"]
+__all__ = ["as_stk_error", "disk_error", "disk_state_error", "storage_errors"]
 
 _RERUN = "then rerun the same command (finished work is kept)"
 _INFRA = {
@@ -53,9 +55,9 @@ def _errno_and_path(exc: BaseException) -> tuple[int | None, str | None]:
     return code, None if path is None else os.fsdecode(path)
 
 
-def as_stk_error(exc: BaseException, path: str | None = None, where: str = "") -> StkError | None:
+def as_stk_error(exc: BaseException, path: str | None = None, where: str = "", saving: bool = False) -> StkError | None:
     """The StkError for a disk failure (`path` names the file when the error does not), or None
-    when `exc` is not one: the caller then lets it through as it is."""
+    when `exc` is not one: the caller then lets it through as it is. `saving`: every one is an InfraError."""
     if not isinstance(exc, Exception) or isinstance(exc, StkError):
         return None
     code, named = _errno_and_path(exc)
@@ -65,10 +67,12 @@ def as_stk_error(exc: BaseException, path: str | None = None, where: str = "") -
     prefix = f"{where}: " if where else ""
     if code in _INFRA:
         return InfraError(prefix + _INFRA[code].format(target))
+    if saving:
+        return InfraError(prefix + _INPUT[code].format(target) + ", " + _RERUN)
     return InputError(prefix + _INPUT[code].format(target))
 
 
-def disk_state_error(path: str, where: str = "") -> StkError | None:
+def disk_state_error(path: str, where: str = "", saving: bool = False) -> StkError | None:
     """The error for a disk that is read-only or (nearly) full, judged from the disk itself: for
     libraries whose errors lose the errno (torch.save: "unexpected pos 58048 vs 57942")."""
     existing = os.path.abspath(path)
@@ -84,19 +88,28 @@ def disk_state_error(path: str, where: str = "") -> StkError | None:
         code = errno.ENOSPC
     else:
         return None
-    return as_stk_error(OSError(code, os.strerror(code)), path, where)
+    return as_stk_error(OSError(code, os.strerror(code)), path, where, saving)
+
+
+def disk_error(exc: BaseException, path: str | None = None, where: str = "", saving: bool = False) -> StkError | None:
+    """`exc` as `storage_errors` raises it, or None for an error that is no disk's. While `saving`, an error
+    already made one (a permission denied, exit 3, from a nested writer) is judged again from its cause."""
+    if saving and isinstance(exc, InputError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    error = as_stk_error(exc, path, where, saving)
+    if error is None and path is not None and isinstance(exc, (OSError, RuntimeError)):
+        error = disk_state_error(path, where, saving)
+    return error
 
 
 @contextlib.contextmanager
-def storage_errors(path: str | None = None, where: str = "") -> Iterator[None]:
+def storage_errors(path: str | None = None, where: str = "", saving: bool = False) -> Iterator[None]:
     """Raise disk failures inside the block as StkErrors (see `as_stk_error`); others pass. With a
     `path`, an error that names no errno is one too when that path's disk is full or read-only."""
     try:
         yield
     except Exception as exc:
-        error = as_stk_error(exc, path, where)
-        if error is None and path is not None and isinstance(exc, (OSError, RuntimeError)):
-            error = disk_state_error(path, where)
+        error = disk_error(exc, path, where, saving)
         if error is None:
             raise
         raise error from exc

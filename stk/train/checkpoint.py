@@ -10,6 +10,13 @@ removed by the next save.
 Each checkpoint also holds `stk-run.json`, the run settings it was trained with
 (`TrainOptions.run_settings`), read before any model loads so that a resume with another seed,
 learning rate or batch is refused in seconds with one line.
+
+Every file of a checkpoint has its size and sha256 in `stk-run.json` (`files`), which is written
+last: each rank hashes what it wrote right after writing it (from the page cache), rank 0 gathers
+the digests, writes the record, and only then moves `latest`. A resume verifies the checkpoint it
+takes, each rank its share of the files, and falls back to the newest one that verifies; a save
+that fails on any rank (a full disk, a permission denied) fails on every rank with one line and
+exit 69, and `latest` stays where it was.
 """
 
 from __future__ import annotations
@@ -20,12 +27,15 @@ import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from stk.errors import InputError
+from stk.errors import CheckpointDamaged, InputError, StkError
 from stk.log import get_logger
 from stk.storage import write_atomic
-from stk.storage.failures import storage_errors
+from stk.storage.failures import disk_error
+from stk.train.digests import FileRecord, damage, hash_files, listed_files
+from stk.world import World, raised_everywhere
 
 __all__ = ["CheckpointDir", "Resume"]
 
@@ -33,6 +43,7 @@ log = get_logger("train.checkpoint")
 
 LATEST = "latest"
 SETTINGS = "stk-run.json"
+FILES = "files"  # the key of stk-run.json that lists the checkpoint's files with their digests
 # Weights of another family, or another adapter (or none), cannot be loaded, whatever the user says.
 FIXED_SETTINGS = ("family", "lora_rank", "lora_targets")
 _TAG = re.compile(r"^step-(\d{8,})$")
@@ -61,27 +72,55 @@ class CheckpointDir:
         self.frozen_base = frozen_base
 
     def latest(self) -> str | None:
-        """The tag `latest` names, if that checkpoint is there."""
+        """The tag `latest` names (which may be missing), or None before the first checkpoint."""
         try:
             with open(os.path.join(self.path, LATEST), encoding="utf-8") as f:
-                tag = f.read().strip()
+                return f.read().strip()
         except FileNotFoundError:
             return None
-        if not tag or not os.path.isdir(os.path.join(self.path, tag)):
-            raise InputError(f"{self.path}/{LATEST} names {tag!r}, which is not there: remove it to start over")
-        return tag
 
-    def resolve(self, resume: str) -> Resume | None:
-        """--resume: "auto" (the latest checkpoint, or none yet), "none", or a checkpoint directory."""
+    def resolve(self, resume: str, world: World) -> Resume | None:
+        """--resume: "auto" (the newest checkpoint that verifies, or none yet), "none", or a checkpoint directory
+        (--resume-from: that one, verified). Collective: each rank verifies its share of the files, rank 0 logs
+        what was skipped; CheckpointDamaged (exit 6) when none verifies."""
         if resume == "none":
             return None
-        if resume == "auto":
-            tag = self.latest()
-            return Resume(self.path, tag) if tag else None
-        path = os.path.abspath(resume.rstrip("/"))
-        if not os.path.isdir(path):
-            raise InputError(f"--resume {resume}: no such checkpoint directory (or give auto / none)")
-        return Resume(os.path.dirname(path), os.path.basename(path))
+        candidates = world.root_call(lambda: self._candidates(resume))
+        damaged: list[tuple[Resume, list[str]]] = []
+        for candidate in candidates:
+            found = [line for lines in world.allgather(_damage(candidate, world)) for line in lines]
+            if not found:
+                world.root_call(partial(_log_taken, candidate, damaged))
+                return candidate
+            damaged.append((candidate, found))
+        if damaged:
+            world.root_call(partial(_none_verifies, damaged, resume != "auto"))
+        return None
+
+    def _candidates(self, resume: str) -> list[Resume]:
+        """The checkpoints to try, newest first."""
+        if resume != "auto":
+            path = os.path.abspath(resume.rstrip("/"))
+            if not os.path.isdir(path):
+                raise InputError(f"--resume-from {resume}: no such checkpoint directory (or give --resume auto / none)")
+            return [Resume(os.path.dirname(path), os.path.basename(path))]
+        tag = self.latest()
+        if tag is None:
+            return []
+        tags = self._tags()[::-1]
+        if _TAG.match(tag) and os.path.isdir(os.path.join(self.path, tag)):
+            step = int(tag.removeprefix("step-"))
+            return [Resume(self.path, name) for s, name in tags if s <= step]
+        # `latest` names a folder that is gone: any checkpoint whose record lists its files was complete
+        where = f"{self.path}/{LATEST} names {tag!r}, which is not there"
+        recorded = [Resume(self.path, name) for _, name in tags if _has_digests(Resume(self.path, name))]
+        if not recorded:
+            raise CheckpointDamaged(
+                f"{where}, and no other checkpoint lists its files to verify it by: pick one with --resume-from "
+                "PATH, or start over with --resume none"
+            )
+        log.warning("%s: resuming from the newest checkpoint that verifies", where)
+        return recorded
 
     def save(
         self,
@@ -89,15 +128,47 @@ class CheckpointDir:
         step: int,
         client_state: dict[str, Any],
         settings: dict[str, Any],
-        also: Callable[[str], None] | None = None,
+        also: Callable[[str], list[str]] | None = None,
     ) -> str:
-        """Save on every rank, then move `latest` (rank 0) once all have finished; prune old ones. `also` is called
-        on every rank with the checkpoint's folder, to add files before `latest` names it."""
+        """Save on every rank; once every rank's files are written and hashed, rank 0 writes stk-run.json with
+        `settings` and the digests, moves `latest` and prunes old ones. `also` is called on every rank with the
+        checkpoint's folder and returns the files it added there. A failure on any rank (InfraError for a disk:
+        exit 69) is raised on every rank, with `latest` where it was."""
         import torch.distributed as dist
 
         tag = tag_for(step)
         folder = os.path.join(self.path, tag)
-        with storage_errors(folder):  # torch.save's errors on a full disk name no errno
+        if self.rank == 0:  # a damaged checkpoint of this step, skipped by the resume, or a save that failed
+            shutil.rmtree(folder, ignore_errors=True)
+        dist.barrier()
+        files, failure = self._write(engine, tag, client_state, also)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (files, _portable(failure)))
+        failed = next(((rank, f) for rank, (_, f) in enumerate(gathered) if f is not None), None)
+        if failed is None and self.rank == 0:
+            error = self._commit(folder, tag, settings, {name: r for part, _ in gathered for name, r in part.items()})
+            failed = None if error is None else (0, error)
+        outcome = [failed]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            rank, error = outcome[0]
+            if self.rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)  # frees what the failed save took
+            own = failure if rank == self.rank and failure is not None else error
+            raise raised_everywhere(own, rank) if isinstance(own, StkError) else own
+        return tag
+
+    def _write(
+        self, engine: Any, tag: str, client_state: dict[str, Any], also: Callable[[str], list[str]] | None
+    ) -> tuple[dict[str, FileRecord], Exception | None]:
+        """This rank's files of the checkpoint, written, synced and hashed, or the first failure. Every rank goes
+        through every collective of the save, whatever failed on it."""
+        import torch.distributed as dist
+
+        folder = os.path.join(self.path, tag)
+        recorder = _Recorder(engine.checkpoint_engine)
+        engine.checkpoint_engine = recorder
+        try:
             engine.save_checkpoint(
                 self.path,
                 tag=tag,
@@ -105,18 +176,40 @@ class CheckpointDir:
                 save_latest=False,
                 exclude_frozen_parameters=self.frozen_base,
             )
-            if self.rank == 0:
-                write_atomic(os.path.join(folder, SETTINGS), json.dumps(settings, sort_keys=True).encode())
-        if also is not None:
-            also(folder)
-        os.sync()  # this rank's files on stable storage before `latest` can point at them
-        dist.barrier()
-        if self.rank == 0:
+        except Exception as exc:  # DeepSpeed's own writes outside its checkpoint engine: rank 0's recovery scripts
+            recorder.fail(exc)
+            if disk_error(exc, folder, saving=True) is None:
+                raise
+            dist.barrier()  # the one the other ranks wait in at the end of save_checkpoint
+        finally:
+            engine.checkpoint_engine = recorder.inner
+        written = list(recorder.written)
+        try:  # after a failure too: `also` may be collective (LoRA under ZeRO-3)
+            written += also(folder) if also is not None else []
+        except Exception as exc:
+            recorder.fail(exc)
+        if recorder.failure is not None:
+            return {}, _for_people(recorder.failure, folder)
+        try:
+            os.sync()  # this rank's files on stable storage before `latest` can point at them
+            return hash_files(folder, written, self.rank), None
+        except Exception as exc:
+            return {}, _for_people(exc, folder)
+
+    def _commit(
+        self, folder: str, tag: str, settings: dict[str, Any], files: dict[str, FileRecord]
+    ) -> Exception | None:
+        """Rank 0: the record (with the files no rank claimed: DeepSpeed's recovery scripts), then `latest`."""
+        try:
+            files.update(hash_files(folder, listed_files(folder, skip=[*files, SETTINGS]), rank=0))
+            record = json.dumps({**settings, FILES: files}, sort_keys=True).encode()
+            write_atomic(os.path.join(folder, SETTINGS), record)
             write_atomic(os.path.join(self.path, LATEST), tag.encode())
-            self._prune(keep_tag=tag)
-            log.info("checkpoint %s saved", os.path.join(self.path, tag))
-        dist.barrier()
-        return tag
+        except Exception as exc:
+            return _for_people(exc, folder)
+        self._prune(keep_tag=tag)
+        log.info("checkpoint %s saved", folder)
+        return None
 
     def load(self, engine: Any, resume: Resume, keep_schedule: bool = True) -> dict[str, Any]:
         """Load parameters, optimizer and (with `keep_schedule`) the LR schedule; returns the client
@@ -158,12 +251,123 @@ class CheckpointDir:
         log.warning("--override-resume: continuing %s with %s", where, ", ".join(described))
         return changed
 
+    def _tags(self) -> list[tuple[int, str]]:
+        """(step, tag) of every checkpoint folder, oldest first."""
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            return []
+        return sorted((int(m.group(1)), name) for name in names if (m := _TAG.match(name)))
+
     def _prune(self, keep_tag: str) -> None:
         """Keep the newest `keep` complete checkpoints; incomplete ones (newer than `latest`, from a
         killed save) go too."""
-        tags = sorted((int(m.group(1)), name) for name in os.listdir(self.path) if (m := _TAG.match(name)))
+        tags = self._tags()
         keep_step = int(keep_tag.removeprefix("step-"))
         complete = [name for step, name in tags if step <= keep_step]
         doomed = complete[: -self.keep] + [name for step, name in tags if step > keep_step]
         for name in doomed:
             shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
+
+
+class _Recorder:
+    """DeepSpeed's checkpoint engine, recording the files this rank writes and the first failure instead of
+    raising it: a rank that raised out of save_checkpoint would leave the others waiting in its barriers."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.written: list[str] = []
+        self.failure: Exception | None = None
+
+    def fail(self, exc: Exception) -> None:
+        if self.failure is None:
+            self.failure = exc
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self.inner.save(state_dict, path)
+            self.written.append(path)
+        except Exception as exc:
+            self.fail(exc)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        try:
+            self.inner.makedirs(path, exist_ok=exist_ok)
+        except Exception as exc:
+            self.fail(exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _for_people(exc: Exception, folder: str) -> Exception:
+    """A failed save as its one line: any disk failure is exit 69 (storage_errors(saving=True)); others as they
+    are (a bug)."""
+    named = exc.filename if isinstance(exc, OSError) and exc.filename else None
+    return disk_error(exc, os.fsdecode(named) if named else folder, saving=True) or exc
+
+
+def _portable(exc: Exception | None) -> Exception | None:
+    """`exc` as it can travel to the other ranks (pickled): StkErrors as they are, others as their one line."""
+    if exc is None or isinstance(exc, StkError):
+        return exc
+    lines = str(exc).strip().splitlines()
+    return RuntimeError(f"{type(exc).__name__}: {lines[0] if lines else ''}")
+
+
+def _files(resume: Resume) -> dict[str, FileRecord] | None:
+    """The files a checkpoint's record lists, or None for a checkpoint saved without digests (or without
+    stk-run.json). A record that cannot be read raises ValueError."""
+    try:
+        with open(os.path.join(resume.directory, resume.tag, SETTINGS), encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{SETTINGS} cannot be read ({exc})") from None
+    files = record.get(FILES) if isinstance(record, dict) else None
+    return files if isinstance(files, dict) else None
+
+
+def _has_digests(resume: Resume) -> bool:
+    """Whether the checkpoint's record lists its files (one that cannot be read is found damaged later)."""
+    try:
+        return _files(resume) is not None
+    except ValueError:
+        return True
+
+
+def _damage(resume: Resume, world: World) -> list[str]:
+    """What is wrong with this rank's share of the checkpoint's files (all of them on a world of one)."""
+    try:
+        files = _files(resume)
+    except ValueError as exc:
+        return [f"{_where(resume)}/{exc}"] if world.is_root else []
+    return damage(_where(resume), files or {}, world.rank, world.size)
+
+
+def _where(resume: Resume) -> str:
+    return os.path.join(resume.directory, resume.tag)
+
+
+def _log_taken(taken: Resume, damaged: list[tuple[Resume, list[str]]]) -> None:
+    for resume, found in damaged:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        log.warning("checkpoint %s is damaged, skipped: %s%s", _where(resume), found[0], more)
+    if damaged:
+        log.warning("resuming from %s, the newest checkpoint that verifies", _where(taken))
+    if _files(taken) is None:
+        log.warning("checkpoint %s records no digests (saved by an older stk): resumed without verifying it",
+                    _where(taken))  # fmt: skip
+
+
+def _none_verifies(damaged: list[tuple[Resume, list[str]]], picked: bool) -> None:
+    named = "; ".join(line for _, found in damaged for line in found)
+    if picked:
+        raise CheckpointDamaged(f"--resume-from: the checkpoint is damaged ({named}); pick another one")
+    raise CheckpointDamaged(
+        f"no checkpoint verifies ({named}): restore these files, pick a checkpoint with --resume-from, "
+        "or start over with --resume none"
+    )

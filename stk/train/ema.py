@@ -109,11 +109,13 @@ class ShardedEma:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def save(self, folder: str) -> None:
-        """This rank's share into `folder`/ema/ (every rank writes its own file)."""
+    def save(self, folder: str) -> str:
+        """This rank's share into `folder`/ema/ (every rank writes its own file); returns the file."""
         os.makedirs(os.path.join(folder, EMA_DIR), exist_ok=True)
         state = {"shadow": self.shadow, "updates": self.updates, "layout": self.layout, "world": self.world}
-        torch.save(state, _shard_path(folder, self.rank))
+        path = _shard_path(folder, self.rank)
+        torch.save(state, path)
+        return path
 
     def load(self, folder: str) -> None:
         """This rank's share from a checkpoint made with the same ranks, weights and ZeRO stage."""

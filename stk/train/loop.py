@@ -179,7 +179,7 @@ def _leased_run(
     opts.lora.check()
     deepspeed_config = load_deepspeed_config(opts.deepspeed)
     checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank, frozen_base=opts.lora.enabled)
-    resume = world.root_call(lambda: checkpoints.resolve(opts.resume))
+    resume = checkpoints.resolve(opts.resume, world)  # the newest checkpoint that verifies
     plan = world.run_everywhere(lambda: plan_training(opts, world.size))
     world.run_everywhere(lambda: opts.loss.check(plan.family))  # refused once, by rank 0, before any model loads
     world.run_everywhere(lambda: check_reporter(opts.report_to))
@@ -550,22 +550,28 @@ def _client_state(run: _Run, position: dict[str, Any]) -> dict[str, Any]:
     return {"stk": {"step": run.step, "sampler": position, "seed": run.opts.seed, "family": run.plan.family.value}}
 
 
-def _beside_checkpoint(run: _Run, folder: str) -> None:
+def _beside_checkpoint(run: _Run, folder: str) -> list[str]:
     """What a checkpoint holds besides DeepSpeed's files, on every rank: this rank's EMA share, and for a LoRA run
-    the adapter in lora/, to try mid-run."""
+    the adapter in lora/, to try mid-run. Returns the files this rank wrote."""
+    written = []
     if run.ema is not None:
-        run.ema.save(folder)
+        written.append(run.ema.save(folder))
     if run.opts.lora.enabled:
-        _save_lora(run, os.path.join(folder, "lora"))
+        out = os.path.join(folder, "lora")
+        if _save_lora(run, out):
+            written += [os.path.join(out, name) for name in sorted(os.listdir(out))]
+    return written
 
 
-def _save_lora(run: _Run, out: str) -> None:
-    """The adapter as `pipe.load_lora_weights(out)` reads it. Collective: every rank gathers, rank 0 writes."""
+def _save_lora(run: _Run, out: str) -> bool:
+    """The adapter as `pipe.load_lora_weights(out)` reads it; whether this rank wrote it. Collective: every rank
+    gathers, rank 0 writes."""
     state = lora_state_dict(run.model.engine)
     if run.rank == 0:
         assert state is not None
         objective, module = run.model.objective, run.model.engine.module
         save_lora(objective.pipeline_class, objective.denoiser_subfolder, module.peft_config["default"], state, out)
+    return run.rank == 0
 
 
 def _export_all(run: _Run) -> str:

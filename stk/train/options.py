@@ -39,7 +39,7 @@ class TrainOptions:
     guidance_scale: float = 3.5  # Flux models with a guidance embedding
     checkpoint_every: int = 500  # optimizer steps; 0: only on signals and at the end
     keep_checkpoints: int = 3
-    resume: str = "auto"  # auto | none | a checkpoint directory
+    resume: str = "auto"  # auto | none | a checkpoint directory (--resume-from)
     compile_mode: str | None = None  # torch.compile mode; None: eager
     gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: train every weight
