@@ -162,7 +162,7 @@ def test_stdin_entries_that_cannot_be_read(tmp_path: Path, run_scan: RunScan):
     (root / "a.txt").write_text("caption of a\n")
     (root / "x.jpg").mkdir()  # a directory with an image name
     listing = [str(root / "a.png"), str(root / "x.jpg"), str(root / "gone.png"), str(root / "a.png")]
-    expected = {str(root / "x.jpg"): "unreadable", str(root / "gone.png"): "not_found"}
+    expected = {str(root / "x.jpg"): "not_a_file", str(root / "gone.png"): "not_found"}
     if not IS_ROOT:
         _save_png(root / "locked.png", 80, 64)
         (root / "locked.png").chmod(0)
