@@ -56,6 +56,7 @@ __all__ = [
     "metrics",
     "mpi_rank_pids",
     "process_ended",
+    "raising",
     "run_train",
     "s3_client",
     "scan_command",
@@ -440,3 +441,12 @@ def unimplemented_dds() -> bytes:
     pixel_format = struct.pack("<II4s5I", 32, 0x4, b"DX10", 0, 0, 0, 0, 0)  # DDPF_FOURCC, then a DX10 header
     header = struct.pack("<7I44x", 124, 0x1007, 4, 4, 0, 0, 0) + pixel_format + struct.pack("<5I", 0x1000, 0, 0, 0, 0)
     return b"DDS " + header + struct.pack("<5I", 93, 3, 0, 1, 0) + bytes(64)
+
+
+def raising(exc: BaseException) -> Callable[..., Any]:
+    """A stand-in for a function (a decoder's `open_image`) that raises `exc` whatever it is given."""
+
+    def raise_it(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return raise_it

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import unimplemented_dds
+from helpers import raising, unimplemented_dds
 from PIL import Image
 
 from stk import imageinfo
@@ -278,10 +278,7 @@ def _png() -> bytes:
 def test_whatever_a_decoder_raises_is_the_files_error(
     monkeypatch: pytest.MonkeyPatch, raised: Exception, kind: str, reason: str
 ) -> None:
-    def open_image(f: Any) -> Any:
-        raise raised
-
-    monkeypatch.setattr(imageinfo, "open_image", open_image)
+    monkeypatch.setattr(imageinfo, "open_image", raising(raised))
     with pytest.raises(ImageError) as info:
         read_header_bytes(_png())
     assert (info.value.kind, info.value.reason) == (kind, reason)
@@ -291,10 +288,7 @@ def test_whatever_a_decoder_raises_is_the_files_error(
 def test_an_interrupt_or_a_storage_failure_is_not_the_files(
     monkeypatch: pytest.MonkeyPatch, raised: BaseException
 ) -> None:
-    def open_image(f: Any) -> Any:
-        raise raised
-
-    monkeypatch.setattr(imageinfo, "open_image", open_image)
+    monkeypatch.setattr(imageinfo, "open_image", raising(raised))
     with pytest.raises(type(raised)):
         read_header_bytes(_png())
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import unimplemented_dds
+from helpers import raising, unimplemented_dds
 from PIL import Image, ImageOps
 
 from stk import preprocess as preprocess_module
@@ -95,31 +95,19 @@ def test_a_plugin_that_raises_not_implemented_error_is_a_preprocess_error_naming
 
 
 @pytest.mark.parametrize(
-    ("raised", "kind", "message"),
+    ("raised", "expected"),
     [
-        (RuntimeError("plugin bug"), "decode_failed", "cannot decode: RuntimeError: plugin bug"),
-        (MemoryError(), "out_of_memory", "out of memory decoding it (MemoryError)"),
+        (RuntimeError("plugin bug"), ("decode_failed", "cannot decode: RuntimeError: plugin bug")),
+        (MemoryError(), ("out_of_memory", "out of memory decoding it (MemoryError)")),
+        (KeyboardInterrupt(), None),  # not the image's: raised as it is
+        (InfraError("S3 gone past the budget"), None),
     ],
 )
-def test_whatever_a_decoder_raises_is_a_preprocess_error(
-    monkeypatch: pytest.MonkeyPatch, raised: Exception, kind: str, message: str
+def test_whatever_a_decoder_raises_is_a_preprocess_error_unless_an_interrupt_or_the_storage(
+    monkeypatch: pytest.MonkeyPatch, raised: BaseException, expected: tuple[str, str] | None
 ) -> None:
-    def open_image(f: object) -> object:
-        raise raised
-
-    monkeypatch.setattr(preprocess_module, "open_image", open_image)
-    with pytest.raises(PreprocessError) as info:
+    monkeypatch.setattr(preprocess_module, "open_image", raising(raised))
+    with pytest.raises(PreprocessError if expected else type(raised)) as info:
         preprocess(io.BytesIO(b"anything"), 64, 64, CropMode.CENTER, "k")
-    assert (info.value.kind, str(info.value)) == (kind, message)
-
-
-@pytest.mark.parametrize("raised", [KeyboardInterrupt(), InfraError("S3 gone past the budget")])
-def test_an_interrupt_or_a_storage_failure_is_not_a_preprocess_error(
-    monkeypatch: pytest.MonkeyPatch, raised: BaseException
-) -> None:
-    def open_image(f: object) -> object:
-        raise raised
-
-    monkeypatch.setattr(preprocess_module, "open_image", open_image)
-    with pytest.raises(type(raised)):
-        preprocess(io.BytesIO(b"anything"), 64, 64, CropMode.CENTER, "k")
+    if expected:
+        assert isinstance(info.value, PreprocessError) and (info.value.kind, str(info.value)) == expected
