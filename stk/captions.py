@@ -27,7 +27,11 @@ class MissingCaption(str, enum.Enum):
 
 
 class CaptionError(Exception):
-    pass
+    """No caption may be used; `kind` is the error row's kind."""
+
+    def __init__(self, message: str, kind: str = "caption_unreadable") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def sidecar_stem(key: str) -> str:

@@ -17,6 +17,7 @@ __all__ = [
     "StkError",
     "TooManyErrors",
     "check_max_errors",
+    "described",
     "parse_max_errors",
 ]
 
@@ -77,6 +78,12 @@ class CheckpointDamaged(StkError):
 
 class PreflightFailed(StkError):
     exit_code = ExitCode.PREFLIGHT
+
+
+def described(exc: BaseException) -> str:
+    """An exception in one line with its type, for a bad file's error row: a decoder plugin may
+    raise anything (Pillow 13's DDS plugin: NotImplementedError), and the type says which it was."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def parse_max_errors(value: str, total: int) -> int:

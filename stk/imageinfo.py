@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from PIL import Image, ImageFile, ImageMode, UnidentifiedImageError
 
-from stk.errors import InfraError
+from stk.errors import StkError, described
 from stk.imageformats import ACCEPTED, EXTENSION_FORMATS, IMAGE_EXTENSIONS, open_image
 from stk.imageheaders import (
     JXL_CONTAINER,
@@ -35,6 +35,8 @@ __all__ = ["ImageError", "ImageHeader", "is_image_name", "read_header"]
 
 _TIFF_WIDTH, _TIFF_LENGTH = 256, 257  # ImageWidth, ImageLength
 _TAIL_BYTES = 32
+# what Pillow and stk's own readers raise for damaged bytes
+_CORRUPT = (SyntaxError, ValueError, EOFError, struct.error, OSError, IndexError, KeyError)
 _AVIF_BRANDS = frozenset({b"avif", b"avis"})
 _HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"})
 
@@ -50,18 +52,22 @@ def read_header(
     Raises ImageError for any unusable file; damaged metadata is a `warning` on the header."""
     if size == 0:
         raise ImageError("empty", "empty file (0 bytes)")
-    head = f.read(16)
-    f.seek(0)
     try:
+        head = f.read(16)
+        f.seek(0)
         header = _own_header(f, head, size) or _pillow_header(f, name)
-    except (SyntaxError, ValueError, EOFError, struct.error, OSError, IndexError, KeyError) as exc:
-        if isinstance(exc, InfraError):
-            raise
-        raise ImageError("corrupt", f"corrupt or truncated header: {exc}") from exc
-    if header.format not in accepted:
-        allowed = "" if accepted == ACCEPTED else " (not in --formats)"
-        raise ImageError("unsupported_format", f"unsupported format {header.format}{allowed}")
-    return _checked(header, head, f, size, max_pixels)
+        if header.format not in accepted:
+            allowed = "" if accepted == ACCEPTED else " (not in --formats)"
+            raise ImageError("unsupported_format", f"unsupported format {header.format}{allowed}")
+        return _checked(header, head, f, size, max_pixels)
+    except (ImageError, StkError):  # StkError: the storage failed while reading, not the image
+        raise
+    except _CORRUPT as exc:
+        raise ImageError("corrupt", f"corrupt or truncated header: {described(exc)}") from exc
+    except MemoryError as exc:  # the file asks for more than this process can allocate
+        raise ImageError("out_of_memory", f"out of memory reading its header ({described(exc)})") from exc
+    except Exception as exc:  # a decoder plugin may raise anything: still this file's fault alone
+        raise ImageError("decoder_error", f"the image decoder failed: {described(exc)}") from exc
 
 
 def _own_header(f: BinaryIO, head: bytes, size: int) -> ImageHeader | None:
@@ -153,7 +159,7 @@ def _decodes(f: BinaryIO) -> bool:
     try:
         with open_image(f) as im:
             im.load()
-    except InfraError:  # the storage failed while Pillow read, not the image
+    except (StkError, MemoryError):  # the storage or the memory failed, not the image
         raise
     except Exception:  # any decoder failure means the pixels are not all there
         return False

@@ -17,7 +17,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps
 
-from stk.errors import InfraError
+from stk.errors import StkError, described
 from stk.imageformats import open_image
 from stk.imageheaders import SWAPS_AXES, ExifUnreadable, image_orientation
 
@@ -30,7 +30,12 @@ class CropMode(str, enum.Enum):
 
 
 class PreprocessError(Exception):
-    """The image cannot be decoded into pixels (corrupt data past the header, say)."""
+    """The image cannot be decoded into pixels (corrupt data past the header, say); `kind` is the
+    error row's kind: decode_failed, or out_of_memory (not held against the file on a rerun)."""
+
+    def __init__(self, message: str, kind: str = "decode_failed") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -67,10 +72,12 @@ def preprocess(f: BinaryIO, bucket_width: int, bucket_height: int, crop: CropMod
         # JPEG: let libjpeg decode at a reduced scale that still covers the bucket (much faster)
         source.draft("RGB", (math.ceil(source.width * scale), math.ceil(source.height * scale)))
         im = (ImageOps.exif_transpose(source) if orientation != 1 else source).convert("RGB")
-    except InfraError:  # the storage failed while Pillow read, not the image
+    except StkError:  # the storage failed while Pillow read, not the image
         raise
-    except Exception as exc:  # Pillow raises many types for bad data; all mean "cannot decode"
-        raise PreprocessError(f"cannot decode: {exc}") from exc
+    except MemoryError as exc:
+        raise PreprocessError(f"out of memory decoding it ({described(exc)})", kind="out_of_memory") from exc
+    except Exception as exc:  # Pillow and its plugins raise many types for bad data; all mean "cannot decode"
+        raise PreprocessError(f"cannot decode: {described(exc)}") from exc
     # sizes come from the full oriented size, so the result does not depend on the draft scale
     oriented_w, oriented_h = width, height
     scale = max(bucket_width / oriented_w, bucket_height / oriented_h)

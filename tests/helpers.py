@@ -9,7 +9,9 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -20,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from slurm_cluster import free_ports
 from weed_server import S3_ENV, s3_client
@@ -53,6 +56,7 @@ __all__ = [
     "metrics",
     "mpi_rank_pids",
     "process_ended",
+    "raising",
     "run_train",
     "s3_client",
     "scan_command",
@@ -61,7 +65,9 @@ __all__ = [
     "summary_of",
     "train_command",
     "train_env",
+    "unimplemented_dds",
     "upload_cache",
+    "without_dac_override",
 ]  # fmt: skip
 
 
@@ -414,3 +420,33 @@ def gpu(index: int, **readings: Any) -> dict[str, Any]:
     """One GPU's readings as a STK_HEALTH_SCRIPT file lists them: a healthy H100 unless `readings` say otherwise."""
     healthy = {"temperature": 40, "shutdown_temperature": 92, "ecc_volatile_uncorrectable": 0}
     return {"index": index, "uuid": f"GPU-0000000{index}", "name": "NVIDIA H100 80GB HBM3", **healthy, **readings}
+
+
+def without_dac_override() -> tuple[str, ...]:
+    """A prefix that makes permission checks apply: for root, setpriv dropping CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH (root still owns its files, but a 0555 directory is not writable and a 0000 one
+    cannot be listed); nothing otherwise."""
+    if os.geteuid() != 0:
+        return ()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root bypasses permissions and setpriv (util-linux) is missing to drop that")
+    caps = "-dac_override,-dac_read_search"
+    return (setpriv, "--bounding-set", caps, "--inh-caps", caps)
+
+
+def unimplemented_dds() -> bytes:
+    """A 4x4 DDS of DXGI format 93, which Pillow 13's DDS plugin does not implement: `Image.open` raises
+    NotImplementedError, as on some real DDS files (a plugin may raise anything, not only Pillow's usual kinds)."""
+    pixel_format = struct.pack("<II4s5I", 32, 0x4, b"DX10", 0, 0, 0, 0, 0)  # DDPF_FOURCC, then a DX10 header
+    header = struct.pack("<7I44x", 124, 0x1007, 4, 4, 0, 0, 0) + pixel_format + struct.pack("<5I", 0x1000, 0, 0, 0, 0)
+    return b"DDS " + header + struct.pack("<5I", 93, 3, 0, 1, 0) + bytes(64)
+
+
+def raising(exc: BaseException) -> Callable[..., Any]:
+    """A stand-in for a function (a decoder's `open_image`) that raises `exc` whatever it is given."""
+
+    def raise_it(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return raise_it

@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import raising, unimplemented_dds
 from PIL import Image
 
+from stk import imageinfo
 from stk.datagen import FORMAT_SAMPLES, FORMATS, make_image, save
+from stk.errors import InfraError
 from stk.imageinfo import ImageError, ImageHeader, is_image_name, read_header
 
 ORIENTATION_TAG = 0x0112
@@ -247,6 +250,47 @@ def test_formats_pillow_reads_but_stk_does_not_train_on(fmt: str) -> None:
     buffer = io.BytesIO()
     make_image(32, 32).save(buffer, fmt)
     assert error_kind(buffer.getvalue()) == "unsupported_format"
+
+
+def test_a_plugin_that_raises_not_implemented_error_is_a_decoder_error_naming_it() -> None:
+    with pytest.raises(ImageError) as info:
+        read_header_bytes(unimplemented_dds())
+    assert info.value.kind == "decoder_error"
+    assert info.value.reason == "the image decoder failed: NotImplementedError: Unimplemented DXGI format 93"
+
+
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    make_image(8, 8).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("raised", "kind", "reason"),
+    [
+        (RuntimeError("plugin bug"), "decoder_error", "the image decoder failed: RuntimeError: plugin bug"),
+        (AssertionError(), "decoder_error", "the image decoder failed: AssertionError"),
+        (TypeError("bad tag"), "decoder_error", "the image decoder failed: TypeError: bad tag"),
+        (ValueError("bad size"), "corrupt", "corrupt or truncated header: ValueError: bad size"),
+        (MemoryError(), "out_of_memory", "out of memory reading its header (MemoryError)"),
+    ],
+)
+def test_whatever_a_decoder_raises_is_the_files_error(
+    monkeypatch: pytest.MonkeyPatch, raised: Exception, kind: str, reason: str
+) -> None:
+    monkeypatch.setattr(imageinfo, "open_image", raising(raised))
+    with pytest.raises(ImageError) as info:
+        read_header_bytes(_png())
+    assert (info.value.kind, info.value.reason) == (kind, reason)
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt(), SystemExit(2), InfraError("S3 gone past the budget")])
+def test_an_interrupt_or_a_storage_failure_is_not_the_files(
+    monkeypatch: pytest.MonkeyPatch, raised: BaseException
+) -> None:
+    monkeypatch.setattr(imageinfo, "open_image", raising(raised))
+    with pytest.raises(type(raised)):
+        read_header_bytes(_png())
 
 
 def test_unsupported_format_reason_names_the_format() -> None:

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import raising, unimplemented_dds
 from PIL import Image, ImageOps
 
+from stk import preprocess as preprocess_module
 from stk.datagen import make_image, save
+from stk.errors import InfraError
 from stk.preprocess import CropMode, PreprocessError, preprocess
 
 
@@ -80,3 +83,31 @@ def test_truncated_pixels_are_a_preprocess_error(tmp_path: Path) -> None:
     make_image(256, 256).save(buffer, "PNG")
     with pytest.raises(PreprocessError):
         preprocess(io.BytesIO(buffer.getvalue()[:-2000]), 64, 64, CropMode.CENTER, "k")
+
+
+def test_a_plugin_that_raises_not_implemented_error_is_a_preprocess_error_naming_it() -> None:
+    """stk-cache's decode (and --vae-on-the-fly's): the image's error row, not the end of the job."""
+    with pytest.raises(PreprocessError) as info:
+        preprocess(io.BytesIO(unimplemented_dds()), 64, 64, CropMode.CENTER, "k")
+    assert (info.value.kind, str(info.value)) == (
+        "decode_failed", "cannot decode: NotImplementedError: Unimplemented DXGI format 93"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        (RuntimeError("plugin bug"), ("decode_failed", "cannot decode: RuntimeError: plugin bug")),
+        (MemoryError(), ("out_of_memory", "out of memory decoding it (MemoryError)")),
+        (KeyboardInterrupt(), None),  # not the image's: raised as it is
+        (InfraError("S3 gone past the budget"), None),
+    ],
+)
+def test_whatever_a_decoder_raises_is_a_preprocess_error_unless_an_interrupt_or_the_storage(
+    monkeypatch: pytest.MonkeyPatch, raised: BaseException, expected: tuple[str, str] | None
+) -> None:
+    monkeypatch.setattr(preprocess_module, "open_image", raising(raised))
+    with pytest.raises(PreprocessError if expected else type(raised)) as info:
+        preprocess(io.BytesIO(b"anything"), 64, 64, CropMode.CENTER, "k")
+    if expected:
+        assert isinstance(info.value, PreprocessError) and (info.value.kind, str(info.value)) == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,15 +101,98 @@ def test_list_files_needs_a_directory(tmp_path: Path, what: str) -> None:
         list(storage.list_files(str(target)))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can list any directory")
-def test_unlistable_subdirectory(tree: Path) -> None:
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can list any directory (tests/test_scan_cli.py drops that)")
+def test_an_unlistable_subdirectory_is_one_error_entry_and_the_rest_is_listed(tree: Path) -> None:
     locked = tree / "sub" / "deeper"
     locked.chmod(0)
     try:
-        with pytest.raises(InputError, match="cannot list"):
-            list(storage.list_files(str(tree)))
+        files = listing(tree)
     finally:
         locked.chmod(0o755)
+    entry = files.pop("sub/deeper/")
+    assert (entry.error_kind, entry.error) == ("unreadable", "cannot list directory: Permission denied")
+    assert set(files) == {"a.txt", "sub/b.jpg"}
+
+
+def test_an_unlistable_root_is_an_input_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def scandir(path: str) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(InputError, match="cannot list"):
+        list(storage.list_files(str(tmp_path)))
+
+
+@pytest.fixture
+def specials(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """A FIFO, a socket and a directory, each with an image name."""
+    paths = {"fifo": tmp_path / "fifo.jpg", "socket": tmp_path / "socket.png", "directory": tmp_path / "dir.png"}
+    os.mkfifo(paths["fifo"])
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(paths["socket"]))
+    paths["directory"].mkdir()
+    yield paths
+    server.close()
+
+
+@pytest.mark.timeout(20)  # a FIFO opened for reading without a writer would block forever
+@pytest.mark.parametrize("what", ["fifo", "socket", "directory"])
+def test_reading_what_is_not_a_regular_file_is_refused_before_it_is_opened(
+    specials: dict[str, Path], what: str
+) -> None:
+    location = str(specials[what])
+    article = {"fifo": "a FIFO", "socket": "a socket", "directory": "a directory"}[what]
+    for read in (storage.read_bytes, storage.open_read):
+        with pytest.raises(storage.NotAFileError, match=f"{location}: is {article}, not a regular file"):
+            read(location)
+    info = storage.stat(location)
+    assert (info.error_kind, info.error) == ("not_a_file", f"is {article}, not a regular file")
+
+
+def test_fifos_and_sockets_are_listed_as_not_a_file(specials: dict[str, Path], tmp_path: Path) -> None:
+    files = listing(tmp_path)
+    assert {key: info.error_kind for key, info in files.items()} == {
+        "fifo.jpg": "not_a_file",
+        "socket.png": "not_a_file",
+    }
+    assert files["fifo.jpg"].error == "is a FIFO, not a regular file"
+
+
+@pytest.mark.skipif(not Path("/dev/null").is_char_device(), reason="no /dev/null")
+def test_a_device_is_not_a_file() -> None:
+    assert storage.stat("/dev/null").error == "is a character device, not a regular file"
+    with pytest.raises(storage.NotAFileError):
+        storage.read_bytes("/dev/null")
+
+
+# --- names that are not UTF-8 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "text"),
+    [
+        (b"cat.jpg", "cat.jpg"),
+        ("caf\u00e9.png".encode(), "caf\u00e9.png"),  # UTF-8: as it is
+        (b"a\\b.jpg", "a\\b.jpg"),  # a backslash alone: as it is
+        (b"\xff\xfe.jpg", "\\xff\\xfe.jpg"),  # each undecodable byte as \xNN
+        (b"d\\\xe9.jpg", "d\\\\\\xe9.jpg"),  # with its backslashes doubled
+        (b"\\xff.jpg", "\\\\xff.jpg"),  # a UTF-8 name that reads like an escape: doubled too
+        (b"\\\\.jpg", "\\\\\\\\.jpg"),
+        (b"\xed\xa0\x80.jpg", "\\xed\\xa0\\x80.jpg"),  # an encoded surrogate is not UTF-8 either
+    ],
+)
+def test_names_are_stored_as_utf8_text_that_gives_the_name_back(raw: bytes, text: str) -> None:
+    name = os.fsdecode(raw)  # as os.listdir and os.scandir give it
+    assert storage.name_text(name) == text
+    text.encode("utf-8")  # what parquet and JSON need
+    assert storage.text_name(text) == name
+    assert os.fsencode(storage.text_name(text)) == raw
+
+
+def test_printable_shows_undecodable_bytes_and_never_fails() -> None:
+    assert storage.printable("cannot read /d/" + os.fsdecode(b"\xff.jpg")) == "cannot read /d/\\xff.jpg"
+    assert storage.printable("a JSON table's lone \ud800") == "a JSON table's lone \\ud800"
+    assert storage.printable("plain") == "plain"
 
 
 # --- reading ----------------------------------------------------------------------------------------

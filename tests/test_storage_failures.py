@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import cache_command, cache_env, scan_command, scan_env, summary_of, train_command, train_env
+from helpers import (
+    cache_command,
+    cache_env,
+    scan_command,
+    scan_env,
+    summary_of,
+    train_command,
+    train_env,
+    without_dac_override,
+)
 
 from stk.datagen import make_image
 from stk.errors import InfraError, InputError
@@ -186,30 +195,18 @@ def test_a_read_only_file_system_is_exit_69_and_a_rerun_after_remounting_complet
     verify_clean(cache, images_scan)
 
 
-def _without_dac_override() -> tuple[str, ...]:
-    """A prefix that makes permission checks apply: for root, setpriv dropping CAP_DAC_OVERRIDE and
-    CAP_DAC_READ_SEARCH (root still owns its files, but a 0555 directory is not writable); nothing otherwise."""
-    if not IS_ROOT:
-        return ()
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("root bypasses permissions and setpriv (util-linux) is missing to drop that")
-    caps = "-dac_override,-dac_read_search"
-    return (setpriv, "--bounding-set", caps, "--inh-caps", caps)
-
-
 def test_permission_denied_is_exit_3_naming_the_path(flux: str, images_scan: Path, tmp_path: Path) -> None:
     parent = tmp_path / "locked"
     parent.mkdir()
     parent.chmod(0o555)
     cache = parent / "cache"
     args = [images_scan, "--model", flux, "--out", cache, *CACHE_ARGS]
-    proc = run(args, prefix=_without_dac_override())
+    proc = run(args, prefix=without_dac_override())
     one_error(proc, 3, "permission denied", str(cache))
     assert proc.stdout == "" and not cache.exists()
 
     parent.chmod(0o755)
-    rerun = run(args, prefix=_without_dac_override())
+    rerun = run(args, prefix=without_dac_override())
     assert rerun.returncode == 0, rerun.stderr
     verify_clean(cache, images_scan)
 

@@ -78,7 +78,7 @@ def _load(job: ImageJob, crop: CropMode) -> Preprocessed | tuple[str, str]:
         with storage.open_read(job.location) as f:
             return preprocess(f, job.bucket_width, job.bucket_height, crop, job.key)
     except PreprocessError as exc:
-        return "decode_failed", str(exc)
+        return exc.kind, str(exc)
     except OSError as exc:  # missing or unreadable now: a rerun may succeed
         return "unreadable", f"cannot read: {exc.strerror or exc}"
 

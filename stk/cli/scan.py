@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -31,6 +32,11 @@ Exit codes: 0 done; 2 bad option; 3 source or output unusable;
 4 more bad files than --max-errors (outputs written, see errors.jsonl);
 5 a bucket cannot fill one effective batch (outputs written; see the message).
 """
+
+
+def _stdin_lines() -> list[str]:
+    """The list on stdin, one path a line; a name that is not UTF-8 is kept as the file's name."""
+    return os.fsdecode(sys.stdin.buffer.read()).splitlines()
 
 
 def _columns(values: tuple[str, ...]) -> dict[str, str]:
@@ -216,7 +222,7 @@ def main(
             params,
             source=source,
             out_dir=params["out"],
-            stdin_lines=sys.stdin.read().splitlines() if source == "-" and world.is_root else None,
+            stdin_lines=_stdin_lines() if source == "-" and world.is_root else None,
             table_root=params["root"],
             columns=mapping,
             probe=probe,

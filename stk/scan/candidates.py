@@ -19,7 +19,9 @@ __all__ = ["Candidate", "from_list", "from_table", "from_tree", "stat_unknown"]
 class Candidate:
     """One image to scan. `path` is its key in the output table; `location` is where to read it.
 
-    Size -1 means not known yet (lists and tables are stat'ed before splitting the work)."""
+    Size -1 means not known yet (lists and tables are stat'ed before splitting the work). A name
+    that is not UTF-8 is kept as it is in `location` and stored escaped in `path`
+    (stk.storage.names)."""
 
     path: str
     location: str
@@ -35,6 +37,14 @@ class Candidate:
     error_kind: str | None = None
     error: str | None = None
 
+    def __post_init__(self) -> None:
+        self.path = storage.name_text(self.path)
+
+    @property
+    def shown_location(self) -> str:
+        """`location` as records and errors.jsonl hold it (UTF-8, names escaped)."""
+        return storage.name_text(self.location)
+
     @property
     def fingerprint(self) -> str:
         """Changes whenever the image or its caption source changes: reuse is keyed on it."""
@@ -43,12 +53,13 @@ class Candidate:
 
 
 def from_tree(root: str) -> list[Candidate]:
-    """Every image under a directory or s3:// prefix, with its sidecar caption if any."""
+    """Every image under a directory or s3:// prefix, with its sidecar caption if any, and every
+    directory that cannot be listed (an error row each)."""
     images: list[storage.FileInfo] = []
     sidecars: dict[str, storage.FileInfo] = {}
     for info in storage.list_files(root):
         ext = posixpath.splitext(info.key)[1].lower()
-        if is_image_name(info.key):
+        if is_image_name(info.key) or info.key.endswith("/"):
             images.append(info)
         elif ext in CAPTION_EXTENSIONS:
             stem = sidecar_stem(info.key)
@@ -65,8 +76,7 @@ def from_tree(root: str) -> list[Candidate]:
             cand.caption_location = side.location
             cand.caption_fingerprint = f"{side.size}:{side.mtime!r}:{side.etag or ''}"
         if info.error:
-            cand.error_kind = "broken_symlink" if "symlink" in info.error else "unreadable"
-            cand.error = info.error
+            cand.error_kind, cand.error = info.error_kind or "unreadable", info.error
         out.append(cand)
     return sorted(out, key=lambda c: c.path)
 
@@ -96,7 +106,7 @@ def from_table(rows: Iterable[TableRow], root: str) -> list[Candidate]:
     out: list[Candidate] = []
     seen: set[str] = set()
     for row in rows:
-        raw = row.path.replace("\\", "/")
+        raw = storage.text_name(row.path).replace("\\", "/")  # a table of stk's names, or Windows separators
         escapes = bool(raw) and _escapes(raw)
         path = posixpath.normpath(raw) if raw else ""
         cand = Candidate(
@@ -127,6 +137,7 @@ def _stat_one(cand: Candidate) -> None:
         cand.error_kind, cand.error = "unreadable", f"cannot stat: {exc.strerror or exc}"
     else:
         cand.size, cand.mtime, cand.etag = info.size, info.mtime, info.etag
+        cand.error_kind, cand.error = info.error_kind, info.error
 
 
 def stat_unknown(cands: list[Candidate], threads: int) -> None:

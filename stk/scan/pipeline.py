@@ -141,7 +141,7 @@ def _plan(opts: ScanOptions, world: World) -> tuple[list[list[cands.Candidate]],
     for cand in found:
         old = previous.get(cand.path)
         if old is not None and old["fingerprint"] == cand.fingerprint and cand.error_kind is None:
-            reused.append({**old, "location": cand.location})  # state records have the record schema
+            reused.append({**old, "location": cand.shown_location})  # state records have the record schema
         else:
             todo.append(cand)
     log.info(

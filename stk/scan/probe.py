@@ -13,7 +13,9 @@ from stk.captions import (
     decode_caption,
     sidecar_stem,
 )
+from stk.errors import StkError, described
 from stk.imageformats import ACCEPTED
+from stk.imageheaders import MetadataWarning
 from stk.imageinfo import ImageError, read_header
 from stk.scan.candidates import Candidate
 from stk.scan.records import Record, error_record
@@ -50,43 +52,60 @@ def _caption(cand: Candidate, opts: ProbeOptions) -> tuple[str, str]:
     if location is not None:
         try:
             return decode_caption(storage.read_bytes(location)), "sidecar"
+        except storage.NotAFileError as exc:
+            raise CaptionError(f"caption {exc}", kind="not_a_file") from exc
         except OSError as exc:
             raise CaptionError(f"cannot read caption {location}: {exc.strerror or exc}") from exc
     if opts.missing_caption is MissingCaption.EMPTY:
         return "", "empty"
     if opts.missing_caption is MissingCaption.FILENAME:
         return caption_from_filename(cand.path), "filename"
-    raise CaptionError("no caption (no table column, no .txt/.caption sidecar) and --missing-caption error")
+    raise CaptionError(
+        "no caption (no table column, no .txt/.caption sidecar) and --missing-caption error", kind="caption_missing"
+    )
+
+
+def _size(cand: Candidate, opts: ProbeOptions) -> tuple[int, int, str | None, MetadataWarning | None]:
+    """Width, height, format and any metadata warning: from the table, or from the file's header."""
+    if cand.width and cand.height:
+        return cand.width, cand.height, None, None
+    with storage.open_read(cand.location, cand.size) as f:
+        header = read_header(f, cand.size, opts.max_pixels, opts.formats, cand.path)
+    return header.width, header.height, header.format, header.warning
+
+
+def _failure(exc: Exception) -> tuple[str, str]:
+    """The error row's kind and reason for whatever looking at one file raised."""
+    if isinstance(exc, ImageError):
+        return exc.kind, exc.reason
+    if isinstance(exc, CaptionError):
+        return exc.kind, str(exc)
+    if isinstance(exc, storage.NotAFileError):
+        return "not_a_file", str(exc)
+    if isinstance(exc, FileNotFoundError):
+        return "not_found", "file disappeared during the scan"
+    if isinstance(exc, OSError):
+        return "unreadable", f"cannot read: {exc.strerror or exc}"
+    return "unreadable", f"cannot read: {described(exc)}"
 
 
 def probe(cand: Candidate, opts: ProbeOptions) -> Record:
-    """A record for `cand`; every failure becomes an error record, never an exception."""
+    """A record for `cand`; whatever fails for this one file becomes its error record, never an
+    exception. Only a failure of the storage itself (InfraError: S3 down past its budget) ends the scan."""
     fp = cand.fingerprint
+    location = cand.shown_location
     if cand.error_kind:
-        return error_record(cand.path, cand.location, fp, cand.error_kind, cand.error or cand.error_kind)
+        return error_record(cand.path, location, fp, cand.error_kind, cand.error or cand.error_kind)
     try:
-        if cand.width and cand.height:
-            width, height, fmt, warning = cand.width, cand.height, None, None
-        else:
-            with storage.open_read(cand.location, cand.size) as f:
-                header = read_header(f, cand.size, opts.max_pixels, opts.formats, cand.path)
-            width, height, fmt, warning = header.width, header.height, header.format, header.warning
-    except ImageError as exc:
-        return error_record(cand.path, cand.location, fp, exc.kind, exc.reason)
-    except FileNotFoundError:
-        return error_record(cand.path, cand.location, fp, "not_found", "file disappeared during the scan")
-    except IsADirectoryError:
-        return error_record(cand.path, cand.location, fp, "unreadable", "is a directory")
-    except OSError as exc:
-        return error_record(cand.path, cand.location, fp, "unreadable", f"cannot read: {exc.strerror or exc}")
-    try:
+        width, height, fmt, warning = _size(cand, opts)
         caption, source = _caption(cand, opts)
-    except CaptionError as exc:
-        kind = "caption_missing" if "no caption" in str(exc) else "caption_unreadable"
-        return error_record(cand.path, cand.location, fp, kind, str(exc))
+    except StkError:
+        raise
+    except Exception as exc:
+        return error_record(cand.path, location, fp, *_failure(exc))
     return {
         "path": cand.path,
-        "location": cand.location,
+        "location": location,
         "width": width,
         "height": height,
         "format": fmt,

@@ -29,10 +29,12 @@ class ScanTable:
 
     def image_location(self, path: str) -> str:
         """Where a row's image is: under the root, unless the row names it in full (an absolute path
-        or a URL from a list), or the scan has no root."""
-        if not self.root or os.path.isabs(path) or "://" in path:
-            return path
-        return storage.join(self.root, path)
+        or a URL from a list), or the scan has no root. A name stored escaped (not UTF-8) is the
+        file's own name again."""
+        name = storage.text_name(path)
+        if not self.root or os.path.isabs(name) or "://" in name:
+            return name
+        return storage.join(self.root, name)
 
 
 def read_scan(scan_dir: str) -> ScanTable:

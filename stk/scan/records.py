@@ -11,6 +11,7 @@ from typing import Any
 import pyarrow as pa
 
 from stk.metadata import to_json_lines
+from stk.storage import printable
 
 __all__ = ["JSONL_COLUMNS", "RECORD_SCHEMA", "Record", "error_record", "json_lines", "records_to_table"]
 
@@ -38,8 +39,9 @@ RECORD_SCHEMA = pa.schema(
 
 
 def error_record(path: str, location: str, fingerprint: str, kind: str, reason: str) -> Record:
+    """`reason` may quote a file name that is not UTF-8: it is kept printable (stk.storage.names)."""
     record: Record = dict.fromkeys(RECORD_SCHEMA.names)
-    record.update(path=path, location=location, fingerprint=fingerprint, kind=kind, reason=reason)
+    record.update(path=path, location=location, fingerprint=fingerprint, kind=kind, reason=printable(reason))
     return record
 
 

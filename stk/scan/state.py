@@ -29,7 +29,7 @@ STATE_FILE = ".scan-state.parquet"
 _SETTINGS_KEY = b"stk.probe_settings"
 
 # Failures that may go away without the file changing: always looked at again.
-TRANSIENT_KINDS = frozenset({"unreadable", "not_found"})
+TRANSIENT_KINDS = frozenset({"unreadable", "not_found", "out_of_memory"})
 
 
 def _write(records: list[Record], location: str, settings: str) -> None:

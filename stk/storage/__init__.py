@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from stk.storage.base import Backend, FileInfo
+from stk.storage.base import Backend, FileInfo, NotAFileError
 from stk.storage.local import LocalBackend
+from stk.storage.names import name_text, printable, text_name
 from stk.storage.s3 import DEFAULT_RETRY_SECONDS, S3Backend, configure_s3
 
 __all__ = [
     "DEFAULT_RETRY_SECONDS",
     "FileInfo",
+    "NotAFileError",
     "configure_s3",
     "delete",
     "download_file",
@@ -23,9 +25,12 @@ __all__ = [
     "is_s3",
     "join",
     "list_files",
+    "name_text",
     "open_read",
+    "printable",
     "read_bytes",
     "stat",
+    "text_name",
     "upload_file",
     "write_atomic",
 ]

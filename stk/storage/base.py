@@ -6,12 +6,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
-__all__ = ["Backend", "FileInfo"]
+__all__ = ["Backend", "FileInfo", "NotAFileError"]
 
 
 @dataclass(frozen=True)
 class FileInfo:
-    """A listed file. `error` is set when the entry exists but cannot be read (broken link)."""
+    """A listed file. `error` is set when the entry exists but cannot be read, `error_kind` says
+    how (broken_symlink, not_a_file, unreadable); a directory that cannot be listed is one entry
+    whose key ends with "/"."""
 
     key: str
     location: str
@@ -19,6 +21,12 @@ class FileInfo:
     mtime: float
     etag: str | None = None
     error: str | None = None
+    error_kind: str | None = None
+
+
+class NotAFileError(OSError):
+    """A FIFO, socket, device or directory where a file is read: refused before any read, because
+    reading a FIFO blocks forever and opening a device can act on it."""
 
 
 class Backend(Protocol):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from stk.errors import InputError
-from stk.storage.base import FileInfo
+from stk.storage.base import FileInfo, NotAFileError
 from stk.storage.failures import storage_errors
 
 __all__ = ["LocalBackend", "fsync_dir"]
@@ -32,15 +33,21 @@ def _umask() -> int:
 
 class LocalBackend:
     def list_files(self, root: str) -> Iterator[FileInfo]:
+        """A subdirectory that cannot be listed is one error entry; the rest of the tree is listed."""
         if not os.path.isdir(root):
             raise InputError(f"{root}: no such directory")
         stack = [""]
         while stack:
             rel_dir = stack.pop()
+            directory = os.path.join(root, rel_dir)
             try:
-                entries = list(os.scandir(os.path.join(root, rel_dir)))
+                entries = list(os.scandir(directory))
             except OSError as exc:
-                raise InputError(f"cannot list {os.path.join(root, rel_dir)}: {exc.strerror}") from exc
+                if not rel_dir:
+                    raise InputError(f"cannot list {root}: {exc.strerror}") from exc
+                reason = f"cannot list directory: {exc.strerror}"
+                yield FileInfo(f"{rel_dir}/", directory, 0, 0.0, error=reason, error_kind="unreadable")
+                continue
             for entry in entries:
                 key = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
                 if entry.is_dir(follow_symlinks=False):
@@ -49,29 +56,29 @@ class LocalBackend:
                 try:
                     st = entry.stat()  # follows symlinks: a link to a file lists as that file
                 except OSError as exc:
-                    reason = "broken symlink" if entry.is_symlink() else f"cannot stat: {exc.strerror}"
-                    yield FileInfo(key, entry.path, 0, 0.0, error=reason)
+                    kind = "broken_symlink" if entry.is_symlink() else "unreadable"
+                    reason = "broken symlink" if kind == "broken_symlink" else f"cannot stat: {exc.strerror}"
+                    yield FileInfo(key, entry.path, 0, 0.0, error=reason, error_kind=kind)
                     continue
-                if entry.is_dir():  # a symlink to a directory: not followed, avoids cycles
+                if stat.S_ISDIR(st.st_mode):  # a symlink to a directory: not followed, avoids cycles
                     continue
-                yield FileInfo(key, entry.path, st.st_size, st.st_mtime_ns / 1e9)
+                yield _info(key, entry.path, st)
 
     def stat(self, location: str) -> FileInfo:
-        st = os.stat(location)
-        return FileInfo(location, location, st.st_size, st.st_mtime_ns / 1e9)
+        return _info(location, location, os.stat(location))
 
     def exists(self, location: str) -> bool:
         return os.path.exists(location)
 
     def open_read(self, location: str, size: int | None) -> BinaryIO:
-        return open(location, "rb")
+        return _open_file(location)
 
     def read_bytes(self, location: str) -> bytes:
-        with open(location, "rb") as f:
+        with _open_file(location) as f:
             return f.read()
 
     def read_range(self, location: str, start: int, end: int) -> bytes:
-        with open(location, "rb") as f:
+        with _open_file(location) as f:
             f.seek(start)
             return f.read(end - start)
 
@@ -87,6 +94,44 @@ class LocalBackend:
 
     def download_file(self, location: str, local_path: str) -> None:
         _copy_atomic(location, local_path)
+
+
+def _what_is(mode: int) -> str | None:
+    """What a non-regular file is, for people; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _info(key: str, location: str, st: os.stat_result) -> FileInfo:
+    """A listed or stat'ed file; anything but a regular file is an error entry (not_a_file)."""
+    what = _what_is(st.st_mode)
+    if what is None:
+        return FileInfo(key, location, st.st_size, st.st_mtime_ns / 1e9)
+    reason = f"is {what}, not a regular file"
+    return FileInfo(key, location, 0, st.st_mtime_ns / 1e9, error=reason, error_kind="not_a_file")
+
+
+def _open_file(location: str) -> BinaryIO:
+    """Open a regular file for reading, refusing anything else before it is opened (stat) and again
+    once open (fstat: replaced in between). O_NONBLOCK keeps even that race from hanging on a FIFO."""
+    _require_file(os.stat(location).st_mode, location)
+    fd = os.open(location, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        _require_file(os.fstat(fd).st_mode, location)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _require_file(mode: int, location: str) -> None:
+    what = _what_is(mode)
+    if what is not None:
+        raise NotAFileError(f"{location}: is {what}, not a regular file")
 
 
 def _copy_atomic(source: str, destination: str) -> None:
