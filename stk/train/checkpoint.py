@@ -9,7 +9,9 @@ removed by the next save.
 
 Each checkpoint also holds `stk-run.json`, the run settings it was trained with
 (`TrainOptions.run_settings`), read before any model loads so that a resume with another seed,
-learning rate or batch is refused in seconds with one line.
+learning rate or batch is refused in seconds with one line. Its world size may differ from the resuming
+run's where the effective batch is the same (stk.train.worldsize): such a checkpoint loads from its
+universal form.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from stk.errors import InputError
 from stk.log import get_logger
 from stk.storage import write_atomic
 from stk.storage.failures import storage_errors
+from stk.train.worldsize import UNIVERSAL, effective_batch
 
 __all__ = ["CheckpointDir", "Resume"]
 
@@ -35,6 +38,8 @@ LATEST = "latest"
 SETTINGS = "stk-run.json"
 # Weights of another family, or another adapter (or none), cannot be loaded, whatever the user says.
 FIXED_SETTINGS = ("family", "lora_rank", "lora_targets")
+# How the effective batch is split: another split of the same effective batch is the same run.
+SPLIT_SETTINGS = ("world_size", "grad_accum")
 _TAG = re.compile(r"^step-(\d{8,})$")
 
 
@@ -46,6 +51,7 @@ def tag_for(step: int) -> str:
 class Resume:
     directory: str  # the checkpoints directory DeepSpeed loads from
     tag: str
+    universal: bool = False  # saved on another number of ranks: loaded from its universal checkpoint
 
 
 class CheckpointDir:
@@ -121,9 +127,12 @@ class CheckpointDir:
     def load(self, engine: Any, resume: Resume, keep_schedule: bool = True) -> dict[str, Any]:
         """Load parameters, optimizer and (with `keep_schedule`) the LR schedule; returns the client
         state saved with them."""
+        directory, tag = resume.directory, resume.tag
+        if resume.universal:  # the engine was built with "checkpoint": {"load_universal": true}
+            directory, tag = os.path.join(resume.directory, resume.tag), UNIVERSAL
         path, client_state = engine.load_checkpoint(
-            resume.directory,
-            tag=resume.tag,
+            directory,
+            tag=tag,
             load_module_strict=not self.frozen_base,  # the frozen weights are not in it (check_settings: same adapter)
             load_optimizer_states=True,
             load_lr_scheduler_states=keep_schedule,
@@ -133,15 +142,23 @@ class CheckpointDir:
         state: dict[str, Any] = client_state["stk"]
         return state
 
-    def check_settings(self, resume: Resume, current: dict[str, Any], override: bool) -> list[str]:
-        """The settings that differ from the checkpoint's ("seed 0 -> 1"); raise InputError unless
-        `override` (and always for FIXED_SETTINGS). Checkpoints without the record are not checked."""
+    def saved_settings(self, resume: Resume) -> dict[str, Any]:
+        """The run settings the checkpoint was trained with (empty for checkpoints without the record)."""
         try:
             with open(os.path.join(resume.directory, resume.tag, SETTINGS), encoding="utf-8") as f:
                 saved: dict[str, Any] = json.load(f)
         except FileNotFoundError:
-            return []
+            return {}
+        return saved
+
+    def check_settings(self, resume: Resume, current: dict[str, Any], override: bool) -> list[str]:
+        """The settings that differ from the checkpoint's ("seed 0 -> 1"); raise InputError unless
+        `override` (and always for FIXED_SETTINGS). Another split of the same effective batch is no
+        change. Checkpoints without the record are not checked."""
+        saved = self.saved_settings(resume)
         changed = [k for k in current if k in saved and saved[k] != current[k]]
+        if effective_batch(saved) == effective_batch(current):
+            changed = [k for k in changed if k not in SPLIT_SETTINGS]
         if not changed:
             return []
         described = [f"{k.replace('_', '-')} {saved[k]} -> {current[k]}" for k in changed]
