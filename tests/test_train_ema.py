@@ -1,7 +1,8 @@
 """stk.train.ema: the EMA's decay ramp, its shares (contiguous ranges of the trainable weights whose union is the
-whole, each rank's average equal to its part of a 1-rank average), checkpoint round trips and the refusals. The
-runs through stk-train (ZeRO-2 ranges and ZeRO-3 partitions on 2 ranks, against an EMA computed from each step's
-weights, and 5 + resume + 5) are in test_train.py and test_train_lora.py."""
+whole, each rank's average equal to its part of a 1-rank average), checkpoint round trips (on the ranks that saved
+them and on another number) and the refusals. The runs through stk-train (ZeRO-2 ranges and ZeRO-3 partitions on 2
+ranks, against an EMA computed from each step's weights, 5 + resume + 5, and 2 ranks -> 1 -> 2) are in
+test_train.py, test_train_lora.py and test_train_worldsize.py."""
 
 from __future__ import annotations
 
@@ -77,9 +78,31 @@ def test_a_checkpoint_round_trip_and_what_cannot_be_resumed(tmp_path):
     again = ShardedEma(model(seed=5), decay=0.9, every=1, rank=1, world=2)
     again.load(str(tmp_path))
     assert torch.equal(again.shadow, ema.shadow) and again.updates == 3
-    with pytest.raises(InputError, match="sharded over 2 ranks"):
-        ShardedEma(model(), decay=0.9, every=1, rank=1, world=3).load(str(tmp_path))
     with pytest.raises(InputError, match="trained without --ema-decay"):
         ShardedEma(model(), decay=0.9, every=1, rank=0, world=2).load(str(tmp_path / "elsewhere"))
     with pytest.raises(InputError, match="between 0 and 1"):
         ShardedEma(model(), decay=1.0, every=1, rank=0, world=1)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (2, 3), (1, 2), (3, 2)])
+def test_shares_saved_on_n_ranks_are_cut_again_for_m(tmp_path, saved, resumed):
+    module = model()
+    before = [ShardedEma(module, decay=0.9, every=1, rank=r, world=saved) for r in range(saved)]
+    train_steps(module, before, 3)
+    for ema in before:
+        ema.save(str(tmp_path))
+    whole = torch.cat([ema.shadow for ema in before])
+    after = [ShardedEma(model(seed=5), decay=0.9, every=1, rank=r, world=resumed) for r in range(resumed)]
+    for ema in after:
+        ema.load(str(tmp_path))
+    assert torch.equal(torch.cat([ema.shadow for ema in after]), whole)
+    assert [ema.updates for ema in after] == [3] * resumed and len({len(ema.shadow) for ema in after}) <= 2
+
+
+def test_shares_of_other_weights_are_refused(tmp_path):
+    module = model()
+    for r in range(2):
+        ShardedEma(module, decay=0.9, every=1, rank=r, world=2).save(str(tmp_path))
+    wider = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.LayerNorm(9), torch.nn.Linear(9, 3))
+    with pytest.raises(InputError, match="EMA saved on 2 ranks holds other weights"):
+        ShardedEma(wider, decay=0.9, every=1, rank=0, world=1).load(str(tmp_path))

@@ -124,8 +124,8 @@ def test_release_leaves_a_successors_lease_alone(tmp_path):
 # --- the settings a checkpoint was trained with -------------------------------------------
 
 
-def settings(**changes: object) -> dict[str, object]:
-    return replace(TrainOptions(model="m", output_dir="o"), **changes).run_settings(Family.SDXL)
+def settings(world_size: int = 2, **changes: object) -> dict[str, object]:
+    return replace(TrainOptions(model="m", output_dir="o"), **changes).run_settings(Family.SDXL, world_size)
 
 
 @pytest.fixture
@@ -145,6 +145,14 @@ def test_other_seed_or_batch_is_refused_naming_old_and_new(saved):
     checkpoints, resume = saved
     with pytest.raises(InputError, match=r"seed 0 -> 3, batch-size 4 -> 2\).*--override-resume"):
         checkpoints.check_settings(resume, settings(seed=3, batch_size=2), override=False)
+
+
+def test_another_split_of_the_same_effective_batch_is_no_change(saved):
+    checkpoints, resume = saved  # 2 ranks x 4 x 1
+    assert checkpoints.check_settings(resume, settings(world_size=1, grad_accum=2), override=False) == []
+    with pytest.raises(InputError, match=r"grad-accum 1 -> 2, world-size 2 -> 3\).*--override-resume"):
+        checkpoints.check_settings(resume, settings(world_size=3, grad_accum=2), override=False)
+    assert checkpoints.check_settings(resume, settings(world_size=3), override=True) == ["world_size"]
 
 
 def test_override_returns_what_changed(saved):

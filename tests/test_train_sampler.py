@@ -111,13 +111,39 @@ def test_resume_continues_exactly(world: int) -> None:
         first.set_epoch(3)
         got = list(itertools.islice(iter(first), 5))
         state = first.state_dict()
-        assert state["epoch"] == 3 and state["step"] == 5 and state["seed"] == 7
+        assert state["epoch"] == 3 and state["samples"] == 5 * 2 * world and state["seed"] == 7
 
         fresh = BucketSampler(BUCKETS, 2, 2, world, rank, grad_accum=2, seed=7)
         fresh.load_state_dict(state)
         fresh.set_epoch(3)  # the usual top-of-loop call keeps the resumed position
         got += list(itertools.islice(iter(fresh), 5))
         assert got == expected
+
+
+@pytest.mark.parametrize(("before", "after"), [((2, 2, 1), (1, 2, 2)), ((1, 2, 2), (2, 2, 1)), ((2, 1, 2), (4, 1, 1))])
+def test_a_position_saved_on_n_ranks_continues_on_m_at_the_same_sample(before, after) -> None:
+    """(ranks, batch size, accumulation) -> another split of the same effective batch: the samples of each
+    optimizer step, and of each micro-batch slot in it (micro-step x ranks + rank), are those of the straight run."""
+
+    def optimizer_steps(world: int, batch: int, accum: int, trained: int | None = None, state=None):
+        samplers = [BucketSampler(BUCKETS, 1, batch, world, r, grad_accum=accum, seed=3) for r in range(world)]
+        for s in samplers:
+            if state is not None:
+                s.load_state_dict(state)
+        micro = steps(samplers) if trained is None else steps(samplers)[:trained]
+        slots = [[keys for per_rank in micro[i : i + accum] for keys in per_rank] for i in range(0, len(micro), accum)]
+        return slots, samplers[0].state_dict(trained)
+
+    straight, _ = optimizer_steps(*before)
+    first, state = optimizer_steps(*before, trained=4 * before[2])  # 4 optimizer steps, saved
+    rest, _ = optimizer_steps(*after, state=state)
+    assert first + rest == straight and len(rest) == len(straight) - 4
+
+
+def test_a_position_inside_a_micro_step_of_the_new_split_is_refused() -> None:
+    state = BucketSampler(BUCKETS, 1, 1, 1, 0, grad_accum=4).state_dict(trained=1)  # 1 sample of a step of 4
+    with pytest.raises(ValueError, match="not a micro-step of 4 samples"):
+        BucketSampler(BUCKETS, 1, 2, 2, 0).load_state_dict(state)
 
 
 def test_resume_at_epoch_end_yields_nothing_then_next_epoch() -> None:
@@ -136,7 +162,7 @@ def test_resume_at_epoch_end_yields_nothing_then_next_epoch() -> None:
         dict(buckets={**BUCKETS, (64, 64): BUCKETS[(64, 64)][:-1]}),  # a bucket changed size
         dict(buckets={**BUCKETS, (64, 64): [k + "x" for k in BUCKETS[(64, 64)]]}),  # same sizes, other keys
         dict(batch_size=3),
-        dict(world_size=4, rank=0),
+        dict(world_size=4, rank=0),  # another effective batch: another sequence of steps
         dict(grad_accum=2),
         dict(repeats=2),
         dict(drop_last=False),

@@ -175,7 +175,8 @@ def _default(name: str) -> Any:
                    "if it is damaged.")  # fmt: skip
 @click.option("--override-resume", is_flag=True, show_envvar=True,
               help="Resume although seed, optimizer, lr, schedule, batch or accumulation differ from the "
-                   "checkpoint's: this run's values apply from the resumed step on.")  # fmt: skip
+                   "checkpoint's, or the ranks left cannot keep its effective batch: this run's values apply "
+                   "from the resumed step on.")  # fmt: skip
 @click.option("--snr-gamma", default=default_of(LossSettings, "snr_gamma"), type=float, show_envvar=True,
               help="SD/SDXL: min-SNR-gamma loss weighting (5 is the paper's); unset: plain MSE.")  # fmt: skip
 @click.option("--noise-offset", default=default_of(LossSettings, "noise_offset"), type=float, show_envvar=True,

@@ -17,6 +17,9 @@ the digests, writes the record, and only then moves `latest`. A resume verifies 
 takes, each rank its share of the files, and falls back to the newest one that verifies; a save
 that fails on any rank (a full disk, a permission denied) fails on every rank with one line and
 exit 69, and `latest` stays where it was.
+
+Its world size may differ from the resuming run's where the effective batch is the same
+(stk.train.worldsize): such a checkpoint loads from its universal form.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from stk.log import get_logger
 from stk.storage import write_atomic
 from stk.storage.failures import disk_error
 from stk.train.digests import FileRecord, damage, hash_files, listed_files
+from stk.train.worldsize import UNIVERSAL, effective_batch
 from stk.world import World, raised_everywhere
 
 __all__ = ["CheckpointDir", "Resume"]
@@ -46,6 +50,8 @@ SETTINGS = "stk-run.json"
 FILES = "files"  # the key of stk-run.json that lists the checkpoint's files with their digests
 # Weights of another family, or another adapter (or none), cannot be loaded, whatever the user says.
 FIXED_SETTINGS = ("family", "lora_rank", "lora_targets")
+# How the effective batch is split: another split of the same effective batch is the same run.
+SPLIT_SETTINGS = ("world_size", "grad_accum")
 _TAG = re.compile(r"^step-(\d{8,})$")
 
 
@@ -57,6 +63,7 @@ def tag_for(step: int) -> str:
 class Resume:
     directory: str  # the checkpoints directory DeepSpeed loads from
     tag: str
+    universal: bool = False  # saved on another number of ranks: loaded from its universal checkpoint
 
 
 class CheckpointDir:
@@ -214,9 +221,12 @@ class CheckpointDir:
     def load(self, engine: Any, resume: Resume, keep_schedule: bool = True) -> dict[str, Any]:
         """Load parameters, optimizer and (with `keep_schedule`) the LR schedule; returns the client
         state saved with them."""
+        directory, tag = resume.directory, resume.tag
+        if resume.universal:  # the engine was built with "checkpoint": {"load_universal": true}
+            directory, tag = os.path.join(resume.directory, resume.tag), UNIVERSAL
         path, client_state = engine.load_checkpoint(
-            resume.directory,
-            tag=resume.tag,
+            directory,
+            tag=tag,
             load_module_strict=not self.frozen_base,  # the frozen weights are not in it (check_settings: same adapter)
             load_optimizer_states=True,
             load_lr_scheduler_states=keep_schedule,
@@ -226,15 +236,18 @@ class CheckpointDir:
         state: dict[str, Any] = client_state["stk"]
         return state
 
+    def saved_settings(self, resume: Resume) -> dict[str, Any]:
+        """The run settings the checkpoint was trained with (empty for checkpoints without the record)."""
+        return {k: v for k, v in (_record(resume) or {}).items() if k != FILES}
+
     def check_settings(self, resume: Resume, current: dict[str, Any], override: bool) -> list[str]:
         """The settings that differ from the checkpoint's ("seed 0 -> 1"); raise InputError unless
-        `override` (and always for FIXED_SETTINGS). Checkpoints without the record are not checked."""
-        try:
-            with open(os.path.join(resume.directory, resume.tag, SETTINGS), encoding="utf-8") as f:
-                saved: dict[str, Any] = json.load(f)
-        except FileNotFoundError:
-            return []
+        `override` (and always for FIXED_SETTINGS). Another split of the same effective batch is no
+        change. Checkpoints without the record are not checked."""
+        saved = self.saved_settings(resume)
         changed = [k for k in current if k in saved and saved[k] != current[k]]
+        if effective_batch(saved) == effective_batch(current):
+            changed = [k for k in changed if k not in SPLIT_SETTINGS]
         if not changed:
             return []
         described = [f"{k.replace('_', '-')} {saved[k]} -> {current[k]}" for k in changed]
@@ -317,9 +330,8 @@ def _portable(exc: Exception | None) -> Exception | None:
     return RuntimeError(f"{type(exc).__name__}: {lines[0] if lines else ''}")
 
 
-def _files(resume: Resume) -> dict[str, FileRecord] | None:
-    """The files a checkpoint's record lists, or None for a checkpoint saved without digests (or without
-    stk-run.json). A record that cannot be read raises ValueError."""
+def _record(resume: Resume) -> dict[str, Any] | None:
+    """A checkpoint's stk-run.json, or None where it has none. A record that cannot be read raises ValueError."""
     try:
         with open(os.path.join(resume.directory, resume.tag, SETTINGS), encoding="utf-8") as f:
             record = json.load(f)
@@ -327,7 +339,15 @@ def _files(resume: Resume) -> dict[str, FileRecord] | None:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{SETTINGS} cannot be read ({exc})") from None
-    files = record.get(FILES) if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        raise ValueError(f"{SETTINGS} holds no settings")
+    return record
+
+
+def _files(resume: Resume) -> dict[str, FileRecord] | None:
+    """The files a checkpoint's record lists, or None for a checkpoint saved without digests (or without
+    stk-run.json). A record that cannot be read raises ValueError."""
+    files = (_record(resume) or {}).get(FILES)
     return files if isinstance(files, dict) else None
 
 

@@ -5,7 +5,8 @@ keep the EMA as a model copy spend 4 bytes x parameters on every rank).
 Shares: under ZeRO-3 a rank's share is DeepSpeed's own partition of each weight (`param.ds_tensor`, what the rank
 holds anyway); otherwise every rank holds every weight, and the trainable weights, laid end to end in the module's
 order, are cut into `world` contiguous ranges. Either way a share is a list of pieces (weight name, first and last
-element), which is how checkpoints record it: `ema/rank-NNNNN.pt` beside DeepSpeed's files.
+element), which is how checkpoints record it: `ema/rank-NNNNN.pt` beside DeepSpeed's files. A run on another number
+of ranks (or another ZeRO stage) cuts its shares out of the saved ones by those pieces.
 
 Update k (from 1, every `every` optimizer steps) moves the average toward the weights with decay
 min(D, (1 + t) / (10 + t)), t = k - 1, and 0 at the first (the average starts as the weights after one
@@ -28,8 +29,11 @@ from typing import Any
 import torch
 
 from stk.errors import InputError
+from stk.log import get_logger
 
 __all__ = ["EMA_DIR", "ShardedEma", "ema_decay"]
+
+log = get_logger("train.ema")
 
 EMA_DIR = "ema"
 
@@ -118,22 +122,43 @@ class ShardedEma:
         return path
 
     def load(self, folder: str) -> None:
-        """This rank's share from a checkpoint made with the same ranks, weights and ZeRO stage."""
-        path = _shard_path(folder, self.rank)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise InputError(
-                f"{folder} has no EMA ({path} missing): it was trained without --ema-decay; resume without it "
-                "or use another --output-dir"
-            ) from None
-        if state["world"] != self.world or [tuple(p) for p in state["layout"]] != self.layout:
-            raise InputError(
-                f"{path}: the EMA was sharded over {state['world']} ranks and other weights or another ZeRO stage; "
-                f"resume with the same ranks and preset ({self.world} now)"
-            )
-        self.shadow.copy_(state["shadow"])
+        """This rank's share from a checkpoint's: its own file where the shares are the same, else cut from the
+        shares of every rank that saved it (another number of ranks, or another ZeRO stage)."""
+        own = os.path.exists(_shard_path(folder, self.rank))
+        state = _load_shard(folder, self.rank if own else 0)  # rank 0 saved one whenever an EMA was saved
+        if state["world"] == self.world and [tuple(p) for p in state["layout"]] == self.layout:
+            self.shadow.copy_(state["shadow"])
+        else:
+            self._reshard(folder, int(state["world"]))
         self.updates = int(state["updates"])
+
+    def _reshard(self, folder: str, saved_world: int) -> None:
+        """Fill this rank's pieces from the overlapping pieces of the `saved_world` saved shares (memory-mapped: a
+        rank reads what it keeps). Every element must be found: else the weights are others."""
+        wanted: dict[str, list[tuple[int, int, int]]] = {}  # weight -> (start, stop, offset in the shadow)
+        offset = 0
+        for piece in self.pieces:
+            wanted.setdefault(piece.name, []).append((piece.start, piece.stop, offset))
+            offset += piece.stop - piece.start
+        found = 0
+        for rank in range(saved_world):
+            state = _load_shard(folder, rank, mmap=True)
+            at = 0
+            for name, start, stop in state["layout"]:
+                for mine_start, mine_stop, mine_at in wanted.get(name, ()):
+                    lo, hi = max(start, mine_start), min(stop, mine_stop)
+                    if lo < hi:
+                        self.shadow[mine_at + lo - mine_start : mine_at + hi - mine_start] = state["shadow"][
+                            at + lo - start : at + hi - start
+                        ]
+                        found += hi - lo
+                at += stop - start
+        if found != self.shadow.numel():
+            raise InputError(
+                f"{folder}/{EMA_DIR}: the EMA saved on {saved_world} ranks holds other weights than this run trains; "
+                "resume with the checkpoint's model and --lora-* settings, or use another --output-dir"
+            )
+        log.info("EMA re-sharded from %d ranks to %d", saved_world, self.world)
 
     # ---------------------------------------------------------------- export
 
@@ -195,3 +220,15 @@ class ShardedEma:
 
 def _shard_path(folder: str, rank: int) -> str:
     return os.path.join(folder, EMA_DIR, f"rank-{rank:05d}.pt")
+
+
+def _load_shard(folder: str, rank: int, mmap: bool = False) -> dict[str, Any]:
+    path = _shard_path(folder, rank)
+    try:
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise InputError(
+            f"{folder} has no EMA ({path} missing): it was trained without --ema-decay; resume without it "
+            "or use another --output-dir"
+        ) from None
+    return state

@@ -16,13 +16,18 @@ __all__ = ["build_engine", "engine_config", "full_state_dict"]
 log = get_logger("train.engine")
 
 
-def engine_config(opts: TrainOptions, base: dict[str, Any], precision: str) -> dict[str, Any]:
-    """The DeepSpeed config of this run: `base` (see dsconfig) with its batch, clipping, precision and optimizer."""
+def engine_config(
+    opts: TrainOptions, base: dict[str, Any], precision: str, load_universal: bool = False
+) -> dict[str, Any]:
+    """The DeepSpeed config of this run: `base` (see dsconfig) with its batch, clipping, precision and optimizer;
+    `load_universal` to resume from a universal checkpoint (stk.train.worldsize)."""
     own = builds_own_optimizer(base)
     section = optimizer_section(opts.optimizer) if own else None
     config = training_config(base, opts.batch_size, opts.grad_accum, opts.max_grad_norm, precision, section)
     if not own:
         config["zero_allow_untested_optimizer"] = True  # Lion: ZeRO only partitions its state, as for Adam
+    if load_universal:
+        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
     return config
 
 

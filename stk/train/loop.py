@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -50,6 +50,7 @@ from stk.train.reporters import check_reporter
 from stk.train.sampler import BucketSampler
 from stk.train.samples import SamplePlan, plan_samples
 from stk.train.stopping import (
+    Agreement,
     StopSignals,
     agree,
     is_gpu_error,
@@ -58,6 +59,7 @@ from stk.train.stopping import (
     out_of_memory,
     peer_failed,
 )
+from stk.train.worldsize import accumulation_for, universal_checkpoint
 from stk.world import World
 
 __all__ = ["Outcome", "TrainSummary", "run_train"]
@@ -180,21 +182,42 @@ def _leased_run(
     deepspeed_config = load_deepspeed_config(opts.deepspeed)
     checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank, frozen_base=opts.lora.enabled)
     resume = checkpoints.resolve(opts.resume, world)  # the newest checkpoint that verifies
+    saved_world = None
+    if resume is not None:
+        opts, saved_world = _fit_world_size(opts, world, checkpoints, resume)
     plan = world.run_everywhere(lambda: plan_training(opts, world.size))
     world.run_everywhere(lambda: opts.loss.check(plan.family))  # refused once, by rank 0, before any model loads
     world.run_everywhere(lambda: check_reporter(opts.report_to))
     samples = world.run_everywhere(lambda: _plan_samples(opts, plan))
     overridden: list[str] = []
     if resume is not None:
-        settings = opts.run_settings(plan.family)
+        settings = opts.run_settings(plan.family, world.size)
         overridden = world.root_call(lambda: checkpoints.check_settings(resume, settings, opts.override_resume))
     try:
         world.root_call(lambda: check_targets(opts.lora, objective_for(plan.family, opts.model)))
         world.root_call(lambda: check_cache_model(opts, plan))
-        return _run(opts, world, plan, samples, deepspeed_config, checkpoints, (resume, overridden), signals, started)
+        loading = resume
+        if resume is not None and saved_world not in (None, world.size) and zero_stage(deepspeed_config):
+            folder = os.path.join(resume.directory, resume.tag)
+            world.root_call(lambda: universal_checkpoint(folder))  # the others wait: no process group yet
+            loading = replace(resume, universal=True)
+        return _run(opts, world, plan, samples, deepspeed_config, checkpoints, (loading, overridden), signals, started)
     finally:
         plan.data.close()
         _end_distributed()
+
+
+def _fit_world_size(
+    opts: TrainOptions, world: World, checkpoints: CheckpointDir, resume: Resume
+) -> tuple[TrainOptions, int | None]:
+    """`opts` with the gradient accumulation that keeps the checkpoint's effective batch on this run's ranks, and
+    the number of ranks the checkpoint was saved on (None where it was not recorded)."""
+    saved = world.root_call(lambda: checkpoints.saved_settings(resume))
+    where = f"{resume.directory}/{resume.tag}"
+    accum = world.root_call(
+        lambda: accumulation_for(saved, opts.batch_size, opts.grad_accum, world.size, where, opts.override_resume)
+    )
+    return replace(opts, grad_accum=accum), saved.get("world_size")
 
 
 def _plan_samples(opts: TrainOptions, plan: TrainPlan) -> SamplePlan | None:
@@ -278,12 +301,13 @@ def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketS
 
 def _load_model(
     opts: TrainOptions, world: World, plan: TrainPlan, device: torch.device, precision: str,
-    deepspeed_config: dict[str, Any], total_steps: int,
+    deepspeed_config: dict[str, Any], total_steps: int, load_universal: bool,
 ) -> _Model:  # fmt: skip
-    """The denoiser in its DeepSpeed engine (and the encoders, with --vae-on-the-fly)."""
+    """The denoiser in its DeepSpeed engine (and the encoders, with --vae-on-the-fly); `load_universal` for a
+    checkpoint saved on another number of ranks."""
     dtype = _dtype(precision)
     objective = objective_for(plan.family, opts.model, opts.guidance_scale, opts.loss)
-    config = engine_config(opts, deepspeed_config, precision)
+    config = engine_config(opts, deepspeed_config, precision, load_universal)
     zero3 = config if zero_stage(config) == 3 else None  # built partitioned: no rank ever holds the whole model
     denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype, world, zero3))
     if opts.lora.enabled:
@@ -309,7 +333,8 @@ def _setup(
     env, device, precision = _start_distributed(opts, world)
     sampler, total_steps = _sampler(opts, plan, env)
     embeddings = _embeddings(opts, world, plan, samples, device, precision)  # before the denoiser: encoders freed
-    model = _load_model(opts, world, plan, device, precision, deepspeed_config, total_steps)
+    universal = resume is not None and resume.universal
+    model = _load_model(opts, world, plan, device, precision, deepspeed_config, total_steps, universal)
     step = _resume(model.engine, sampler, checkpoints, resume, opts, overridden) if resume is not None else 0
     ema = None
     if opts.ema_decay:
@@ -410,15 +435,17 @@ def _train(run: _Run) -> Outcome:
     while run.step < run.total_steps:
         trained_in_epoch = run.sampler.step
         loader = BatchLoader(run.plan.data, iter(run.sampler), run.opts.loader_threads, run.opts.prefetch)
-        micro, loss_sum, step_started = 0, 0.0, time.monotonic()
+        micro, loss_sum, digest, step_started = 0, 0.0, 0, time.monotonic()
         try:
             for batch in loader:
-                generator = _generator(run.opts.seed, run.step * accum + micro, run.rank)
+                slot = micro * run.sampler.world_size + run.rank  # this micro-batch's place in the optimizer step
+                generator = _generator(run.opts.seed, run.step, slot)
                 try:
                     loss = run.model.objective.loss(run.model.engine, _inputs(batch, run, generator), generator)
                     run.model.engine.backward(loss)
                     run.model.engine.step()
                     loss_sum += float(loss.detach())
+                    digest += _batch_digest(slot, batch.keys)
                 except Exception as exc:
                     if not is_gpu_error(exc) or is_peer_failure(exc):
                         raise
@@ -432,43 +459,52 @@ def _train(run: _Run) -> Outcome:
                 if run.ema is not None:
                     run.ema.update(run.step)
                 agreed = agree(
-                    run.signals.received is not None, run.watch.fault is not None, loss_sum / accum, run.model.device
-                )
+                    run.signals.received is not None, run.watch.fault is not None, loss_sum / accum, digest % 2**32,
+                    run.model.device,
+                )  # fmt: skip
                 run.loss = agreed.loss
                 seconds = time.monotonic() - step_started
                 sampled = None
                 due = run.renderer is not None and run.renderer.plan.due(run.step, run.total_steps)
                 if due and not (agreed.stop or agreed.fault):
                     sampled = _sample(run)
-                _record(run, loader, agreed.loss, trained_in_epoch, seconds, sampled)
+                _record(run, loader, agreed, trained_in_epoch, seconds, sampled)
                 if agreed.fault:
                     return Outcome.GPU_FAULT
-                position = {**run.sampler.state_dict(), "step": trained_in_epoch}
+                position = run.sampler.state_dict(trained_in_epoch)
                 every = run.opts.checkpoint_every
                 if agreed.stop or (every and run.step % every == 0) or run.step >= run.total_steps:
                     run.last_checkpoint = run.checkpoints.save(
                         run.model.engine,
                         run.step,
                         _client_state(run, position),
-                        run.opts.run_settings(run.plan.family),
+                        run.opts.run_settings(run.plan.family, run.sampler.world_size),
                         also=lambda folder: _beside_checkpoint(run, folder),
                     )
                 if agreed.stop:
                     return Outcome.REQUEUE
                 if run.step >= run.total_steps:
                     return Outcome.FINISHED
-                micro, loss_sum, step_started = 0, 0.0, time.monotonic()
+                micro, loss_sum, digest, step_started = 0, 0.0, 0, time.monotonic()
         finally:
             loader.close()
         run.sampler.set_epoch(run.sampler.epoch + 1)
     return Outcome.FINISHED
 
 
-def _generator(seed: int, micro_step: int, rank: int) -> torch.Generator:
-    """The noise, timesteps and latent samples of one micro-step on one rank: a pure function of
-    the seed and position, so a resumed run draws exactly what an uninterrupted one would."""
-    digest = hashlib.sha256(f"stk-train:{seed}:{micro_step}:{rank}".encode()).digest()
+def _generator(seed: int, step: int, slot: int) -> torch.Generator:
+    """The noise, timesteps and latent samples of one micro-batch: a pure function of the seed, the optimizer step
+    and the micro-batch's place in it (micro-step x ranks + rank, the order the sampler cuts the step in), so a
+    resumed run draws exactly what an uninterrupted one would, on any number of ranks that keeps the batch size."""
+    digest = hashlib.sha256(f"stk-train:{seed}:{step}:{slot}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _batch_digest(slot: int, keys: list[str]) -> int:
+    """32 bits of a micro-batch's sample keys and its place in the optimizer step; summed over the step's
+    micro-batches (agree), metrics.jsonl's `batch_digest` shows that a resumed run, on any number of ranks, trained
+    each step on what an uninterrupted one did."""
+    return int.from_bytes(hashlib.sha256(f"{slot}:{chr(0).join(keys)}".encode()).digest()[:4], "little")
 
 
 def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
@@ -498,19 +534,20 @@ def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
 
 
 def _record(
-    run: _Run, loader: BatchLoader, loss: float, trained_in_epoch: int, seconds: float, sampled: float | None
+    run: _Run, loader: BatchLoader, agreed: Agreement, trained_in_epoch: int, seconds: float, sampled: float | None
 ) -> None:
     grad_norm = run.model.engine.get_global_grad_norm()
     row = {
         "step": run.step,
         "epoch": round(run.sampler.epoch + trained_in_epoch / max(len(run.sampler), 1), 4),
-        "loss": loss,
+        "loss": agreed.loss,
         "lr": float(run.model.engine.get_lr()[0]),
         "grad_norm": None if grad_norm is None or not math.isfinite(float(grad_norm)) else float(grad_norm),
         "samples_per_s": round(run.sampler.effective_batch / seconds, 3) if seconds > 0 else None,
         "step_time": round(seconds, 4),
         "data_wait": round(loader.take_wait(), 6),
         "time": round(time.time(), 3),
+        "batch_digest": f"{agreed.digest:08x}",
     }
     peak = _peak_gpu_memory(run.model.device)
     if peak is not None:

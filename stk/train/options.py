@@ -60,10 +60,11 @@ class TrainOptions:
     override_resume: bool = False  # resume although run_settings differ from the checkpoint's
     report_to: str = "tensorboard"  # where rank 0 reports besides metrics.jsonl: tensorboard | wandb | none
 
-    def run_settings(self, family: Family) -> dict[str, Any]:
+    def run_settings(self, family: Family, world_size: int) -> dict[str, Any]:
         """What decides a run's math and sample order. A checkpoint records them: resuming with
         other values would silently train another run, or fail deep inside DeepSpeed. Length
-        (--epochs, --max-steps) is not among them: extending a run is what resume is for."""
+        (--epochs, --max-steps) is not among them: extending a run is what resume is for. The
+        world size is, with the batch: together they make the effective batch."""
         opt = self.optimizer
         return {
             "family": family.value,
@@ -76,6 +77,7 @@ class TrainOptions:
             "warmup_steps": self.warmup_steps,
             "batch_size": self.batch_size,
             "grad_accum": self.grad_accum,
+            "world_size": world_size,
             **self.lora.run_settings(family),
             **self.loss.run_settings(),
             "ema_decay": self.ema_decay,

@@ -19,6 +19,10 @@ repeats (buckets.json's per-bucket "repeats"). Without drop_last the tail is fil
 optimizer step by cycling the bucket's shuffled samples, so every bucket is seen.
 
 A repeated key may land twice in one batch; that is what repeats mean for a tiny bucket.
+
+The sequence of optimizer steps depends on the effective batch only, not on how it is split into ranks, batch
+size and accumulation, so a position saved as samples trained resumes on any number of ranks that keeps the
+effective batch: M ranks continue at the same sample as the N that saved it.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ BucketShape = tuple[int, int]
 class BucketSampler:
     """Yields this rank's keys for one micro-step at a time, and resumes at exactly the next one.
 
-    `state_dict()` records the micro-steps yielded so far; a loader that prefetches runs ahead of
-    training, so stk-train should save the position it actually trained (step = micro-steps done).
+    `state_dict()` records the samples of the epoch yielded so far, by all ranks; a loader that prefetches runs
+    ahead of training, so stk-train passes the micro-steps it actually trained.
     """
 
     def __init__(
@@ -89,21 +93,26 @@ class BucketSampler:
         if epoch != self.epoch:
             self.epoch, self.step, self._plan = epoch, 0, None
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "fingerprint": self.fingerprint}
+    def state_dict(self, trained: int | None = None) -> dict[str, Any]:
+        """The position after `trained` micro-steps of this epoch (default: those yielded), in samples of all ranks:
+        the same number whatever the world size."""
+        samples = (self.step if trained is None else trained) * self.global_batch
+        return {"epoch": self.epoch, "samples": samples, "seed": self.seed, "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["fingerprint"] != self.fingerprint:
             raise ValueError(
-                "cannot resume the sampler: the cache's buckets or the batch settings (batch size, world size, "
-                "gradient accumulation, repeats, drop_last) changed since the checkpoint, so the saved position "
-                "means a different sequence of samples"
+                "cannot resume the sampler: the cache's buckets or the batch settings (effective batch, repeats, "
+                "drop_last) changed since the checkpoint, so the saved position means a different sequence of samples"
             )
         if state["seed"] != self.seed:
             raise ValueError(f"cannot resume the sampler: the checkpoint used seed {state['seed']}, not {self.seed}")
-        if not 0 <= state["step"] <= len(self):
-            raise ValueError(f"sampler step {state['step']} is outside [0, {len(self)}]")
-        self.epoch, self.step, self._plan = state["epoch"], state["step"], None
+        samples = state["samples"]
+        if samples % self.global_batch or not 0 <= samples // self.global_batch <= len(self):
+            raise ValueError(
+                f"sampler position {samples} is not a micro-step of {self.global_batch} samples in [0, {len(self)}]"
+            )
+        self.epoch, self.step, self._plan = state["epoch"], samples // self.global_batch, None
 
     def _bucket_steps(self, samples: int) -> int:
         if self.drop_last:
@@ -111,10 +120,11 @@ class BucketSampler:
         return -(-samples // self.effective_batch)
 
     def _fingerprint(self) -> str:
-        """Hash of everything but the seed and rank that decides the sequence (keys included: a rebuilt
-        cache with the same bucket sizes but other keys must not resume silently)."""
+        """Hash of everything but the seed that decides the sequence of optimizer steps (keys included: a rebuilt
+        cache with the same bucket sizes but other keys must not resume silently). How the effective batch is split
+        (ranks, batch size, accumulation) is not in it: the steps hold the same samples whatever the split."""
         digest = hashlib.sha256()
-        settings = [self.batch_size, self.world_size, self.grad_accum, self.drop_last]
+        settings = [self.effective_batch, self.drop_last]
         digest.update(json.dumps(settings).encode())
         for hw, keys in self._keys.items():
             digest.update(json.dumps([hw, len(keys), self._repeats[hw]]).encode())

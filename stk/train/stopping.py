@@ -66,20 +66,21 @@ class Agreement:
     stop: bool  # some rank got a stop signal: checkpoint and exit with the requeue code
     fault: bool  # some rank's GPU faulted: exit with the GPU-fault code, no checkpoint
     loss: float  # the step's loss averaged over ranks
+    digest: int  # the ranks' digests of their samples summed (mod 2**32): what the step trained on, whatever the ranks
 
 
-def agree(stop: bool, fault: bool, loss: float, device: torch.device) -> Agreement:
-    """Every rank's flags OR-ed and losses averaged, in one all-reduce (collective: every rank
-    calls it at the same optimizer step)."""
+def agree(stop: bool, fault: bool, loss: float, digest: int, device: torch.device) -> Agreement:
+    """Every rank's flags OR-ed, losses averaged and sample digests (below 2**32 each) summed, in one all-reduce
+    (collective: every rank calls it at the same optimizer step). float64 sums them exactly up to 2**21 ranks."""
     import torch.distributed as dist
 
-    values = torch.tensor([float(stop), float(fault), loss], dtype=torch.float64, device=device)
+    values = torch.tensor([float(stop), float(fault), loss, float(digest)], dtype=torch.float64, device=device)
     size = 1
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         size = dist.get_world_size()
-    stop_sum, fault_sum, loss_sum = values.tolist()
-    return Agreement(stop=stop_sum > 0, fault=fault_sum > 0, loss=loss_sum / size)
+    stop_sum, fault_sum, loss_sum, digest_sum = values.tolist()
+    return Agreement(stop=stop_sum > 0, fault=fault_sum > 0, loss=loss_sum / size, digest=int(digest_sum) % 2**32)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
