@@ -41,8 +41,10 @@ Exit codes: 0 finished; 2 bad option; 3 unusable input (cache, model, config; a 
 another VAE or text encoders: --force); 5 a bucket cannot fill one effective batch; 6 the cache
 does not cover the scan, or a shard is damaged (stk-cache verify CACHE --repair, then stk-cache);
 7 preflight failed (output dir not shared or in use by another run, uneven GPUs); 69 a peer
-rank, storage or the network failed (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM,
-requeue the job to continue; 76 GPU fault (circuit breaker open); 1 a bug (traceback in the log).
+rank, storage or the network failed, or another process's build of DeepSpeed's ops outlasted
+$STK_BUILD_WAIT_SECONDS (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM (before
+the first step: stopped at once), requeue the job to continue; 76 GPU fault (circuit breaker open);
+1 a bug (traceback in the log).
 """
 
 
