@@ -27,6 +27,7 @@ ifeq ($(MPI),site)
 else
 	$(PIP) install -q -c constraints.txt -e '.[dev,mpich]'
 endif
+	$(if $(shell command -v nvidia-smi),,DS_ACCELERATOR=cpu) $(PY) -m stk.train.opbuilds
 	touch $@
 
 demo: install

@@ -213,33 +213,44 @@ def _wait(
         time.sleep(_POLL_S)
 
 
-def prebuild_ops(names: tuple[str, ...] = STK_OPS) -> list[str]:
-    """Build (or load, when built) the ops stk-train uses on this machine's accelerator, under the build lock;
-    return the names of those built or loaded."""
+def prebuild_ops(names: tuple[str, ...] = STK_OPS) -> dict[str, str | None]:
+    """Build (or load, when built) the ops stk-train uses on this machine's accelerator, under the build lock:
+    {op: None when ready, else why it did not build}. One that cannot build here (no C++ compiler) is stk-train's
+    to build at first use, where it needs it; a wait past the bound raises InfraError."""
     own_op_builds()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    done = []
+    outcome: dict[str, str | None] = {}
     for name in names:
         builder = get_accelerator().create_op_builder(name)
         if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
             continue
-        builder.load(verbose=False)
-        done.append(builder.NAME)
-    return done
+        try:
+            builder.load(verbose=False)
+            outcome[builder.NAME] = None
+        except StkError:
+            raise
+        except Exception as exc:  # a compiler error, a missing compiler: told, and left to the first run
+            outcome[builder.NAME] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return outcome
 
 
 def main() -> None:
     """`make install`: the ops stk uses, built once, so the first training run does not build them."""
     started = time.monotonic()
     try:
-        built = prebuild_ops()
+        outcome = prebuild_ops()
     except StkError as exc:
         print(f"stk: {exc}", file=sys.stderr)
         sys.exit(int(exc.exit_code))
     directory = os.environ["TORCH_EXTENSIONS_DIR"]
-    print(f"stk: DeepSpeed's ops {', '.join(built)} ready in {directory} ({time.monotonic() - started:.0f} s)")
+    ready = [name for name, failure in outcome.items() if failure is None]
+    print(f"stk: DeepSpeed's ops {', '.join(ready) or '(none)'} ready in {directory} "
+          f"({time.monotonic() - started:.0f} s)")  # fmt: skip
+    for name, failure in outcome.items():
+        if failure is not None:
+            print(f"stk: DeepSpeed's op {name} did not build ({failure}); stk-train tries again when it needs it")
 
 
 if __name__ == "__main__":
