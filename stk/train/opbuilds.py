@@ -121,7 +121,8 @@ def _locked(load: Callable[..., Any]) -> Callable[..., Any]:
     def locked_load(name: str, *args: Any, **kwargs: Any) -> Any:
         directory = os.environ["TORCH_EXTENSIONS_DIR"]  # read when building, as torch reads it
         with build_lock(directory, wait_seconds()) as deadline:
-            _wait(lambda: not _live_baton(directory, name), deadline, directory, f"a build of {name}")
+            other = f"another program's build of DeepSpeed's op {name} in {directory}"
+            _wait(lambda: not _live_baton(directory, name), deadline, other)
             return load(name, *args, **kwargs)
 
     locked_load.stk_locked = True  # type: ignore[attr-defined]  # own_op_builds wraps once
@@ -135,7 +136,8 @@ def build_lock(directory: str, wait_s: float) -> Iterator[float]:
     os.makedirs(directory, exist_ok=True)
     deadline = time.monotonic() + wait_s
     with open(os.path.join(directory, LOCK_NAME), "a+") as f:
-        _wait(lambda: _try_flock(f.fileno()), deadline, directory, "another process's build", lambda: _holder(f))
+        other = f"another process's build of DeepSpeed's ops in {directory}"
+        _wait(lambda: _try_flock(f.fileno()), deadline, other, lambda: _holder(f))
         try:
             f.truncate(0)
             f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}\n")
@@ -194,21 +196,18 @@ def _holder(f: Any) -> str:
     return f.read().strip() or "a process"
 
 
-def _wait(
-    done: Callable[[], bool], deadline: float, directory: str, what: str, who: Callable[[], str] = lambda: ""
-) -> None:
+def _wait(done: Callable[[], bool], deadline: float, what: str, who: Callable[[], str] = lambda: "live") -> None:
     """Poll `done` until it holds; one line if that takes a while, InfraError (exit 69) past `deadline`."""
     started, said = time.monotonic(), False
     while not done():
         now = time.monotonic()
         if now > deadline:
             raise InfraError(
-                f"waited {now - started:.0f} s for {what} of DeepSpeed's ops in {directory} ({who() or 'live'}) "
-                f"without an end: rerun later, or elsewhere; if nothing builds there, remove that directory "
-                f"({WAIT_ENV} sets the wait)"
+                f"waited {now - started:.0f} s for {what} ({who()}) without an end: rerun later, or elsewhere; "
+                f"if nothing builds there, remove that directory ({WAIT_ENV} sets the wait)"
             )
         if not said and now - started > _SAY_WAITING_AFTER_S:
-            log.warning("waiting for %s of DeepSpeed's ops in %s (%s)", what, directory, who() or "live")
+            log.warning("waiting for %s (%s)", what, who())
             said = True
         time.sleep(_POLL_S)
 
