@@ -268,10 +268,18 @@ def wait_until_waiting(pids: list[int], proc: subprocess.Popen[str], timeout: fl
     lock = os.path.realpath(EXTENSIONS_DIR / LOCK_NAME)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if all(any(os.readlink(f) == lock for f in Path(f"/proc/{pid}/fd").iterdir()) for pid in pids):
+        if all(lock in open_files(pid) for pid in pids):
             return
         time.sleep(0.1)
     raise AssertionError(f"the ranks did not reach the build lock (exit {proc.poll()})")
+
+
+def open_files(pid: int) -> set[str]:
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed while we look
+            found.add(os.readlink(fd))
+    return found
 
 
 def rank_pids(proc: subprocess.Popen[str], ranks: int) -> list[int]:
