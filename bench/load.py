@@ -76,7 +76,6 @@ print(json.dumps({"rank": world.rank, "before": before, "peak": status()["VmHWM"
 def env() -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith(("STK_", "SLURM_", "PMI_"))}
     out.update(OMP_NUM_THREADS="2", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
-    out.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "stk-torch-extensions"))
     return out
 
 

@@ -59,7 +59,6 @@ MPIEXEC = str(Path(PYTHON).parent / "mpiexec")
 def env() -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith(("STK_", "SLURM_", "PMI_"))}
     out.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
-    out.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "stk-torch-extensions"))
     return out
 
 

@@ -12,13 +12,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from stk.errors import InputError
 from stk.slurm import step_size
 
 __all__ = [
     "World",
+    "exit_now",
     "failed_rank",
     "get_world",
     "launched_by_mpi",
@@ -117,14 +118,28 @@ class World:
         `srun --mpi=pmi2` cancels the step and exits 137, whatever the code."""
         if self.comm is None or self.size == 1:
             return
-        for hook in _abort_hooks:
-            hook(code)
-        sys.stderr.flush()
-        sys.stdout.flush()
+        _before_ending(code)
         # the launcher kills every process as soon as it hears of the abort, and output still on its
         # way through its forwarding is lost with them: the one line saying why must get out first
         time.sleep(_ABORT_GRACE_SECONDS)
         self.comm.Abort(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process at once with `code`, from any thread and without unwinding (a stop signal before
+    training starts, while the main thread may be blocked in C++). Under hydra's mpiexec the other ranks end
+    with it and mpiexec exits `code`; under srun each rank that got the signal ends itself, so srun exits
+    `code` too (an MPI_Abort would make it 137)."""
+    _before_ending(code)
+    os._exit(code)
+
+
+def _before_ending(code: int) -> None:
+    """What must happen before a process ends without unwinding: the abort hooks, the buffered output."""
+    for hook in _abort_hooks:
+        hook(code)
+    sys.stderr.flush()
+    sys.stdout.flush()
 
 
 def _everywhere(exc: Exception, rank: int, node: str | None) -> Exception:
@@ -153,7 +168,7 @@ def failed_rank(exc: BaseException) -> tuple[int, str | None] | None:
 
 
 def on_abort(hook: Callable[[int], None]) -> None:
-    """Call `hook(code)` just before World.abort ends the process (it runs no finally blocks)."""
+    """Call `hook(code)` just before World.abort or exit_now ends the process (they run no finally blocks)."""
     _abort_hooks.append(hook)
 
 

@@ -6,13 +6,25 @@ in helpers.py."""
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from helpers import PROMPTS, TRAIN, TRAIN_IMAGES, Receiver, RunScan, cache_command, scan_command, scan_env
+from helpers import (
+    EXTENSIONS_DIR,
+    FRESH_EXTENSIONS_DIR,
+    PROMPTS,
+    TRAIN,
+    TRAIN_IMAGES,
+    Receiver,
+    RunScan,
+    cache_command,
+    scan_command,
+    scan_env,
+)
 from slurm_cluster import slurm_cluster  # noqa: F401  (the real Slurm fixture, tests/slurm_cluster.py)
 from slurm_nodes import slurm_nodes  # noqa: F401  (the real four-node Slurm fixture, tests/slurm_nodes.py)
 from weed_server import WeedServer
@@ -34,6 +46,14 @@ def _no_shared_memory_left_behind() -> Iterator[None]:
     yield
     for leftover in set(SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*")) - before:
         leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fresh_op_builds() -> Iterator[None]:
+    """The session's build directory for DeepSpeed's ops (helpers.EXTENSIONS_DIR) goes when the session ends."""
+    yield
+    if FRESH_EXTENSIONS_DIR:
+        shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
 
 
 @pytest.fixture

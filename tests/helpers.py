@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -36,6 +37,7 @@ __all__ = [
     "CHANNELS",
     "EXTENSIONS_DIR",
     "FAST",
+    "FRESH_EXTENSIONS_DIR",
     "MPIEXEC",
     "S3_ENV",
     "SCAN",
@@ -261,13 +263,16 @@ def clean_env(**extra: str) -> dict[str, str | None]:
 # --- stk-train --------------------------------------------------------------------------
 
 TRAIN = [sys.executable, "-m", "stk.cli.train"]
-# Persistent, so DeepSpeed's shared-memory op is built once (~40-60 s) and not in every run.
-EXTENSIONS_DIR = Path.home() / ".cache" / "stk-torch-extensions"
+# DeepSpeed's ops build into a fresh directory per test session, as on a fresh machine, so every session takes
+# the cold path: its first training run builds the shared-memory op (~60 s on 2 cores), its first offloaded one
+# CPU Adam (~85 s). conftest removes it at the end. TORCH_EXTENSIONS_DIR set for pytest keeps builds instead.
+FRESH_EXTENSIONS_DIR = not os.environ.get("TORCH_EXTENSIONS_DIR")
+EXTENSIONS_DIR = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or tempfile.mkdtemp(prefix="stk-torch-extensions-"))
 
 
 def train_env() -> dict[str, str]:
     """scan_env() for DeepSpeed on the CPU: one torch thread per rank (bitwise-equal runs), the
-    extension build cache kept between runs."""
+    session's build directory for DeepSpeed's ops."""
     env = scan_env()
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR))
     return env

@@ -24,7 +24,7 @@ from helpers import EXTENSIONS_DIR
 from stk.errors import InfraError, InputError
 from stk.slurm import free_port, hostnames
 from stk.train import distributed
-from stk.train.distributed import DistEnv, export_dist_env, init_distributed, prefer_own_build_tools, resolve_dist_env
+from stk.train.distributed import DistEnv, export_dist_env, init_distributed, resolve_dist_env
 from stk.world import World
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -206,7 +206,7 @@ RANK_SCRIPT = textwrap.dedent(
 
 
 def _rank_env() -> dict[str, str]:
-    """No Slurm, MPI or launcher variables from the outside, DeepSpeed on CPU, a persistent build."""
+    """No Slurm, MPI or launcher variables from the outside, DeepSpeed on CPU, the session's op builds."""
     dropped = ("STK_", "SLURM_", "PMI_", "PMIX_", "OMPI_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     for name in (*distributed.LAUNCHER_VARS, "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS"):
@@ -272,15 +272,3 @@ def test_real_rendezvous_timeout_is_an_infra_error(tmp_path: Path):
     )
     assert proc.returncode == InfraError.exit_code, proc.stderr[-4000:]
     assert f"rendezvous at 127.0.0.1:{port} did not complete" in proc.stdout
-
-
-def test_the_ninja_beside_this_python_comes_first_on_path():
-    """DeepSpeed's op builds take the first ninja on PATH; pip's (beside this python) must win over a
-    system one, whose build log it cannot read (every op would be rebuilt)."""
-    own = os.path.dirname(sys.executable)
-    assert os.path.isfile(os.path.join(own, "ninja")), "pip's ninja (a DeepSpeed dependency) is missing"
-    environ = {"PATH": os.pathsep.join(["/usr/bin", own, "/bin"])}
-    prefer_own_build_tools(environ)
-    assert environ["PATH"].split(os.pathsep) == [own, "/usr/bin", "/bin"]
-    prefer_own_build_tools(environ)
-    assert environ["PATH"].split(os.pathsep) == [own, "/usr/bin", "/bin"]

@@ -41,9 +41,11 @@ Exit codes: 0 finished; 2 bad option; 3 unusable input (cache, model, config; a 
 another VAE or text encoders: --force); 5 a bucket cannot fill one effective batch; 6 the cache
 does not cover the scan, or a shard is damaged (stk-cache verify CACHE --repair, then stk-cache),
 or no checkpoint verifies (the message names the files); 7 preflight failed (output dir not
-shared or in use by another run, uneven GPUs); 69 a peer rank, storage or the network failed, or
-a checkpoint could not be written (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM,
-requeue the job to continue; 76 GPU fault (circuit breaker open); 1 a bug (traceback in the log).
+shared or in use by another run, uneven GPUs); 69 a peer rank, storage or the network failed, a
+checkpoint could not be written, or another process's build of DeepSpeed's ops outlasted
+$STK_BUILD_WAIT_SECONDS (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM (before
+the first step: stopped at once), requeue the job to continue; 76 GPU fault (circuit breaker open);
+1 a bug (traceback in the log).
 """
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from stk.errors import InfraError, InputError
 from stk.slurm import Task, env_int, free_port, step_task
+from stk.train.opbuilds import own_op_builds
 from stk.world import World
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "DistEnv",
     "export_dist_env",
     "init_distributed",
-    "prefer_own_build_tools",
     "resolve_dist_env",
 ]
 
@@ -78,26 +77,15 @@ def export_dist_env(env: DistEnv, environ: MutableMapping[str, str] = os.environ
     )
 
 
-def prefer_own_build_tools(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Put this python's bin directory first on PATH. DeepSpeed builds its C++ ops (the CPU
-    shared-memory allreduce, CPU Adam) with the first `ninja` on PATH; pip's ninja, installed beside
-    this python for DeepSpeed, and a system one (Debian's comes with cmake) keep build logs the other
-    cannot read, so runs that alternate between them rebuild every op, ~30 s each on 2 cores."""
-    own = os.path.dirname(sys.executable)
-    path = environ.get("PATH", os.defpath)
-    if not os.path.isfile(os.path.join(own, "ninja")) or path.split(os.pathsep)[0] == own:
-        return
-    environ["PATH"] = os.pathsep.join([own, *(entry for entry in path.split(os.pathsep) if entry != own)])
-
-
 def init_distributed(env: DistEnv, backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     """Export `env` and start torch.distributed through DeepSpeed (nccl on GPUs, else gloo), with
-    `timeout` for the rendezvous and for every collective after it."""
+    `timeout` for the rendezvous and for every collective after it. From here on DeepSpeed builds its
+    ops under stk's build lock (stk.train.opbuilds)."""
     import deepspeed
     import torch
 
     export_dist_env(env)
-    prefer_own_build_tools()
+    own_op_builds()  # before DeepSpeed builds its first op
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     _default_group_timeout(timeout)
     try:

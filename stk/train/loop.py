@@ -143,10 +143,11 @@ def run_train(opts: TrainOptions, world: World) -> tuple[TrainSummary, ExitCode]
     """Train on every rank of `world` and return the summary with the exit code its outcome asks for.
 
     Every check that needs no model runs first, so a job that cannot work fails in seconds; a stop
-    signal or a GPU fault ends the run at a step boundary all ranks agree on, and a peer that fails
-    or stops answering is reported as an infrastructure error (rerun, maybe elsewhere)."""
+    signal or a GPU fault ends the run at a step boundary all ranks agree on (a stop signal before the
+    first step ends it at once), and a peer that fails or stops answering is reported as an
+    infrastructure error (rerun, maybe elsewhere)."""
     started = time.monotonic()
-    signals = StopSignals().install()  # from the start: a signal while models load stops at the first step
+    signals = StopSignals().install()  # from the start: a signal before the first step ends the run at once
     try:
         return _prepared_run(opts, world, signals, started)
     except Exception as exc:
@@ -431,6 +432,7 @@ def _resume(
 
 def _train(run: _Run) -> Outcome:
     """Steps until done, a stop signal (checkpoint; REQUEUE) or a GPU fault (GPU_FAULT)."""
+    run.signals.defer()  # a stop signal now waits for the step boundary, where every rank checkpoints
     accum = run.opts.grad_accum
     while run.step < run.total_steps:
         trained_in_epoch = run.sampler.step

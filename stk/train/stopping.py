@@ -1,28 +1,34 @@
 """Why training stops early, agreed by every rank at each optimizer step boundary.
 
-SIGUSR2 (Slurm's `--signal=B:USR2@180` before a time limit or preemption) and SIGTERM set a flag;
-the GPU watch sets another. One small all-reduce per optimizer step makes every rank see the same
-flags at the same step, so all ranks checkpoint together (a signal) or all stop (a fault), even
-when the signal reached only one process.
+SIGUSR2 (Slurm's `--signal=B:USR2@180` before a time limit or preemption) and SIGTERM set a flag
+once the step loop runs (before, they end the run at once: StopSignals); the GPU watch sets another.
+One small all-reduce per optimizer step makes every rank see the same flags at the same step, so all
+ranks checkpoint together (a signal) or all stop (a fault), even when the signal reached only one
+process.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from stk.errors import InfraError, InputError
+from stk.errors import ExitCode, InfraError, InputError
 from stk.log import get_logger
+from stk.world import exit_now
 
 __all__ = ["STOP_SIGNALS", "Agreement", "StopSignals", "agree", "is_gpu_error", "is_peer_failure", "peer_failed"]
 
 log = get_logger("train.stop")
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+STOP_NUMBERS = frozenset(int(sig) for sig in STOP_SIGNALS)
 # What a collective raises when a peer rank died (its sockets closed or reset) or stopped answering
 # (the process group's timeout): gloo's transport messages, and NCCL's for a peer that exited.
 PEER_MARKERS = (
@@ -37,28 +43,74 @@ PEER_MARKERS = (
 
 
 class StopSignals:
-    """Records SIGUSR2/SIGTERM instead of dying; the loop checkpoints at the next step boundary."""
+    """SIGUSR2/SIGTERM. Once the step loop runs (`defer`), a signal is recorded and the loop checkpoints at the
+    next step boundary. Before that (loading, building DeepSpeed's ops, the rendezvous) there is nothing to save
+    and no step boundary may come soon, so the signal ends the run at once with the requeue code.
 
-    def __init__(self) -> None:
+    Python runs signal handlers in the main thread only, between bytecodes: a main thread blocked in C++ (the
+    gloo rendezvous) would hold the handler back. So the C-level handler also writes the signal's number to a
+    pipe (signal.set_wakeup_fd), and a thread reading it ends the process from there."""
+
+    def __init__(self, end: Callable[[int], object] = exit_now) -> None:
         self.received: str | None = None
+        self._end = end  # ends the process with the code it is given (world.exit_now; tests record it)
+        self._deferring = False
+        self._ending = threading.Lock()  # one line and one end, whichever of the handler and the thread is first
         self._previous: dict[int, object] = {}
+        self._wakeup: tuple[int, int, int] | None = None  # the pipe's ends and the wakeup fd it replaced
+        self._watcher: threading.Thread | None = None
 
     def install(self) -> StopSignals:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # the C handler must never block
+        self._wakeup = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+        self._watcher = threading.Thread(target=self._watch, args=(read,), name="stk-stop-signals", daemon=True)
+        self._watcher.start()
         return self
+
+    def defer(self) -> None:
+        """The step loop has started: from now on a stop signal waits for the next step boundary."""
+        self._deferring = True
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]  # what signal.signal returned
         self._previous.clear()
+        if self._wakeup is not None:
+            read, write, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the watcher reads the end of the pipe and returns
+            if self._watcher is not None:
+                self._watcher.join()
+            os.close(read)
+            self._wakeup = None
+
+    def _watch(self, fd: int) -> None:
+        while data := os.read(fd, 64):  # the numbers of the signals received (b"" once restore closes the pipe)
+            stops = [number for number in data if number in STOP_NUMBERS]
+            if stops and not self._deferring:
+                self._end_now(signal.Signals(stops[0]).name)
 
     def _handle(self, signum: int, _frame: types.FrameType | None) -> None:
-        if self.received is None:
+        if not self._deferring:
+            self._end_now(signal.Signals(signum).name)
+        elif self.received is None:
             self.received = signal.Signals(signum).name
             log.warning(
                 "%s received: checkpointing at the next step boundary, then exiting to be requeued", self.received
             )
+
+    def _end_now(self, name: str) -> None:
+        if not self._ending.acquire(blocking=False):
+            return
+        log.warning(
+            "%s received before the first training step (loading, building DeepSpeed's ops or the rendezvous): "
+            "exiting now to be requeued; nothing trained since the last checkpoint is lost",
+            name,
+        )
+        self._end(int(ExitCode.REQUEUE))
 
 
 @dataclass(frozen=True)
