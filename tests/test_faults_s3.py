@@ -30,8 +30,8 @@ from stk import storage
 from stk.cli.train import main as train_main
 from stk.datagen import generate_dataset
 from stk.errors import ExitCode, InfraError, InputError
+from stk.lease import lease_name
 from stk.models import Family
-from stk.train.lease import LEASE_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -464,7 +464,7 @@ def test_train_rides_through_an_outage(weed: WeedServer, scan: Path, sd_model: s
         train_env(),
         weed,
         "stop",
-        lambda: (out / LEASE_NAME).exists(),
+        lambda: (out / lease_name("stk-train")).exists(),
         OUTAGE_S,
     )
     assert outcome.proc.returncode == 0, outcome.proc.stderr
