@@ -6,6 +6,7 @@ the one-line errors."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import os
@@ -16,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import zlib
@@ -758,13 +760,47 @@ def test_a_truncated_scan_table_a_missing_or_an_empty_shard_are_exit_6_naming_th
         assert f"`stk-cache verify {cache} --repair`" in line
 
 
-def test_a_missing_bucket_is_one_line_naming_the_bucket_and_the_endpoint(
-    models: dict[Family, str], scanned: Scanned, s3_server: str
+@contextlib.contextmanager
+def web_server() -> Iterator[str]:
+    """A plain HTTP server on 127.0.0.1 (HTML pages, 404 and 501 answers): not S3."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("endpoint", ["missing-bucket", "unresolvable-host", "not-s3"])
+def test_a_wrong_bucket_or_endpoint_is_one_line_and_exit_3_before_the_model_loads(
+    scanned: Scanned, s3_server: str, tmp_path: Path, endpoint: str
 ) -> None:
+    """The model given is no model: the storage error comes first, so no model was loaded."""
     bucket = f"stk-missing-{uuid.uuid4().hex[:10]}"
-    args = [scanned.scan, "--model", models[Family.SD], "--out", f"s3://{bucket}/cache"]
-    proc = run_cache([*args, "--s3-endpoint-url", s3_server])
+    with contextlib.ExitStack() as stack:
+        url = {
+            "missing-bucket": s3_server,
+            "unresolvable-host": "http://no-such-host.invalid:8333",
+            "not-s3": stack.enter_context(web_server()) if endpoint == "not-s3" else "",
+        }[endpoint]
+        started = time.monotonic()
+        proc = run_cache([scanned.scan, "--model", tmp_path / "no-model", "--out", f"s3://{bucket}/cache",
+                          "--s3-endpoint-url", url])  # fmt: skip
+        seconds = time.monotonic() - started
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
-    lines = error_lines(proc)
-    assert len(lines) == 1 and bucket in lines[0] and s3_server in lines[0], proc.stderr
+    (line,) = error_lines(proc)
+    assert url in line and "no-model" not in line, line
+    assert {
+        "missing-bucket": f"S3 bucket '{bucket}' does not exist",
+        "unresolvable-host": "the host name no-such-host.invalid does not resolve",
+        "not-s3": "does not answer as S3 (HTTP 404 to ListObjectsV2",
+    }[endpoint] in line, line
+    assert seconds < 60, "retried as an outage"
