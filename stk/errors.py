@@ -31,7 +31,8 @@ class ExitCode(enum.IntEnum):
     INPUT = 3  # source, table, bucket or output unusable: nothing was produced
     TOO_MANY_ERRORS = 4  # outputs written, but more bad files than --max-errors allows
     BATCH_CHECK = 5  # outputs written, but some bucket cannot fill one effective batch
-    INCOMPLETE = 6  # shards missing or damaged, or scan rows without a cache entry; no checkpoint that verifies
+    INCOMPLETE = 6  # damaged data: a scan table, manifest, shard or checkpoint that cannot be read or verified,
+    # or a cache missing samples
     PREFLIGHT = 7  # stk-train: the job cannot run as set up (output not shared, uneven nodes); nothing trained
     INFRA = 69  # storage, network or a peer failed (S3 down past the retry budget, disk full): retry, maybe elsewhere
     REQUEUE = 75  # stk-train: checkpointed on SIGUSR2/SIGTERM; requeue the job to continue (EX_TEMPFAIL)
@@ -67,6 +68,10 @@ class BatchCheckFailed(StkError):
 
 
 class CacheIncomplete(StkError):
+    """Data stk wrote is damaged or incomplete (a scan table, a manifest, a shard, or a cache missing
+    samples): the message names the file and the command that rebuilds it. Rerunning the job alone
+    would meet the same bytes, so it is never requeued."""
+
     exit_code = ExitCode.INCOMPLETE
 
 

@@ -6,14 +6,19 @@ the one-line errors."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import os
 import re
 import shutil
+import signal
+import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 import uuid
 import zlib
 from collections import Counter
@@ -440,6 +445,80 @@ def test_verify_names_a_deleted_and_a_corrupted_shard_and_repair_then_rebuild_re
         assert clean.text_keys() == restored.text_keys()
 
 
+def test_an_invalid_manifest_is_rebuilt_by_repair_keeping_every_shard_and_the_model_via_a_symlink_reuses_them(
+    models: dict[Family, str], scanned: Scanned, built: Callable[[Family], Built], tmp_path: Path
+) -> None:
+    """A truncated manifest.json: every command that reads it says so in one line (exit 6) with the repair;
+    `verify --repair` rebuilds it from the shards (they carry its header), so the cache verifies and reads back
+    every sample, and stk-cache with the same model through a symlink finds everything cached."""
+    original = built(Family.SD)
+    cache = tmp_path / "cache"
+    shutil.copytree(original.path, cache)
+    whole = (cache / "manifest.json").read_bytes()
+    (cache / "manifest.json").write_bytes(whole[: len(whole) // 2])
+    for args in (["verify", cache], ["info", cache]):
+        proc = run_cache(args)
+        assert proc.returncode == 6, proc.stderr
+        (line,) = error_lines(proc)
+        assert "Traceback" not in proc.stderr and f"{cache}/manifest.json is damaged (not JSON" in line
+        assert f"`stk-cache verify {cache} --repair`" in line
+
+    repair = run_cache(["verify", cache, "--repair"])
+    assert repair.returncode == 0, repair.stderr
+    assert "Traceback" not in repair.stderr and summary_of(repair)["ok"]
+    assert sorted(os.listdir(cache / "shards")) == sorted(os.listdir(original.path / "shards"))
+    rebuilt, before = Manifest.load(str(cache)), Manifest.load(str(original.path))
+    assert rebuilt is not None and before is not None and rebuilt.header() == before.header()
+    assert sorted(rebuilt.shards, key=lambda s: s["name"]) == sorted(before.shards, key=lambda s: s["name"])
+    assert run_cache(["verify", cache, "--scan", scanned.scan]).returncode == 0
+    with CacheReader(str(original.path)) as old, CacheReader(str(cache)) as new:
+        assert_same_latents(old, new)
+        assert old.text_keys() == new.text_keys()
+        for key in old.text_keys():
+            assert all(np.array_equal(a, new.text(key).arrays[n]) for n, a in old.text(key).arrays.items())
+
+    link = tmp_path / "same-model"
+    link.symlink_to(models[Family.SD])
+    again = run_cache([scanned.scan, "--model", link, "--out", cache, *FP32, *ONE_BAD])
+    assert again.returncode == 0, again.stderr
+    summary = summary_of(again)
+    assert (summary["encoded_images"], summary["encoded_captions"]) == (0, 0), summary
+    assert summary["reused_images"] == len(scanned.good)
+    assert sorted(os.listdir(cache / "shards")) == sorted(os.listdir(original.path / "shards"))
+
+
+def test_a_second_build_on_a_busy_out_is_refused_and_the_first_finishes(
+    models: dict[Family, str], scanned: Scanned, tmp_path: Path
+) -> None:
+    out = tmp_path / "cache"
+    lease = out / ".stk-cache.lease"
+    args = [scanned.scan, "--model", models[Family.SD], "--out", out, *FP32, *ONE_BAD]
+    env = cache_env()
+    first = subprocess.Popen(cache_command(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not lease.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lease.exists(), "the first run never took the lease"
+        first.send_signal(signal.SIGSTOP)  # held busy while the second starts (the tiny dataset takes seconds)
+        try:
+            second = run_cache(args)
+        finally:
+            first.send_signal(signal.SIGCONT)
+        stdout, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 7, second.stderr
+    (line,) = error_lines(second)
+    assert "Traceback" not in second.stderr and second.stdout == ""
+    assert f"--out {out} is in use by another stk-cache run (host {socket.gethostname()}, pid {first.pid}" in line
+    assert first.returncode == 0, stderr
+    assert json.loads(stdout)["encoded_images"] == len(scanned.good)
+    assert not lease.exists()
+    assert run_cache(["verify", out, "--scan", scanned.scan]).returncode == 0
+
+
 # --- 5. another config ---------------------------------------------------------------------------------------------
 
 
@@ -656,13 +735,79 @@ def test_a_missing_scan_a_directory_that_is_no_model_or_an_empty_prompt_file_is_
     assert not (tmp_path / "cache3").exists()
 
 
-def test_a_missing_bucket_is_one_line_naming_the_bucket_and_the_endpoint(
-    models: dict[Family, str], scanned: Scanned, s3_server: str
+def test_a_truncated_scan_table_a_missing_or_an_empty_shard_are_exit_6_naming_the_file_and_the_fix(
+    scanned: Scanned, built: Callable[[Family], Built], tmp_path: Path
 ) -> None:
+    """Damage is exit 6 in one line naming the file and what rebuilds it; found before any model loads (the model
+    given here is no model)."""
+    scan = tmp_path / "scan"
+    shutil.copytree(scanned.scan, scan)
+    table = scan / "metadata.parquet"
+    table.write_bytes(table.read_bytes()[:200])
+    proc = run_cache([scan, "--model", tmp_path / "no-model", "--out", tmp_path / "out"])
+    assert proc.returncode == 6, proc.stderr
+    (line,) = error_lines(proc)
+    assert "Traceback" not in proc.stderr and f"{table} is damaged (not a readable parquet file" in line
+    assert f"`stk-scan {scanned.data} --out {scan}`" in line
+    assert not (tmp_path / "out").exists()
+    proc = run_cache(["verify", built(Family.SD).path, "--scan", scan])
+    assert proc.returncode == 6 and f"{table} is damaged" in error_lines(proc)[0], proc.stderr
+    proc = run_cache([tmp_path, "--model", tmp_path / "no-model", "--out", tmp_path / "out"])
+    assert proc.returncode == 3 and "not an stk-scan output directory" in error_lines(proc)[0], proc.stderr
+
+    for damage in ("missing", "empty"):
+        cache = tmp_path / f"cache-{damage}"
+        shutil.copytree(built(Family.SD).path, cache)
+        shard = sorted((cache / "shards").iterdir())[0]
+        shard.unlink() if damage == "missing" else shard.write_bytes(b"")
+        proc = run_cache(["info", cache])
+        assert proc.returncode == 6, proc.stderr
+        (line,) = error_lines(proc)
+        assert "Traceback" not in proc.stderr and f"shard {shard} is damaged" in line
+        assert f"`stk-cache verify {cache} --repair`" in line
+
+
+@contextlib.contextmanager
+def web_server() -> Iterator[str]:
+    """A plain HTTP server on 127.0.0.1 (HTML pages, 404 and 501 answers): not S3."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("endpoint", ["missing-bucket", "unresolvable-host", "not-s3"])
+def test_a_wrong_bucket_or_endpoint_is_one_line_and_exit_3_before_the_model_loads(
+    scanned: Scanned, s3_server: str, tmp_path: Path, endpoint: str
+) -> None:
+    """The model given is no model: the storage error comes first, so no model was loaded."""
     bucket = f"stk-missing-{uuid.uuid4().hex[:10]}"
-    args = [scanned.scan, "--model", models[Family.SD], "--out", f"s3://{bucket}/cache"]
-    proc = run_cache([*args, "--s3-endpoint-url", s3_server])
+    with contextlib.ExitStack() as stack:
+        url = {
+            "missing-bucket": s3_server,
+            "unresolvable-host": "http://no-such-host.invalid:8333",
+            "not-s3": stack.enter_context(web_server()) if endpoint == "not-s3" else "",
+        }[endpoint]
+        started = time.monotonic()
+        proc = run_cache([scanned.scan, "--model", tmp_path / "no-model", "--out", f"s3://{bucket}/cache",
+                          "--s3-endpoint-url", url])  # fmt: skip
+        seconds = time.monotonic() - started
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
-    lines = error_lines(proc)
-    assert len(lines) == 1 and bucket in lines[0] and s3_server in lines[0], proc.stderr
+    (line,) = error_lines(proc)
+    assert url in line and "no-model" not in line, line
+    assert {
+        "missing-bucket": f"S3 bucket '{bucket}' does not exist",
+        "unresolvable-host": "the host name no-such-host.invalid does not resolve",
+        "not-s3": "does not answer as S3 (HTTP 404 to ListObjectsV2",
+    }[endpoint] in line, line
+    assert seconds < 60, "retried as an outage"

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,8 +31,8 @@ from stk import storage
 from stk.cli.train import main as train_main
 from stk.datagen import generate_dataset
 from stk.errors import ExitCode, InfraError, InputError
+from stk.lease import lease_name
 from stk.models import Family
-from stk.train.lease import LEASE_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -124,6 +125,34 @@ def test_wrong_credentials_are_raised_at_once(tmp_path: Path, monkeypatch: pytes
     finally:
         storage.configure_s3(None)
         server.stop()
+
+
+def test_a_host_name_that_never_resolved_is_input_and_one_that_resolved_before_is_an_outage(
+    weed: WeedServer, in_process: _Records, monkeypatch: pytest.MonkeyPatch
+):
+    """A typo in the endpoint is exit 3 at once (retried as an outage it would requeue the job forever); a
+    name that resolved earlier in the process and then fails is an outage (a DNS server can go down)."""
+    storage.configure_s3("http://no-such-host.invalid:8333", retry_seconds=60)
+    started = time.monotonic()
+    with pytest.raises(InputError, match=r"http://no-such-host\.invalid:8333: the host name .* does not resolve"):
+        storage.read_bytes("s3://data/k")
+    assert time.monotonic() - started < 10 and in_process.lines == []
+
+    _bucket(weed, "data", {"k": b"v"})
+    storage.configure_s3(weed.endpoint.replace("127.0.0.1", "localhost"), retry_seconds=2)
+    assert storage.read_bytes("s3://data/k") == b"v"
+    _outage(weed, "kill")
+    try:
+
+        def no_dns(*args: object, **kwargs: object) -> None:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+        monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+        with pytest.raises(InfraError, match="did not answer for 2 s"):
+            storage.read_bytes("s3://data/k")
+    finally:
+        monkeypatch.undo()
+        _recover(weed, "kill")
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
@@ -464,7 +493,7 @@ def test_train_rides_through_an_outage(weed: WeedServer, scan: Path, sd_model: s
         train_env(),
         weed,
         "stop",
-        lambda: (out / LEASE_NAME).exists(),
+        lambda: (out / lease_name("stk-train")).exists(),
         OUTAGE_S,
     )
     assert outcome.proc.returncode == 0, outcome.proc.stderr

@@ -21,7 +21,7 @@ from helpers import S3_ENV, s3_client
 from shard_samples import Rank0, make_latent, make_text
 
 from stk import storage
-from stk.errors import InputError
+from stk.errors import CacheIncomplete, ExitCode, InputError
 from stk.shards import (
     CacheReader,
     LatentSample,
@@ -32,7 +32,8 @@ from stk.shards import (
     shard_location,
     verify,
 )
-from stk.shards.manifest import shard_entry
+from stk.shards.manifest import ManifestDamaged, shard_entry
+from stk.shards.rebuild import rebuild_manifest
 
 SHAPES = [(4, 8, 8), (4, 8, 16), (4, 16, 8)]
 
@@ -338,11 +339,16 @@ def test_manifest_round_trip_and_refusals(cache: str) -> None:
     manifest.merge([shard_entry(ShardInfo("r0-00000.h5", 3, 1, 100, "ab" * 32))])
     manifest.save(cache)
     assert Manifest.load(cache) == manifest
+    manifest_bytes = storage.read_bytes(storage.join(cache, "manifest.json"))
     storage.write_atomic(storage.join(cache, "manifest.json"), b'{"version": 99, "config": {}, "shards": []}')
     with pytest.raises(InputError, match="version 99"):
         Manifest.load(cache)
     storage.write_atomic(storage.join(cache, "manifest.json"), b"[1, 2]")
-    with pytest.raises(InputError, match="not a cache manifest"):
+    with pytest.raises(ManifestDamaged, match="not a cache manifest") as damaged:
+        Manifest.load(cache)
+    assert damaged.value.exit_code == ExitCode.INCOMPLETE and f"stk-cache verify {cache} --repair" in str(damaged.value)
+    storage.write_atomic(storage.join(cache, "manifest.json"), manifest_bytes[: len(manifest_bytes) // 2])
+    with pytest.raises(ManifestDamaged, match="is damaged \\(not JSON"):
         Manifest.load(cache)
     with pytest.raises(InputError, match=r"no manifest\.json"):
         CacheReader(str(Path(cache) / "elsewhere"))
@@ -395,8 +401,71 @@ def test_verify_finds_missing_and_damaged_shards_and_missing_keys(cache: str) ->
     expected_missing = sorted({*deleted.latent_keys, *flipped.latent_keys, "beef" * 8})
     assert report.missing_latent_keys == expected_missing
     assert report.missing_text_keys == sorted({*deleted.text_keys, *flipped.text_keys})
-    with pytest.raises(InputError, match="missing"):
+    with pytest.raises(CacheIncomplete, match=f"{deleted.name} is damaged \\(missing\\).*verify {cache} --repair"):
         CacheReader(cache)
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty"])
+def test_a_missing_or_empty_shard_is_exit_6_naming_it_and_the_repair(cache: str, damage: str) -> None:
+    rank0 = write(cache, [make_latent(i) for i in range(12)], shard_size=3000)
+    path = shard_location(cache, rank0.infos[1].name)
+    if damage == "missing":
+        os.unlink(path)
+    else:
+        open(path, "wb").close()
+    with pytest.raises(CacheIncomplete) as raised:
+        CacheReader(cache)
+    message = str(raised.value)
+    assert raised.value.exit_code == ExitCode.INCOMPLETE and "\n" not in message
+    assert path in message and f"`stk-cache verify {cache} --repair`" in message
+    assert ("(missing)" if damage == "missing" else "(0 bytes, the manifest lists") in message
+
+
+def test_a_damaged_manifest_is_rebuilt_from_the_intact_shards(cache: str) -> None:
+    """Each shard carries the manifest's header: a truncated manifest.json is rebuilt from the shards that
+    read back whole, listing every one of their samples; a truncated shard and an older stk's shard (no
+    header) are dropped and deleted."""
+    header = Manifest(config={"family": "sd", "model": {"vae": "v1"}}, scaling_factor=0.18215,
+                      validation_prompts=["a cat"], extra={"created_by": "test"}).header()  # fmt: skip
+    latents = [make_latent(i) for i in range(20)]
+    texts = [make_text(i, 3 + i) for i in range(4)]
+    rank0 = Rank0(cache)
+    writer = ShardWriter(cache, storage.join(cache, "shards"), "r0", 3000, rank0, header)
+    for text in texts:
+        writer.add_text(text)
+    for sample in latents:
+        writer.add_latent(sample)
+    writer.close()
+    legacy = write(cache, [make_latent(100)], prefix="old")  # an older stk's shard: no header in it
+    cut = rank0.infos[-1]
+    with open(shard_location(cache, cut.name), "r+b") as f:
+        f.truncate(cut.bytes // 2)
+    manifest_path = storage.join(cache, "manifest.json")
+    whole = storage.read_bytes(manifest_path)
+    storage.write_atomic(manifest_path, whole[: len(whole) // 3])
+
+    rebuilt = rebuild_manifest(cache)
+    kept = {info.name for info in rank0.infos[:-1]}
+    assert {s["name"] for s in rebuilt.manifest.shards} == kept
+    assert sorted(why.split(":", 1)[0] for why in rebuilt.dropped) == sorted([cut.name, legacy.infos[0].name])
+    assert not os.path.exists(shard_location(cache, cut.name))
+    loaded = Manifest.load(cache)
+    assert loaded is not None and loaded.header() == header and loaded.shards == rebuilt.manifest.shards
+    assert verify(cache).ok
+    with CacheReader(cache) as reader:
+        for sample in latents:
+            if sample.key not in cut.latent_keys:
+                assert_same_latent(reader.latent(sample.key), sample)
+        for text in texts:
+            if text.key not in cut.text_keys:
+                assert_same_text(reader.text(text.key), text)
+
+
+def test_a_manifest_without_a_described_shard_cannot_be_rebuilt(cache: str) -> None:
+    write(cache, [make_latent(i) for i in range(3)])  # no header in the shards
+    storage.write_atomic(storage.join(cache, "manifest.json"), b"{")
+    with pytest.raises(CacheIncomplete, match=r"cannot be rebuilt.*--force"):
+        rebuild_manifest(cache)
 
 
 # --- S3 -----------------------------------------------------------------------------------------

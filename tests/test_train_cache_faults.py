@@ -195,3 +195,38 @@ def test_the_model_a_cache_was_made_with_trains_from_it(setups, scan, tmp_path) 
          *FAST], mpi=0,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+# --- damaged inputs ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncated-scan-table", "missing-shard", "empty-shard"])
+def test_a_damaged_scan_table_or_shard_is_exit_6_naming_the_file_and_what_rebuilds_it(
+    damage, setups, scan, tmp_path
+) -> None:
+    """One line, exit 6 (as stk-cache verify says for the same damage), found before any model loads."""
+    model, built = setups(Family.SD)
+    cache, scan_copy = tmp_path / "cache", tmp_path / "scan"
+    shutil.copytree(built, cache)
+    shutil.copytree(scan, scan_copy)
+    damaged = {
+        "truncated-scan-table": scan_copy / "metadata.parquet",
+        "missing-shard": sorted((cache / "shards").iterdir())[0],
+        "empty-shard": sorted((cache / "shards").iterdir())[0],
+    }[damage]
+    if damage == "truncated-scan-table":
+        damaged.write_bytes(damaged.read_bytes()[:100])
+    elif damage == "missing-shard":
+        damaged.unlink()
+    else:
+        damaged.write_bytes(b"")
+    proc = run_train(
+        ["--cache", cache, "--scan", scan_copy, "--model", model, "--output-dir", tmp_path / "run", "--max-steps", "1",
+         *FAST], mpi=0, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == ExitCode.INCOMPLETE, proc.stderr
+    (line,) = error_lines(proc.stderr)
+    assert f"{damaged} is damaged" in line, line
+    fix = f"`stk-scan {json.loads((scan / 'summary.json').read_text())['source']} --out {scan_copy}`"
+    assert (fix if damage == "truncated-scan-table" else f"`stk-cache verify {cache} --repair`") in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()

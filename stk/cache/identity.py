@@ -23,6 +23,7 @@ __all__ = [
     "ERRORS",
     "ImageJob",
     "cache_config",
+    "config_differences",
     "expected_jobs",
     "jobs_for",
     "latent_recipe",
@@ -63,6 +64,22 @@ def cache_config(encoders: Encoders, settings: EncodeSettings, buckets: dict[str
         "scaling_factor": encoders.scaling_factor,
         "shift_factor": encoders.shift_factor,
     }
+
+
+def config_differences(cached: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The top-level keys in which a cache's recorded config and this run's differ. The model's path
+    or hub id is not compared: the same weights through a symlink or a copy elsewhere make the same
+    cache (its components are identified by digests of their configs and weights, as stk-train
+    compares them)."""
+
+    def comparable(config: dict[str, Any]) -> dict[str, Any]:
+        model = config.get("model")
+        if isinstance(model, dict):
+            model = {k: v for k, v in model.items() if k != "model"}
+        return {**config, "model": model}
+
+    old, new = comparable(cached), comparable(current)
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
 def latent_recipe(config: dict[str, Any]) -> dict[str, Any]:

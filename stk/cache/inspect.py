@@ -7,11 +7,17 @@ from typing import Any
 from stk import storage
 from stk.cache.identity import expected_jobs
 from stk.errors import CacheIncomplete, InputError
+from stk.lease import Lease, leased
+from stk.log import get_logger
 from stk.shards import CacheReader, Manifest, VerifyReport, shard_location, verify
+from stk.shards.manifest import ManifestDamaged
+from stk.shards.rebuild import rebuild_manifest
 
-__all__ = ["cache_info", "verify_cache"]
+__all__ = ["cache_info", "cache_lease", "verify_cache"]
 
 LISTED = 20  # missing keys named in the error message; the JSON report has them all
+
+log = get_logger("cache")
 
 
 def _unlist_bad_shards(cache: str, report: VerifyReport) -> list[str]:
@@ -27,12 +33,39 @@ def _unlist_bad_shards(cache: str, report: VerifyReport) -> list[str]:
     return sorted(bad)
 
 
-def verify_cache(cache: str, scan_dir: str | None, repair: bool = False) -> VerifyReport:
-    """Checksums of every shard, and (with a scan) a latent and a caption for every scan row.
-    Raises CacheIncomplete, listing what is missing, when anything is."""
-    manifest = Manifest.load(cache)
+def cache_lease(cache: str) -> Lease | None:
+    """The one-writer lease of a cache directory (stk-cache, `verify --repair`); an s3:// cache has
+    none (stk/lease.py says why)."""
+    return None if storage.is_s3(cache) else Lease(cache, "stk-cache", "--out")
+
+
+def _load_or_rebuild(cache: str, repair: bool) -> tuple[Manifest, list[str]]:
+    """The manifest; with `repair`, one that cannot be read is rebuilt from the intact shards (and
+    the shards it could not list are named: "name: why")."""
+    try:
+        manifest = Manifest.load(cache)
+    except ManifestDamaged as exc:
+        if not repair:
+            raise
+        log.warning("%s is damaged (%s): --repair rebuilds it from the shards", exc.location, exc.why)
+        rebuilt = rebuild_manifest(cache)
+        log.warning("--repair: rebuilt %s from %d intact shard(s)", exc.location, len(rebuilt.manifest.shards))
+        return rebuilt.manifest, rebuilt.dropped
     if manifest is None:
         raise InputError(f"{cache}: no manifest.json (not an stk cache)")
+    return manifest, []
+
+
+def verify_cache(cache: str, scan_dir: str | None, repair: bool = False) -> VerifyReport:
+    """Checksums of every shard, and (with a scan) a latent and a caption for every scan row.
+    Raises CacheIncomplete, listing what is missing, when anything is. `repair` holds the cache's
+    lease: it rewrites the manifest."""
+    with leased(cache_lease(cache) if repair else None):
+        return _verify_cache(cache, scan_dir, repair)
+
+
+def _verify_cache(cache: str, scan_dir: str | None, repair: bool) -> VerifyReport:
+    manifest, dropped = _load_or_rebuild(cache, repair)
     latent_keys = text_keys = None
     paths: dict[str, str] = {}
     bad_input = 0
@@ -43,6 +76,7 @@ def verify_cache(cache: str, scan_dir: str | None, repair: bool = False) -> Veri
         paths = {j.key: j.path for j in jobs}
     report = verify(cache, latent_keys, text_keys)
     report.bad_input = bad_input
+    report.damaged_shards += dropped  # deleted by the rebuild: their samples are encoded again by stk-cache
     repaired = _unlist_bad_shards(cache, report) if repair else []
     if not report.ok:
         lines = [f"{cache} is incomplete:"]

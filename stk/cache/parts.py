@@ -9,12 +9,15 @@ import json
 from typing import Any
 
 from stk import storage
+from stk.log import get_logger
 from stk.shards import ShardInfo
 from stk.shards.manifest import shard_entry
 
 __all__ = ["PartRecorder", "read_parts", "remove_parts"]
 
 PARTS_DIR = "manifest.d"
+
+log = get_logger("cache")
 
 
 class PartRecorder:
@@ -37,8 +40,11 @@ def read_parts(cache: str) -> tuple[list[dict[str, Any]], list[str]]:
     locations: list[str] = []
     for info in sorted(storage.list_files(root), key=lambda i: i.key):
         if info.key.endswith(".json") and "/" not in info.key and not info.key.startswith(".tmp-"):
-            entries.extend(json.loads(storage.read_bytes(info.location)))
             locations.append(info.location)
+            try:
+                entries.extend(json.loads(storage.read_bytes(info.location)))
+            except ValueError as exc:  # written atomically, so only damage does this: its shards are redone
+                log.warning("%s is damaged (%s): the shards it lists are encoded again", info.location, exc)
     return entries, locations
 
 

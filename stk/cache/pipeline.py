@@ -13,17 +13,27 @@ import torch
 
 from stk import storage
 from stk.cache.encode import Counters, EncodeSettings, encode_latents, encode_texts
-from stk.cache.identity import ERRORS, ImageJob, cache_config, jobs_for, latent_recipe, text_recipe
+from stk.cache.identity import (
+    ERRORS,
+    ImageJob,
+    cache_config,
+    config_differences,
+    jobs_for,
+    latent_recipe,
+    text_recipe,
+)
+from stk.cache.inspect import cache_lease
 from stk.cache.keys import text_key
 from stk.cache.parts import PartRecorder, read_parts, remove_parts
 from stk.cache.plan import assign, latent_batches, local_work_dir, text_batches
 from stk.errors import InputError, check_max_errors, parse_max_errors
+from stk.lease import leased
 from stk.log import get_logger
 from stk.metadata import to_json_lines
 from stk.models import Encoders, Family, load_encoders
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION, read_prompts
-from stk.scan.reader import read_buckets, read_scan
+from stk.scan.reader import ScanTable, read_buckets, read_scan
 from stk.shards import CacheReader, Manifest, ShardInfo, ShardWriter
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
@@ -87,16 +97,13 @@ def _device(requested: str | None, world: World) -> torch.device:
     return torch.device("cpu")
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-
-
 @dataclass
 class _Plan:
     """What every rank learns from rank 0's plan."""
 
     run_id: str
     root: str  # where the scan's images are read from
+    header: dict[str, Any]  # the manifest's, stored in every shard (Manifest.header)
     images: int
     captions: int
     reused_images: int
@@ -111,9 +118,9 @@ def _prepare_manifest(opts: CacheOptions, config: dict[str, Any], prompts: list[
     """The manifest with shards from an interrupted run folded in; refuses another config."""
     manifest = Manifest.load(opts.cache)
     entries, part_files = read_parts(opts.cache)
-    if manifest is not None and manifest.config != config:
+    changed = ", ".join(config_differences(manifest.config, config)) if manifest is not None else ""
+    if changed:
         if not opts.force:
-            changed = ", ".join(_differences(manifest.config, config))
             raise InputError(
                 f"{opts.cache} was made with another model or preprocessing ({changed} differ): "
                 "use another --out, or --force to replace it"
@@ -164,10 +171,20 @@ def _check_errors(opts: CacheOptions, errors: list[dict[str, Any]], images: int,
     )
 
 
-def _plan(
-    opts: CacheOptions, config: dict[str, Any], prompts: list[str] | None, world: World
-) -> tuple[_Plan, list[_Share]]:
+def _check_inputs(opts: CacheOptions) -> ScanTable:
+    """What needs no model, checked before one loads (minutes with FLUX): the scan table and its
+    buckets readable, the cache location writable (on S3: the bucket there, the endpoint S3), its
+    manifest readable. Returns the scan table."""
     scan = read_scan(opts.scan_dir)
+    read_buckets(opts.scan_dir)
+    storage.check_writable(opts.cache)
+    Manifest.load(opts.cache)
+    return scan
+
+
+def _plan(
+    opts: CacheOptions, scan: ScanTable, config: dict[str, Any], prompts: list[str] | None, world: World
+) -> tuple[_Plan, list[_Share]]:
     manifest = _prepare_manifest(opts, config, prompts)
     done_latents: set[str] = set()
     done_texts: set[str] = set()
@@ -195,6 +212,7 @@ def _plan(
     plan = _Plan(
         run_id=uuid.uuid4().hex[:8],
         root=scan.root,
+        header=manifest.header(),
         images=len(jobs),
         captions=len(captions),
         reused_images=len(jobs) - len(todo_jobs),
@@ -209,14 +227,15 @@ def _load(opts: CacheOptions, world: World) -> tuple[Encoders, dict[str, Any]]:
     return encoders, cache_config(encoders, opts.settings, read_buckets(opts.scan_dir))
 
 
-def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, run_id: str, share: _Share) -> _Done:
+def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, plan: _Plan, share: _Share) -> _Done:
     """This rank's batches into its own shards, each recorded in its part file once finished."""
     latent, text = share
-    writer_name = f"{run_id}-r{world.rank:05d}"
+    writer_name = f"{plan.run_id}-r{world.rank:05d}"
     recorder = PartRecorder(opts.cache, writer_name)
     counters = Counters()
     total = sum(len(b) for b in latent) + sum(len(b) for b in text)
-    writer = ShardWriter(opts.cache, local_work_dir(opts.cache, world.rank), writer_name, opts.shard_size, recorder)
+    work_dir = local_work_dir(opts.cache, world.rank)
+    writer = ShardWriter(opts.cache, work_dir, writer_name, opts.shard_size, recorder, plan.header)
     with Progress(world, total=total, unit="sample", desc=f"cache (rank 0 of {world.size})") as progress:
         encode_texts(encoders, text, writer, opts.settings, counters, progress.update)
         encode_latents(encoders, latent, writer, opts.settings, opts.threads, counters, progress.update)
@@ -274,17 +293,21 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
 
     Planning and listing happen on rank 0 only, so the manifest has one writer; the batches do not
     depend on the rank count, so 1 and N ranks write the same tensors. A rerun after a kill keeps
-    every finished shard and encodes only the rest."""
+    every finished shard and encodes only the rest. One run per cache directory: rank 0 holds its
+    lease (stk/lease.py) from before anything is written there until the manifest lists the shards."""
     started = time.monotonic()
     parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the encoding
     file = opts.validation_prompts
     prompts = world.run_everywhere(lambda: read_prompts(file) if file else None)  # before any model loads
-    encoders, config = world.run_everywhere(lambda: _load(opts, world))
-    return split_work(
-        world,
-        lambda: _plan(opts, config, prompts, world),
-        lambda plan, share: _encode_share(opts, world, encoders, plan.run_id, share),
-        lambda plan, done: _finish(opts, world, config, plan, done, started),
-        # a disk failure as its StkError naming the rank; nothing unfinished is listed
-        lambda exc: _rank_failure(exc, opts.cache, world),
-    )
+    with leased(cache_lease(opts.cache), world):
+        scans: list[ScanTable] = []  # rank 0's: read once, planned from after the model loads
+        world.root_call(lambda: scans.append(_check_inputs(opts)))
+        encoders, config = world.run_everywhere(lambda: _load(opts, world))
+        return split_work(
+            world,
+            lambda: _plan(opts, scans[0], config, prompts, world),
+            lambda plan, share: _encode_share(opts, world, encoders, plan, share),
+            lambda plan, done: _finish(opts, world, config, plan, done, started),
+            # a disk failure as its StkError naming the rank; nothing unfinished is listed
+            lambda exc: _rank_failure(exc, opts.cache, world),
+        )

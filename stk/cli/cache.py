@@ -24,8 +24,10 @@ Examples:
 
 \b
 Exit codes: 0 done; 2 bad option; 3 scan, model or cache unusable (another config: --force);
-4 more images failed than --max-errors (see CACHE/errors.jsonl); 6 verify found missing or
-damaged shards or samples; 69 a full or read-only disk (rerun once fixed).
+4 more images failed than --max-errors (see CACHE/errors.jsonl); 6 damaged data: a scan table,
+manifest or shard that cannot be read (the line names the fix), or verify found missing or
+damaged shards or samples; 7 another stk-cache holds --out; 69 a full or read-only disk, S3 down
+(rerun once fixed).
 """
 
 
@@ -113,7 +115,9 @@ def build(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_secon
 @main.command("verify", context_settings=CONTEXT("cache"))
 @click.argument("cache")
 @click.option("--scan", "scan_dir", default=None, show_envvar=True, help="Also check that every scan row is cached.")
-@click.option("--repair", is_flag=True, help="Unlist and delete missing or damaged shards, so a rerun redoes them.")
+@click.option("--repair", is_flag=True,
+              help="Unlist and delete missing or damaged shards, so a rerun redoes them; rebuild a damaged "
+                   "manifest.json from the intact shards.")  # fmt: skip
 @common_options
 def verify_command(
     cache: str,

@@ -8,13 +8,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from stk import storage
-from stk.errors import InputError
+from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
 from stk.metadata import read_parquet
 from stk.scan.outputs import BUCKETS, METADATA, SUMMARY
 
-__all__ = ["ScanTable", "read_buckets", "read_scan"]
+__all__ = ["ScanTable", "damaged", "read_buckets", "read_scan"]
 
 log = get_logger("scan")
 
@@ -38,24 +40,52 @@ class ScanTable:
 
 
 def read_scan(scan_dir: str) -> ScanTable:
-    """The scan table and the root its paths are relative to."""
+    """The scan table and the root its paths are relative to. A directory that is no scan is a wrong
+    input (exit 3); a scan file that cannot be read is damage (exit 6), named with its rebuild."""
     table_path = storage.join(scan_dir, METADATA)
-    summary_path = storage.join(scan_dir, SUMMARY)
+    summary = _read_summary(scan_dir)
     if not storage.exists(table_path):
-        raise InputError(f"{scan_dir}: no {METADATA} (run stk-scan first)")
-    rows = read_parquet(table_path).to_pylist()
-    root = ""
-    if storage.exists(summary_path):
-        root = json.loads(storage.read_bytes(summary_path)).get("root", "")
+        raise InputError(f"{scan_dir}: no {METADATA} (not an stk-scan output directory; run stk-scan first)")
+    try:
+        rows = read_parquet(table_path).to_pylist()
+    except pa.ArrowException as exc:  # pyarrow's I/O errors are ArrowException too; a permission error is not
+        raise damaged(table_path, f"not a readable parquet file: {exc}", scan_dir, summary) from None
+    root = str(summary.get("root", ""))
     if root and not storage.is_s3(root) and not os.path.isabs(root):
         log.warning(
             "%s records the relative root %r (an older stk-scan): read from the current directory; "
-            "rerun stk-scan (it reuses unchanged rows) to record it absolutely", summary_path, root,
+            "rerun stk-scan (it reuses unchanged rows) to record it absolutely", storage.join(scan_dir, SUMMARY), root,
         )  # fmt: skip
     missing = _REQUIRED - set(rows[0] if rows else {})
     if rows and missing:
         raise InputError(f"{table_path}: not an stk scan table (missing {sorted(missing)})")
     return ScanTable(rows, root)
+
+
+def damaged(location: str, why: str, scan_dir: str, summary: dict[str, Any] | None = None) -> CacheIncomplete:
+    """The one-line error for a scan file that cannot be read, with the stk-scan command that writes
+    it again (a rerun reuses the rows of unchanged files, so it is quick)."""
+    source = (summary or {}).get("source") or "SOURCE"
+    return CacheIncomplete(
+        f"{location} is damaged ({why}): rerun `stk-scan {source} --out {scan_dir}` with the options it was "
+        "made with (unchanged files are not read again), then rerun this command"
+    )
+
+
+def _read_summary(scan_dir: str) -> dict[str, Any]:
+    """summary.json ({} when absent: an older or interrupted scan); damage names the rebuild."""
+    location = storage.join(scan_dir, SUMMARY)
+    try:
+        summary = json.loads(storage.read_bytes(location))
+    except FileNotFoundError:
+        return {}
+    except NotADirectoryError:
+        raise InputError(f"{scan_dir}: not a directory (give the --out directory of stk-scan)") from None
+    except ValueError as exc:
+        raise damaged(location, f"not JSON: {exc}", scan_dir) from None
+    if not isinstance(summary, dict):
+        raise damaged(location, "not a JSON object", scan_dir)
+    return summary
 
 
 def read_buckets(scan_dir: str) -> dict[str, Any]:
@@ -65,6 +95,10 @@ def read_buckets(scan_dir: str) -> dict[str, Any]:
         document: dict[str, Any] = json.loads(storage.read_bytes(location))
     except FileNotFoundError:
         raise InputError(f"{scan_dir}: no {BUCKETS} (not an stk-scan output; run stk-scan first)") from None
+    except NotADirectoryError:
+        raise InputError(f"{scan_dir}: not a directory (give the --out directory of stk-scan)") from None
     except ValueError as exc:
-        raise InputError(f"{location}: not an stk-scan {BUCKETS} ({exc})") from exc
+        raise damaged(location, f"not JSON: {exc}", scan_dir, _read_summary(scan_dir)) from None
+    if not isinstance(document, dict):
+        raise damaged(location, "not a JSON object", scan_dir, _read_summary(scan_dir))
     return document

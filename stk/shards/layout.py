@@ -3,7 +3,9 @@
 A cache (a directory or an s3:// prefix) holds manifest.json and shards/<prefix>-<seq>.h5. A
 shard is one HDF5 file, written by one writer (never several: no MPI-enabled HDF5 needed)::
 
-    /                              attrs: format = "stk-shard", version = 1
+    /                              attrs: format = "stk-shard", version = 1, manifest = the JSON of the
+                                   cache manifest's header (all but the shard list: what made the cache),
+                                   so that a lost manifest can be rebuilt from the shards (rebuild.py)
     /latents/<C>x<h>x<w>/          one group per latent shape (a bucket); attrs: dtype (numpy str, "<f2")
         mean           (N,C,h,w)   the stored dtype (float16 by default), chunks (1,C,h,w): one chunk per
                                    sample, HDF5 filter 32015 (hdf5plugin Zstd, level 5)
@@ -57,6 +59,7 @@ from stk import storage
 
 __all__ = [
     "FORMAT",
+    "HEADER",
     "KEY_BYTES",
     "LATENTS",
     "SHARDS_DIR",
@@ -77,6 +80,7 @@ __all__ = [
 
 FORMAT = "stk-shard"
 VERSION = 1
+HEADER = "manifest"  # the root attribute holding the manifest's header (JSON)
 LATENTS = "latents"
 TEXT = "text"
 KEY_BYTES = 64

@@ -13,14 +13,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stk import storage
-from stk.errors import InputError
+from stk.errors import CacheIncomplete, InputError
 from stk.shards.writer import ShardInfo
 
-__all__ = ["MANIFEST", "MANIFEST_VERSION", "Manifest", "shard_entry"]
+__all__ = ["MANIFEST", "MANIFEST_VERSION", "Manifest", "ManifestDamaged", "shard_entry"]
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 _SHARD_FIELDS = ("name", "latents", "texts", "bytes", "sha256")
+
+
+class ManifestDamaged(CacheIncomplete):
+    """manifest.json cannot be read: `stk-cache verify --repair` rebuilds it from the shards."""
+
+    def __init__(self, location: str, why: str) -> None:
+        cache = location.rsplit("/", 1)[0]
+        self.location, self.why = location, why
+        super().__init__(
+            f"{location} is damaged ({why}): run `stk-cache verify {cache} --repair` (it rebuilds the manifest "
+            "from the intact shards), then rerun this command"
+        )
 
 
 def shard_entry(info: ShardInfo) -> dict[str, Any]:
@@ -60,27 +72,43 @@ class Manifest:
             return None
         try:
             data = json.loads(raw)
-            version = data.pop("version")
-            if not isinstance(version, int) or version > MANIFEST_VERSION:
-                raise InputError(f"{location}: manifest version {version!r}; this stk reads up to {MANIFEST_VERSION}")
-            manifest = Manifest(
-                config=data.pop("config"),
-                shards=data.pop("shards"),
-                scaling_factor=data.pop("scaling_factor", None),
-                validation_prompts=[str(p) for p in data.pop("validation_prompts", [])],
-            )
+            shards = data.pop("shards")
+            if not isinstance(shards, list) or not all(isinstance(s, dict) and "name" in s for s in shards):
+                raise TypeError("its shard list is not one")
+            return Manifest.from_header(data, shards, location)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise InputError(f"{location}: not a cache manifest ({exc})") from exc
-        manifest.extra = data
-        return manifest
+            kind = "not JSON" if isinstance(exc, ValueError) else f"not a cache manifest ({type(exc).__name__})"
+            raise ManifestDamaged(location, f"{kind}: {exc}") from None
 
-    def save(self, cache: str) -> None:
-        data = {
+    @staticmethod
+    def from_header(header: dict[str, Any], shards: list[dict[str, Any]], source: str) -> Manifest:
+        """A manifest from its `header()` (read back from `source`, for errors) and a shard list."""
+        data = dict(header)
+        version = data.pop("version")
+        if not isinstance(version, int) or version > MANIFEST_VERSION:
+            raise InputError(f"{source}: manifest version {version!r}; this stk reads up to {MANIFEST_VERSION}")
+        config = data.pop("config")
+        if not isinstance(config, dict):
+            raise TypeError("its config is not an object")
+        return Manifest(
+            config=config,
+            shards=shards,
+            scaling_factor=data.pop("scaling_factor", None),
+            validation_prompts=[str(p) for p in data.pop("validation_prompts", [])],
+            extra=data,
+        )
+
+    def header(self) -> dict[str, Any]:
+        """Everything but the shard list: what each shard carries too, so that a lost manifest can be
+        rebuilt from the shards (stk.shards.rebuild)."""
+        return {
             "version": MANIFEST_VERSION,
             **self.extra,
             "config": self.config,
             "scaling_factor": self.scaling_factor,
             "validation_prompts": self.validation_prompts,
-            "shards": self.shards,
         }
+
+    def save(self, cache: str) -> None:
+        data = {**self.header(), "shards": self.shards}
         storage.write_atomic(storage.join(cache, MANIFEST), (json.dumps(data, indent=1) + "\n").encode())

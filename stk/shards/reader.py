@@ -37,7 +37,7 @@ import numpy as np
 
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
-from stk.shards.integrity import damaged, problem
+from stk.shards.integrity import MISSING, damaged, problem
 from stk.shards.layout import TEXT, decompress, open_h5, shard_keys, shard_location
 from stk.shards.localcopies import TRIES, LocalCopies
 from stk.shards.manifest import Manifest
@@ -262,6 +262,9 @@ class CacheReader:
         entry = self.manifest.shards[shard]
         location = shard_location(self.cache, str(entry["name"]))
         local = self._copies.present(entry) if self._copies is not None else location
+        why = problem(location, entry, sha256=False) if self._copies is None else None  # missing, or cut short
+        if why is not None:
+            raise damaged(location, why)
         try:
             if local is not None:
                 latents, texts = shard_keys(self._opened(shard).file)
@@ -269,9 +272,9 @@ class CacheReader:
                 with storage.open_read(location, int(entry["bytes"])) as raw, open_h5(raw, "r") as file:
                     latents, texts = shard_keys(file)
         except FileNotFoundError:
-            raise InputError(f"{location}: listed in {self.cache}/manifest.json but missing") from None
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{location}: cannot read this shard ({exc})") from exc
+            raise damaged(location, MISSING) from None
+        except (OSError, ValueError, KeyError) as exc:
+            raise damaged(location, f"unreadable: {exc}") from None
         for path, keys in latents.items():
             group_id = len(self._groups)
             self._groups.append(_Group(shard, path, tuple(int(n) for n in path.rsplit("/", 1)[1].split("x"))))

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import h5py
 import numpy as np
@@ -23,6 +25,7 @@ import zstandard
 from stk import storage
 from stk.shards.layout import (
     FORMAT,
+    HEADER,
     KEY_BYTES,
     SHARDS_DIR,
     TEXT,
@@ -186,13 +189,15 @@ class _TextGroup:
 
 
 class _Shard:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, header: str | None) -> None:
         self.path = path
         self.staged = StagedFile(path)
         # a chunk cache that holds the text arrays' current chunks until they are full
         self.file = open_h5(self.staged, "w", rdcc_nbytes=16 * TEXT_CHUNK)
         self.file.attrs["format"] = FORMAT
         self.file.attrs["version"] = VERSION
+        if header is not None:
+            self.file.attrs[HEADER] = header
         self.latents: dict[tuple[int, ...], _LatentGroup] = {}
         self.text: _TextGroup | None = None
         self.bytes = 0
@@ -255,11 +260,18 @@ class ShardWriter:
     Shard numbers continue after any `<prefix>-<seq>.h5` already in the cache, so a rerun with
     the same prefix never replaces a listed shard; .tmp files in `work_dir` that no live writer
     holds are deleted. If writing to a shard fails, that shard is abandoned (its .tmp file
-    removed): `close` raises and nothing is listed.
+    removed): `close` raises and nothing is listed. `header` (the manifest's, `Manifest.header()`)
+    is stored in every shard, so that a lost manifest can be rebuilt from the shards.
     """
 
     def __init__(
-        self, cache: str, work_dir: str, prefix: str, shard_size: int, on_shard_done: Callable[[ShardInfo], None]
+        self,
+        cache: str,
+        work_dir: str,
+        prefix: str,
+        shard_size: int,
+        on_shard_done: Callable[[ShardInfo], None],
+        header: dict[str, Any] | None = None,
     ) -> None:
         if not prefix or "/" in prefix:
             raise ValueError(f"shard prefix {prefix!r}: must be a non-empty file name")
@@ -267,6 +279,7 @@ class ShardWriter:
             raise ValueError(f"shard_size must be positive, got {shard_size}")
         self.cache, self.work_dir, self.prefix, self.shard_size = cache, work_dir, prefix, shard_size
         self._on_shard_done = on_shard_done
+        self._header = None if header is None else json.dumps(header, sort_keys=True)
         self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._shard: _Shard | None = None
         self._failed: BaseException | None = None
@@ -287,7 +300,9 @@ class ShardWriter:
         if self._failed is not None:
             raise RuntimeError(f"shard writer {self.prefix} failed earlier: {self._failed}")
         if self._shard is None:
-            self._shard = _Shard(os.path.join(self.work_dir, f"{self.prefix}-{self._seq:05d}{STAGED_SUFFIX}"))
+            self._shard = _Shard(
+                os.path.join(self.work_dir, f"{self.prefix}-{self._seq:05d}{STAGED_SUFFIX}"), self._header
+            )
         return self._shard
 
     def add_latent(self, sample: LatentSample) -> None:

@@ -6,6 +6,7 @@ branch on the scheme; the backend is picked here.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -18,6 +19,7 @@ __all__ = [
     "DEFAULT_RETRY_SECONDS",
     "FileInfo",
     "NotAFileError",
+    "check_writable",
     "configure_s3",
     "delete",
     "download_file",
@@ -94,3 +96,14 @@ def upload_file(local_path: str, location: str) -> None:
 def download_file(location: str, local_path: str) -> None:
     """Copy `location` to a local file, atomically: `local_path` is complete or absent."""
     _backend(location).download_file(location, local_path)
+
+
+def check_writable(root: str) -> None:
+    """Fail now, before hours of work, when files cannot be written under `root`: on S3 a missing
+    bucket, a wrong endpoint or credentials that may not write; on disk a missing permission or a
+    read-only file system. A probe file is written and deleted."""
+    if is_s3(root):
+        next(iter(list_files(root)), None)  # a missing bucket is named as one (a PUT says "access denied")
+    probe = join(root, f".stk-probe-{uuid.uuid4().hex}")
+    write_atomic(probe, b"")
+    delete(probe)

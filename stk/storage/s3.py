@@ -9,7 +9,10 @@ which retries transient failures (no connection, timeouts, 5xx, throttling: boto
 classification) with backoff until `retry_seconds` have passed since the call, or the endpoint,
 stopped answering; then it raises InfraError. Each waiting period is logged once per process,
 when it starts and when it ends, whatever the number of threads waiting in it. Errors that a
-retry cannot fix (no bucket, access denied, no such key) are raised at once.
+retry cannot fix (no bucket, access denied, no such key) are raised at once, and so are two that
+look like an outage but are a wrong --s3-endpoint-url: a host name that has never resolved in
+this process (one that resolved before and fails now is an outage: a DNS server can go down), and
+a server that answers HTTP without S3's error documents (a web server, a proxy's own page).
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import io
 import os
 import random
 import re
+import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, BinaryIO, TypeVar
+from urllib.parse import urlsplit
 
 from stk.errors import InfraError, InputError
 from stk.log import get_logger
@@ -44,6 +49,7 @@ _READ_BLOCK = 64 * 1024
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _NO_BUCKET = {"NoSuchBucket"}
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"}
+_BODYLESS = {"HeadObject", "HeadBucket"}  # S3 answers these without an error document: their codes are numbers
 _BACKOFF = (0.5, 8.0)  # seconds: first wait between retries, longest wait
 _SETTLE_S = 10.0  # failures this soon after the endpoint answered again are the tail of the same outage
 
@@ -150,6 +156,7 @@ class _Outage:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.resolved = False  # the endpoint's host name has resolved in this process
         self.since: float | None = None
         self._logged = False
         self._ended = float("-inf")
@@ -171,6 +178,7 @@ class _Outage:
             return self.since
 
     def answered(self) -> None:
+        self.resolved = True
         if self.since is None:  # the common case, without the lock
             return
         with self._lock:
@@ -196,6 +204,9 @@ def _call(fn: Callable[[], T], bucket: str, key: str) -> T:
         except Exception as exc:
             if not _transient(exc):
                 raise _translate(exc, bucket, key) from exc
+            unresolved = _unresolved(exc)
+            if unresolved is not None:
+                raise unresolved from None
             now = time.monotonic()
             first_failure = first_failure or now
             budget = _settings["retry_seconds"]
@@ -212,12 +223,52 @@ def _call(fn: Callable[[], T], bucket: str, key: str) -> T:
         return result
 
 
+def _unresolved(exc: Exception) -> InputError | None:
+    """For a failure to connect: an InputError when the endpoint's host name does not resolve and
+    never did in this process (a typo would otherwise be retried as an outage, then requeued as
+    one, forever); None when it resolves, or did before."""
+    from botocore.exceptions import ClientError
+
+    if _outage.resolved or isinstance(_cause(exc), ClientError):  # an HTTP answer: the name resolved
+        return None
+    endpoint = _endpoint()
+    host = urlsplit(endpoint).hostname
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as error:
+        return InputError(
+            f"S3 endpoint {endpoint}: the host name {host} does not resolve ({error.strerror}): "
+            "check --s3-endpoint-url (or AWS_ENDPOINT_URL)"
+        )
+    _outage.resolved = True
+    return None
+
+
+def _not_s3(cause: Exception) -> InputError | None:
+    """An InputError when an answer carries no S3 error document (its code is the bare HTTP status)
+    to a request S3 always answers with one: the endpoint is some other HTTP server."""
+    from botocore.exceptions import ClientError
+
+    if not isinstance(cause, ClientError) or cause.operation_name in _BODYLESS:
+        return None
+    code = str(cause.response.get("Error", {}).get("Code", ""))
+    if not code.isdigit():
+        return None
+    return InputError(
+        f"S3 endpoint {_endpoint()} does not answer as S3 (HTTP {code} to {cause.operation_name}, without an S3 "
+        "error document): check --s3-endpoint-url (or AWS_ENDPOINT_URL)"
+    )
+
+
 def _translate(exc: Exception, bucket: str, key: str = "") -> Exception:
     """A botocore error that a retry cannot fix -> a FileNotFoundError/OSError for one object, or an
     InputError for the bucket as a whole (one clear line naming the bucket and the endpoint)."""
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     cause = _cause(exc)
+    not_s3 = _not_s3(cause)
+    if not_s3 is not None:
+        return not_s3
     if isinstance(cause, ClientError):
         code = str(cause.response.get("Error", {}).get("Code", ""))
         if code in _NO_BUCKET:

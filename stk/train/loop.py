@@ -23,6 +23,7 @@ import torch
 
 from stk.errors import ExitCode, InputError
 from stk.health.breaker import GpuWatch
+from stk.lease import Lease, leased
 from stk.log import get_logger
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION
@@ -36,7 +37,6 @@ from stk.train.ema import ShardedEma
 from stk.train.embeddings import Embeddings, embed_captions
 from stk.train.engine import build_engine, engine_config, full_state_dict
 from stk.train.export import export_pipeline
-from stk.train.lease import Lease
 from stk.train.lora import add_lora, check_targets, lora_state_dict, save_lora
 from stk.train.losses import drop_captions
 from stk.train.metrics import MetricsLog
@@ -164,15 +164,8 @@ def _prepared_run(
     opts: TrainOptions, world: World, signals: StopSignals, started: float
 ) -> tuple[TrainSummary, ExitCode]:
     check_shared_output(world, opts.output_dir)
-    lease = Lease(opts.output_dir)
-    world.root_call(lease.acquire)  # before anything is written into the output directory
-    try:
-        if world.is_root:
-            lease.start_heartbeat()
+    with leased(Lease(opts.output_dir, "stk-train", "--output-dir"), world):  # before anything is written there
         return _leased_run(opts, world, signals, started)
-    finally:
-        if world.is_root:
-            lease.release()
 
 
 def _leased_run(

@@ -1,10 +1,16 @@
-"""One stk-train run per output directory: OUTPUT/.stk-train.lease names the run that owns it.
+"""One writer per output directory: DIR/.<command>.lease names the run that owns it.
 
-Two runs on one directory would overwrite each other's metrics, checkpoints and final model, and
-each summary would point at the other's weights. The lease is a small JSON file (host, pid, Slurm
-job id and restart count, run id), created with `os.link` from a private temp file: link is
-atomic on NFS as on local disk, where fcntl/flock locks are unreliable or absent. Rank 0 renews it
-(rewrites it, which moves its mtime) every `HEARTBEAT_SECONDS` while the run lives.
+stk-train takes it on --output-dir: two runs on one directory would overwrite each other's
+metrics, checkpoints and final model, and each summary would point at the other's weights.
+stk-cache takes it on a local --out (and `verify --repair` on the cache it rewrites): two builds
+would both encode everything, and each manifest would unlist the other's shards. The lease is a
+small JSON file (host, pid, Slurm job id and restart count, run id), created with `os.link` from
+a private temp file: link is atomic on NFS as on local disk, where fcntl/flock locks are
+unreliable or absent. Rank 0 renews it (rewrites it, which moves its mtime) every
+`HEARTBEAT_SECONDS` while the run lives.
+
+An s3:// --out has no lease: a takeover needs an atomic rename or a conditional delete, which not
+every S3-compatible store has. Run one stk-cache per s3:// --out (README).
 
 A lease whose holder is gone is taken over: an earlier attempt of the same Slurm job (a requeued
 job never runs twice at once), a process on this host that no longer exists, or a lease not
@@ -22,18 +28,19 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from stk.errors import PreflightFailed
 from stk.log import get_logger
 from stk.slurm import job_id, restart_count
+from stk.world import World
 
-__all__ = ["HEARTBEAT_SECONDS", "LEASE_NAME", "STALE_SECONDS", "Holder", "Lease"]
+__all__ = ["HEARTBEAT_SECONDS", "STALE_SECONDS", "Holder", "Lease", "lease_name", "leased"]
 
-log = get_logger("train.lease")
+log = get_logger("lease")
 
-LEASE_NAME = ".stk-train.lease"
 HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 180.0  # six missed renewals: past any NFS attribute cache or a long GC pause
 
@@ -58,17 +65,28 @@ class Holder:
         return f"host {self.host}, pid {self.pid}{job}"
 
 
-class Lease:
-    """The output directory's lease, held by this process from `acquire` until `release`."""
+def lease_name(command: str) -> str:
+    """The lease file's name in the directory `command` writes: `.stk-train.lease`."""
+    return f".{command}.lease"
 
-    def __init__(self, output_dir: str, holder: Holder | None = None) -> None:
-        self.path = os.path.join(output_dir, LEASE_NAME)
+
+class Lease:
+    """A directory's lease for `command` (given to the user as `option`, the option naming the
+    directory), held by this process from `acquire` until `release`."""
+
+    def __init__(self, directory: str, command: str, option: str, holder: Holder | None = None) -> None:
+        self.path = os.path.join(directory, lease_name(command))
+        self.command, self.option = command, option
         self.holder = holder or Holder.this_process()
+        self._made_directory = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
         """Take the lease, or raise PreflightFailed naming the live run that holds it."""
+        if not os.path.isdir(os.path.dirname(self.path)):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._made_directory = True
         for _ in range(3):  # a takeover can lose a race to another run: look again
             if self._create():
                 return
@@ -77,25 +95,29 @@ class Lease:
                 continue  # released between our try and our look
             if self._alive(current, age):
                 raise PreflightFailed(
-                    f"--output-dir {os.path.dirname(self.path)} is in use by another stk-train run "
-                    f"({current.describe()}, renewed {age:.0f} s ago): wait for it to end or use another --output-dir "
+                    f"{self.option} {os.path.dirname(self.path)} is in use by another {self.command} run "
+                    f"({current.describe()}, renewed {age:.0f} s ago): wait for it to end or use another {self.option} "
                     f"(a run that died frees it after {STALE_SECONDS:.0f} s)"
                 )
             self._take_over(current)
-        raise PreflightFailed(f"{self.path}: other runs keep taking this lease; start one run per --output-dir")
+        raise PreflightFailed(f"{self.path}: other runs keep taking this lease; start one run per {self.option}")
 
     def start_heartbeat(self) -> None:
         self._thread = threading.Thread(target=self._beat, name="stk-lease", daemon=True)
         self._thread.start()
 
     def release(self) -> None:
-        """Stop renewing and remove the lease if it is still ours."""
+        """Stop renewing and remove the lease if it is still ours, and the directory if `acquire`
+        made it and nothing else was written there (a run that failed early leaves nothing behind)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         current, _ = self._read()
         if current is not None and current.run == self.holder.run:
             os.unlink(self.path)
+        if self._made_directory:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.path))
 
     def _create(self) -> bool:
         temp = self._write_temp()
@@ -168,3 +190,24 @@ class Lease:
                 log.error("lost the lease on %s to %s, which owns it now (this run did not renew it)", self.path, taker)
                 return
             os.replace(self._write_temp(), self.path)
+
+
+@contextlib.contextmanager
+def leased(lease: Lease | None, world: World | None = None) -> Iterator[None]:
+    """Hold `lease` (None: nothing to hold) for the block, renewed, on rank 0 of `world` (or in this
+    process when there is no world); a refusal is raised on every rank."""
+    if lease is None:
+        yield
+        return
+    root = world is None or world.is_root
+    if world is None:
+        lease.acquire()
+    else:
+        world.root_call(lease.acquire)
+    try:
+        if root:
+            lease.start_heartbeat()
+        yield
+    finally:
+        if root:
+            lease.release()
