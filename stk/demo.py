@@ -2,10 +2,15 @@
 
 Generates a small mixed dataset (every format stk reads, rotated photos, captions, a broken file,
 a damaged EXIF block, formats stk does not train on) and
-a tiny random-weight SDXL-like model, then runs the pipeline with 2 MPI ranks exactly as a
-cluster job would: stk-scan, stk-cache (with two validation prompts), then stk-train (DeepSpeed ZeRO-2 on the CPU),
-every weight with an EMA and then a LoRA (ZeRO-3), each making sample images of the prompts along the way and
-logging to TensorBoard; diffusers' load_lora_weights loads the LoRA at the end.
+a tiny random-weight model of the family (`--family`, SDXL by default), then runs the pipeline with 2 MPI ranks
+exactly as a cluster job would: stk-scan, stk-cache (with two validation prompts), then stk-train (DeepSpeed ZeRO-2
+on the CPU), every weight with an EMA and then a LoRA (ZeRO-3), each making sample images of the prompts along the
+way and logging to TensorBoard; diffusers' load_lora_weights loads the LoRA at the end.
+
+Between the two, what a lost node and a damaged disk do to a run: the newest checkpoint of the full run is
+damaged on purpose, and the run is continued on one rank, as a job requeued on the nodes left would: stk-train
+finds the damage, resumes from the checkpoint before it, keeps the effective batch by accumulating over two
+micro-steps, and trains on to a few steps past the first run's end.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ def _run(ranks: int, module: str, args: list[str]) -> dict[str, Any]:
 @click.option("--images", default=96, help="Images to generate.")
 @click.option("--ranks", default=2, help="MPI ranks for each step.")
 @click.option("--steps", default=20, help="Training steps.")
-def main(workdir: str, images: int, ranks: int, steps: int) -> None:
+@click.option("--family", type=click.Choice([f.value for f in Family]), default=Family.SDXL.value,
+              help="The model family of the tiny model trained.")  # fmt: skip
+def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None:
     """Generate a dataset and a tiny model, then scan, cache and train with MPI ranks."""
     shutil.rmtree(workdir, ignore_errors=True)
     data, scan, cache, run, lora = (os.path.join(workdir, n) for n in ("images", "scan", "cache", "run", "lora"))
@@ -52,10 +59,10 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
     with open(os.path.join(data, "broken.jpg"), "wb") as f:
         f.write(b"not really a jpeg")
     quiet_model_libraries()
-    model = build_tiny_model(Family.SDXL, os.path.join(workdir, "tiny-sdxl"))
+    model = build_tiny_model(Family(family), os.path.join(workdir, f"tiny-{family}"))
     click.echo(
         f"generated {images} images, {len(formats)} more in every other format (+1 broken file) in {data} "
-        f"and a tiny SDXL model in {model}",
+        f"and a tiny {family} model in {model}",
         err=True,
     )
 
@@ -73,8 +80,13 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
                                            "--validation-prompts", prompts])  # fmt: skip
     train = ["--cache", cache, "--scan", scan, "--model", model, "--batch-size", "2", "--max-steps", str(steps),
              "--validation-every", "10", "--validation-steps", "10"]  # samples of the cache's prompts  # fmt: skip
-    trained = _run(ranks, "stk.cli.train", [*train, "--output-dir", run, "--deepspeed", "zero2", "--lr", "1e-4",
-                                            "--checkpoint-every", "10", "--ema-decay", "0.9"])  # fmt: skip
+    full = [*train, "--output-dir", run, "--deepspeed", "zero2", "--lr", "1e-4", "--checkpoint-every", "10",
+            "--ema-decay", "0.9"]  # fmt: skip
+    trained = _run(ranks, "stk.cli.train", full)
+    damaged = _damage(trained["checkpoint"])
+    more = steps + 4
+    full[full.index("--max-steps") + 1] = str(more)
+    continued = _run(1, "stk.cli.train", full)  # a node lost: on the rank that is left, from the newest good one
     adapted = _run(ranks, "stk.cli.train", [*train, "--output-dir", lora, "--deepspeed", "zero3", "--lr", "1e-3",
                                             "--lora-rank", "8", "--caption-dropout", "0.1"])  # fmt: skip
     layers = _load_lora(model, adapted["final"])
@@ -86,7 +98,9 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
         f"{cached['shards_written']} shard(s) -> {cache}/manifest.json\n"
         f"train: {trained['steps']} steps on {ranks} ranks, last loss {trained['loss']:.4f}, "
         f"{trained['samples_per_second']:.1f} samples/s -> {run}/metrics.jsonl, {trained['checkpoint']}\n"
-        f"final: {trained['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained; the EMA weights, "
+        f"again: {damaged} damaged on purpose; on 1 rank, stk-train skipped that checkpoint and resumed from "
+        f"{continued['resumed_from']} (the same effective batch: 2 micro-steps each) to step {continued['steps']}\n"
+        f"final: {continued['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained; the EMA weights, "
         f"the raw ones in {run}/final-no-ema)\n"
         f"samples: {run}/samples/step-*/grid.png and {lora}/samples/ (the prompts at step 0, every 10 steps and "
         f"the end; the EMA and the LoRA in use)\n"
@@ -98,13 +112,24 @@ def main(workdir: str, images: int, ranks: int, steps: int) -> None:
     )
 
 
+def _damage(checkpoint: str) -> str:
+    """Overwrite 64 bytes in the middle of the checkpoint's largest file, as a bad disk would; returns its path."""
+    files = [os.path.join(root, name) for root, _, names in os.walk(checkpoint) for name in names]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2)
+        f.write(b"\xa5" * 64)
+    return target
+
+
 def _load_lora(model: str, lora_dir: str) -> int:
     """Load the trained LoRA into the source pipeline, as a user would; returns how many layers it adapts."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(model)
     pipe.load_lora_weights(lora_dir)
-    return sum(name.endswith("lora_A") for name, _ in pipe.unet.named_modules())
+    denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    return sum(name.endswith("lora_A") for name, _ in denoiser.named_modules())
 
 
 if __name__ == "__main__":

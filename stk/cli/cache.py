@@ -10,7 +10,15 @@ import click
 from stk.cache.encode import EncodeSettings
 from stk.cache.inspect import cache_info, verify_cache
 from stk.cache.pipeline import CacheOptions, run_cache
-from stk.cli.common import CONTEXT, common_options, default_of, max_errors_option, options_from, run_command
+from stk.cli.common import (
+    CONTEXT,
+    common_options,
+    default_of,
+    max_errors_option,
+    options_from,
+    run_command,
+    run_process,
+)
 from stk.models import Family, quiet_model_libraries
 from stk.preprocess import CropMode
 from stk.world import World
@@ -155,5 +163,10 @@ def info_command(cache: str, verbose: int, quiet: bool, s3_endpoint_url: str | N
     run_command("stk-cache", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 
 
+def entry() -> None:
+    """The `stk-cache` executable."""
+    run_process(main, "stk-cache")
+
+
 if __name__ == "__main__":
-    main(prog_name="stk-cache")
+    entry()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -15,7 +15,7 @@ from stk.config import load_command_config
 from stk.errors import ExitCode, StkError
 from stk.log import get_logger, setup_logging
 from stk.storage.failures import storage_errors
-from stk.world import World, failed_rank, get_world, raised_on_every_rank
+from stk.world import World, exit_now, failed_rank, get_world, raised_on_every_rank
 
 __all__ = [
     "CONTEXT",
@@ -26,6 +26,7 @@ __all__ = [
     "options_from",
     "quiet_option",
     "run_command",
+    "run_process",
     "s3_options",
     "set_option_defaults",
     "verbosity_options",
@@ -188,8 +189,33 @@ def run_command(
         log.exception("unexpected error (a bug): please report it with this log")
         world.abort(ExitCode.INTERNAL)
         code = ExitCode.INTERNAL if failure_code is None else failure_code
+    else:
+        sys.stdout.flush()
+        sys.exit(int(code))
+    if world.size == 1 and _whole_process():
+        # A failed process ends without the interpreter's and C++'s teardown: a library's native thread still
+        # alive then (seen after stk-cache's disk errors: "terminate called without an active exception") would
+        # turn the documented code into SIGABRT. What it wrote is whole or not there; its log lines are out.
+        exit_now(int(code))
     sys.stdout.flush()
     sys.exit(int(code))
+
+
+class _WholeProcess:
+    """click's context object of a command that is its process's whole life (run_process), not a call
+    inside another program (a test's CliRunner, stk-launch's rank)."""
+
+
+def run_process(command: click.Command, prog_name: str) -> NoReturn:
+    """Run `command` as the executable `prog_name` (console script, `python -m`, bin/): run_command may then end
+    the process at once when it fails."""
+    command.main(prog_name=prog_name, obj=_WholeProcess())
+    sys.exit(0)  # click's standalone mode has exited already
+
+
+def _whole_process() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.find_object(_WholeProcess) is not None
 
 
 def _where(rank: int, node: str | None) -> str:

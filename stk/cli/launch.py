@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from stk.cli import rank
-from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command
+from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command, run_process
 from stk.launch.allocation import read_allocation
 from stk.launch.plan import MPI_IMPLS, VIAS, LaunchSettings, RankEntry, plan_launch
 from stk.launch.supervise import execute
@@ -104,5 +104,10 @@ def main(
     )
 
 
+def entry() -> None:
+    """The `stk-launch` executable."""
+    run_process(main, "stk-launch")
+
+
 if __name__ == "__main__":
-    main(prog_name="stk-launch")
+    entry()

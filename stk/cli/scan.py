@@ -11,7 +11,15 @@ import click
 
 from stk.buckets import BucketSpec, ResolutionType
 from stk.captions import MissingCaption
-from stk.cli.common import CONTEXT, common_options, default_of, max_errors_option, options_from, run_command
+from stk.cli.common import (
+    CONTEXT,
+    common_options,
+    default_of,
+    max_errors_option,
+    options_from,
+    run_command,
+    run_process,
+)
 from stk.imageformats import FORMAT_NAMES, accepted_formats
 from stk.scan import ScanOptions, run_scan
 from stk.scan.gpus import training_gpus
@@ -239,5 +247,10 @@ def main(
     run_command("stk-scan", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
 
 
+def entry() -> None:
+    """The `stk-scan` executable."""
+    run_process(main, "stk-scan")
+
+
 if __name__ == "__main__":
-    main(prog_name="stk-scan")
+    entry()

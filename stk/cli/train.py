@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 import click
 
-from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command
+from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command, run_process
 from stk.errors import InputError
 from stk.models import Family
 from stk.train.dsconfig import PRECISIONS, PRESETS
@@ -367,5 +367,10 @@ def _quiet_libraries(verbose: int) -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module="deepspeed")
 
 
+def entry() -> None:
+    """The `stk-train` executable."""
+    run_process(main, "stk-train")
+
+
 if __name__ == "__main__":
-    main(prog_name="stk-train")
+    entry()
