@@ -49,8 +49,11 @@ test-latest:
 demo: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m stk.demo
 
+# STK_PYTHON: the checkout's bin/ scripts (stk-launch, the sbatch templates) run the python under test too
+TEST_ENV = STK_PYTHON=$(abspath $(PY))
+
 test: install test-deps
-	$(PY) -m pytest -q -ra --durations=25 tests
+	$(TEST_ENV) $(PY) -m pytest -q -ra --durations=25 tests
 
 # Debian packages the integration tests drive (a real one-node Slurm), installed only when missing.
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null || echo sudo)
@@ -60,10 +63,10 @@ test-deps:
 	    apt-get install -y --no-install-recommends slurm-wlm munge iproute2)
 
 test-unit: install
-	$(PY) -m pytest -q -m "not integration" tests
+	$(TEST_ENV) $(PY) -m pytest -q -m "not integration" tests
 
 test-integration: install test-deps
-	$(PY) -m pytest -q -m integration tests
+	$(TEST_ENV) $(PY) -m pytest -q -m integration tests
 
 lint: install
 	$(VENV)/bin/ruff check stk tests bench

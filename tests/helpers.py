@@ -82,9 +82,10 @@ RunScan = Callable[..., "subprocess.CompletedProcess[str]"]
 
 def scan_env() -> dict[str, str]:
     """The environment for a scan subprocess: no stray STK_/AWS_ settings, and no Slurm or MPI
-    variables (they would change the GPU count, or make a plain run think it is a rank)."""
+    variables (they would change the GPU count, or make a plain run think it is a rank). STK_PYTHON stays:
+    it names the venv under test to the checkout's bin/ scripts (make test sets it)."""
     dropped = ("STK_", "AWS_", "SLURM_", "PMI_", "PMIX_", "OMPI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped) or k == "STK_PYTHON"}
     env.pop("MPI_LOCALNRANKS", None)
     env.update(S3_ENV)
     env["PYTHONUNBUFFERED"] = "1"
