@@ -21,6 +21,7 @@ from stk.train.lora import LORA_WEIGHTS
 from stk.train.options import TrainOptions
 from stk.train.worldsize import UNIVERSAL, accumulation_for, universal_checkpoint
 
+UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
 SAVED = {"world_size": 2, "batch_size": 2, "grad_accum": 1, "optimizer": "adamw"}  # an effective batch of 4
 
 
@@ -68,9 +69,21 @@ CASES = {
 }
 
 
-def final_weights(out: Path, lora: bool) -> dict[str, dict[str, torch.Tensor]]:
-    name = LORA_WEIGHTS if lora else "unet/diffusion_pytorch_model.safetensors"
+Weights = dict[str, torch.Tensor]
+
+
+def final_weights(out: Path, lora: bool) -> dict[str, Weights]:
+    name = LORA_WEIGHTS if lora else UNET_WEIGHTS
     return {final: load_file(out / final / name) for final in ("final", "final-no-ema")}
+
+
+def drift(weights: Weights, reference: Weights, start: Weights) -> float:
+    """How far weights are from reference, as a share of how far training moved reference from start. Adam's
+    step is about lr wherever a gradient is near 0, so reduction order can flip single elements by up to lr:
+    elementwise closeness is the wrong test, and a lost optimizer state or a wrong sample moves the whole."""
+    apart = torch.cat([(weights[k] - reference[k]).flatten() for k in reference])
+    moved = torch.cat([(reference[k] - start.get(k, 0 * reference[k]).float()).flatten() for k in reference])
+    return float(apart.norm() / moved.norm())
 
 
 @pytest.mark.integration
@@ -96,9 +109,9 @@ def test_two_ranks_then_one_then_two_train_as_two_ranks_straight(setups, tmp_pat
     assert len({r["batch_digest"] for r in rows}) == 6
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
     lora = "--lora-rank" in CASES[case]
+    start = {} if lora else load_file(Path(model) / UNET_WEIGHTS)  # a LoRA's weights from 0
     for final, weights in final_weights(split, lora).items():  # the trained weights, and their EMA
-        reference = final_weights(straight, lora)[final]
-        assert all(torch.allclose(weights[k], reference[k], rtol=1e-4, atol=1e-6) for k in reference), final
+        assert drift(weights, final_weights(straight, lora)[final], start) < 1e-3, final
 
     recorded = [json.loads((split / "checkpoints" / f"step-{s:08d}" / "stk-run.json").read_text()) for s in (2, 4, 6)]
     assert [(r["world_size"], r["grad_accum"]) for r in recorded] == [(2, 1), (1, 2), (2, 1)]  # the batch kept
