@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import socket
 import subprocess
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ import hostlist
 from stk.errors import InfraError, InputError
 
 __all__ = [
+    "STOP_SIGNALS",
     "Task",
     "cpus_per_task",
     "env_int",
@@ -37,6 +39,9 @@ __all__ = [
 ]
 
 SCONTROL_TIMEOUT_S = 30
+# What asks a job to stop: USR2 from `--signal=B:USR2@180` before the time limit or on preemption,
+# TERM from scancel or a node going down. stk-launch passes both on; stk-train checkpoints on both.
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
 @dataclass(frozen=True)

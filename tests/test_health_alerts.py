@@ -14,7 +14,7 @@ import pytest
 from helpers import Receiver
 
 from stk.health.alerts import Event, apply, body, notify_report, payload, plan_events, redact, send, title
-from stk.health.model import Finding, Report, Severity
+from stk.health.report import Finding, Report, Severity
 from stk.health.state import AlertState, Entry
 
 T0 = 1_700_000_000.0

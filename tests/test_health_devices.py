@@ -22,7 +22,7 @@ from stk.health.devices import (
     ScriptedBackend,
     backend_from_env,
 )
-from stk.health.model import GpuSample, Severity
+from stk.health.report import GpuSample, Severity
 from stk.health.rules import Thresholds
 
 # --- NVML without a GPU (this machine) ---------------------------------------------------------
@@ -160,7 +160,7 @@ def test_sample_dicts_round_trip() -> None:
 
 def test_health_imports_no_heavy_framework() -> None:
     code = (
-        "import sys, stk.health, stk.health.model, stk.health.devices, stk.health.rules, stk.health.check\n"
+        "import sys, stk.health, stk.health.report, stk.health.devices, stk.health.rules, stk.health.check\n"
         "heavy = [m for m in ('torch', 'deepspeed', 'diffusers', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -11,7 +11,7 @@ import pytest
 
 from stk.errors import InputError
 from stk.health.check import expected_gpus_from_env, report_json_lines, report_text, run_check
-from stk.health.model import Finding, GpuSample, Report, Severity
+from stk.health.report import Finding, GpuSample, Report, Severity
 from stk.health.rules import Thresholds, evaluate
 
 DEFAULTS = Thresholds()

@@ -11,7 +11,7 @@ import pytest
 from slurm_cluster import SlurmCluster
 
 from stk.errors import InfraError, InputError
-from stk.health.model import Finding, Report, Severity
+from stk.health.report import Finding, Report, Severity
 from stk.health.slurm import (
     MAX_REASON,
     NodeState,

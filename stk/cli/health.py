@@ -15,7 +15,7 @@ from stk.config import load_command_config
 from stk.errors import StkError
 from stk.health.check import expected_gpus_from_env, report_json_lines, report_text
 from stk.health.devices import backend_from_env
-from stk.health.model import Severity
+from stk.health.report import Severity
 from stk.health.rules import Thresholds
 from stk.health.run import HealthPass, PassSettings, default_state_path
 from stk.world import World

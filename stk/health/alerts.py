@@ -26,7 +26,7 @@ from typing import Any, Literal
 import apprise
 from apprise.plugins.custom_json import NotifyJSON
 
-from stk.health.model import Finding, Report, Severity
+from stk.health.report import Finding, Report, Severity
 from stk.health.state import AlertState, Entry, locked
 from stk.log import get_logger
 

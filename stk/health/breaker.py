@@ -25,7 +25,7 @@ from types import TracebackType
 from stk.errors import InputError
 from stk.health.alerts import apply, plan_events, send
 from stk.health.devices import DeviceBackend, NoDriver, NvmlFailed, backend_from_env
-from stk.health.model import Finding, GpuSample, Report, Severity
+from stk.health.report import Finding, GpuSample, Report, Severity
 from stk.health.rules import Thresholds, evaluate
 from stk.health.state import AlertState, locked
 from stk.log import get_logger

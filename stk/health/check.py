@@ -9,7 +9,7 @@ import socket
 from collections.abc import Mapping, Sequence
 
 from stk.health.devices import DeviceBackend, NoDriver, NvmlFailed
-from stk.health.model import Finding, GpuSample, Report, Severity
+from stk.health.report import Finding, GpuSample, Report, Severity
 from stk.health.rules import Thresholds, evaluate
 from stk.slurm import gpus_per_node, job_id
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from stk.errors import InputError
-from stk.health.model import GpuSample
+from stk.health.report import GpuSample
 
 __all__ = [
     "SCRIPT_ENV",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stk.errors import InputError
-from stk.health.model import Finding, GpuSample, Severity
+from stk.health.report import Finding, GpuSample, Severity
 
 __all__ = ["CLOCK_HW_SLOWDOWN", "CLOCK_POWER_BRAKE", "CLOCK_THERMAL", "XID_CRITICAL", "Thresholds", "evaluate"]
 

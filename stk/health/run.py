@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from stk import storage
 from stk.health.check import run_check
 from stk.health.devices import DeviceBackend
-from stk.health.model import GpuSample, Report
+from stk.health.report import GpuSample, Report
 from stk.health.rules import Thresholds
 from stk.log import get_logger
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from stk.errors import InputError
 from stk.health.check import report_text
-from stk.health.model import Report, Severity
+from stk.health.report import Report, Severity
 from stk.slurm import scontrol
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any
 
 from stk import storage
 from stk.errors import InputError
-from stk.health.model import Finding, Severity
+from stk.health.report import Finding, Severity
 from stk.log import get_logger
 
 __all__ = ["AlertState", "Entry", "locked"]

@@ -19,13 +19,12 @@ from stk.errors import ExitCode, InfraError
 from stk.launch.plan import Launch
 from stk.launch.status import RANK_STATUS_ENV, job_exit_code, read_ranks
 from stk.log import get_logger
+from stk.slurm import STOP_SIGNALS
 from stk.storage import write_atomic
 
 __all__ = ["execute", "run_ranks", "supervise"]
 
 log = get_logger("launch")
-
-STOP_REQUESTS = (signal.SIGUSR2, signal.SIGTERM)
 
 
 def execute(launch: Launch, environ: Mapping[str, str], dry_run: bool = False, out: TextIO | None = None) -> int:
@@ -70,7 +69,7 @@ def supervise(command: Sequence[str], env: Mapping[str, str], status_dir: str | 
     def request(signum: int, _frame: object) -> None:
         requests.append(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, request) for sig in STOP_REQUESTS}
+    previous = {sig: signal.signal(sig, request) for sig in STOP_SIGNALS}
     try:
         try:
             child = subprocess.Popen(list(command), env=dict(env))

@@ -21,13 +21,13 @@ import torch
 
 from stk.errors import ExitCode, InfraError, InputError
 from stk.log import get_logger
+from stk.slurm import STOP_SIGNALS
 from stk.world import exit_now
 
-__all__ = ["STOP_SIGNALS", "Agreement", "StopSignals", "agree", "is_gpu_error", "is_peer_failure", "peer_failed"]
+__all__ = ["Agreement", "StopSignals", "agree", "is_gpu_error", "is_peer_failure", "peer_failed"]
 
 log = get_logger("train.stop")
 
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 STOP_NUMBERS = frozenset(int(sig) for sig in STOP_SIGNALS)
 # What a collective raises when a peer rank died (its sockets closed or reset) or stopped answering
 # (the process group's timeout): gloo's transport messages, and NCCL's for a peer that exited.
