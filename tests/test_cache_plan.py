@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from stk.cache.identity import ImageJob, jobs_for
 from stk.cache.keys import latent_key, text_key
 from stk.cache.plan import assign, latent_batches, text_batches
@@ -20,7 +22,10 @@ def test_latent_key_changes_with_identity_bucket_and_recipe() -> None:
 
 
 def test_one_text_key_per_caption_and_encoder() -> None:
-    assert text_key("a cat", RECIPE) == text_key("a cat", RECIPE)
+    # the key is the caption and recipe as canonical JSON (keys sorted), so a cache written earlier keeps its keys
+    canonical = b'["a cat",{"latents":{"crop":"center"},"model":"abc"}]'
+    assert text_key("a cat", RECIPE) == hashlib.sha256(canonical).hexdigest()[:40]
+    assert text_key("a cat", dict(reversed(RECIPE.items()))) == text_key("a cat", RECIPE)
     assert text_key("a cat", RECIPE) != text_key("a dog", RECIPE)
     assert text_key("a cat", RECIPE) != text_key("a cat", {"model": "other"})
 

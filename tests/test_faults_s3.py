@@ -28,7 +28,6 @@ from slurm_cluster import free_ports
 from weed_server import S3_ENV, WeedServer, s3_client
 
 from stk import storage
-from stk.cli.train import main as train_main
 from stk.datagen import generate_dataset
 from stk.errors import ExitCode, InfraError, InputError
 from stk.lease import lease_name
@@ -505,8 +504,6 @@ def test_train_rides_through_an_outage(weed: WeedServer, scan: Path, sd_model: s
 def test_train_past_the_budget_exits_69_and_a_rerun_finishes(
     weed: WeedServer, scan: Path, sd_model: str, two_shards: Path, tmp_path: Path
 ):
-    if "collective_timeout" not in {p.name for p in train_main.params}:
-        pytest.skip("needs one rank's failure to end every rank (stk-train --collective-timeout, MPI abort)")
     _upload(weed, "train", two_shards, "cache")
     out = tmp_path / "run"
     command = _train_command(weed, scan, sd_model, out, BUDGET_S)
