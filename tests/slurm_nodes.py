@@ -7,10 +7,11 @@ Each node (node1..node4) is a network + UTS + mount namespace: a veth on a bridg
 left alone), its own hostname, an /etc/hosts naming the nodes and the host, a private tmpfs /tmp and
 its own slurmd. Nodes are entered with `nsenter --net=/run/netns/NS unshare --uts --mount`, never
 `ip netns exec` (it remounts /sys, and slurmd 22.05 dies without /sys/fs/cgroup). One shared
-directory (`shared`, a temp dir) is seen at the same path on every node, as are the checkout and the
-venv (bound into the private /tmp when they live under /tmp); /dev/shm stays shared. One private
-munged (its own key and socket), one slurmctld on the host side at the bridge address, 2 fake GPUs
-(mknod character devices) and 4 CPUs per node.
+directory (`shared`, a temp dir) is seen at the same path on every node, as are the checkout, the
+venv and the session's DeepSpeed op builds (bound into the private /tmp when they live under /tmp, as
+a shared home's ~/.cache would be: else every node builds the ops again, four builds at once on two
+cores); /dev/shm stays shared. One private munged (its own key and socket), one slurmctld on the host
+side at the bridge address, 2 fake GPUs (mknod character devices) and 4 CPUs per node.
 
 Every daemon is a Popen child, stopped by its pid and waited for; namespaces, bridge, veths, mounts
 and temp dirs go when the context ends, a failed test included, and so do the /dev/shm segments
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import EXTENSIONS_DIR
 from slurm_cluster import CONF_COMMON, SlurmClient, _stop, free_ports
 
 __all__ = ["SlurmNodes", "slurm_nodes", "start_nodes"]
@@ -327,7 +329,8 @@ PartitionName={partition} Nodes=node[1-{NODES}] Default=YES MaxTime=INFINITE Sta
 
 def _shared_paths(root: Path) -> list[str]:
     """What every node must see at the same path and that a private /tmp would hide."""
-    paths = {root, REPO, VENV, Path(sys.executable).resolve().parent}
+    EXTENSIONS_DIR.mkdir(parents=True, exist_ok=True)  # to bind it, before any build made it
+    paths = {root, REPO, VENV, Path(sys.executable).resolve().parent, EXTENSIONS_DIR}
     tmp = Path("/tmp")
     return sorted(str(p) for p in paths if tmp in p.resolve().parents)
 
