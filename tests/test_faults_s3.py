@@ -35,9 +35,9 @@ from stk.models import Family
 
 pytestmark = pytest.mark.integration
 
-OUTAGE_S = 20  # a server restart, or a failover
+OUTAGE_S = 10  # a server restart, or a failover
 BUDGET_S = 5  # the short --s3-retry-seconds of the tests that outlast it
-STOP_BUDGET_S = 60  # timeouts of 5 s: a stopped server is noticed within the 20 s outage
+STOP_BUDGET_S = 30  # timeouts of 2.5 s: a stopped server is noticed (two attempts) within the 10 s outage
 EXIT_BOUND_S = BUDGET_S + 40  # past the budget: one attempt's timeouts, the ranks' teardown, a loaded machine
 
 
