@@ -13,10 +13,12 @@ import json
 import os
 from typing import IO, Any
 
+import torch
+
 from stk.storage.failures import storage_errors
 from stk.train.reporters import Reporter, check_reporter, open_reporter
 
-__all__ = ["MetricsLog"]
+__all__ = ["MetricsLog", "peak_gpu_memory"]
 
 # metrics.jsonl fields that are not curves (the step is the x axis)
 _NOT_SCALARS = frozenset({"step", "epoch", "time"})
@@ -76,6 +78,11 @@ class MetricsLog:
         if self._reporter is not None:
             self._reporter.close()
             self._reporter = None
+
+
+def peak_gpu_memory(device: torch.device) -> int | None:
+    """Bytes: the most this rank's GPU has held in tensors so far (None on the CPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def _step(line: str) -> int:
