@@ -20,7 +20,7 @@ from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
 from stk.train.reporters import REPORTERS
-from stk.train.samples import SampleSettings, parse_resolution
+from stk.train.validation import ValidationSettings, parse_resolution
 from stk.world import World
 
 EPILOG = """\b
@@ -115,7 +115,7 @@ def _default(name: str) -> Any:
     help="Gradient clipping (0: off).",
 )
 @click.option(
-    "--optimizer", type=click.Choice(OPTIMIZERS), default=default_of(OptimizerSettings, "name"), show_envvar=True
+    "--optimizer", type=click.Choice(tuple(OPTIMIZERS)), default=default_of(OptimizerSettings, "name"), show_envvar=True
 )
 @click.option(
     "--lr",
@@ -212,7 +212,7 @@ def _default(name: str) -> Any:
                    "holds, from stk-cache --validation-prompts].")  # fmt: skip
 @click.option("--validation-prompts", "validation_prompts_file", default=None, show_envvar=True,
               help="A file of prompts, one per line, after any --validation-prompt.")  # fmt: skip
-@click.option("--validation-every", default=default_of(SampleSettings, "every"), type=click.IntRange(0),
+@click.option("--validation-every", default=default_of(ValidationSettings, "every"), type=click.IntRange(0),
               show_envvar=True,
               help="Optimizer steps between sample rounds (0: only at step 0 and the end).")  # fmt: skip
 @click.option("--validation-steps", default=None, type=click.IntRange(1), show_envvar=True,
@@ -222,7 +222,7 @@ def _default(name: str) -> Any:
 @click.option("--validation-resolution", default=None, show_envvar=True,
               callback=lambda _ctx, _param, value: _resolution(value),
               help="WIDTHxHEIGHT of the samples [default: the run's most common bucket].")  # fmt: skip
-@click.option("--validation-seed", default=default_of(SampleSettings, "seed"), type=int, show_envvar=True,
+@click.option("--validation-seed", default=default_of(ValidationSettings, "seed"), type=int, show_envvar=True,
               help="Prompt k's noise is drawn from this + k: the same image on any number of ranks.")  # fmt: skip
 @click.option("--no-validation", is_flag=True, show_envvar=True, help="No samples, whatever the cache holds.")
 @click.option("--report-to", type=click.Choice(REPORTERS), default=_default("report_to"), show_envvar=True,
@@ -285,35 +285,7 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
     Run it under mpiexec, srun --mpi=pmi2|pmix, or stk-launch: it finds its rank and rendezvous
     itself. Rerunning the same command continues from the latest checkpoint.
     """
-    optimizer = OptimizerSettings(
-        options.pop("optimizer"), options.pop("lr"), options.pop("betas"), options.pop("weight_decay")
-    )
-    targets = options.pop("lora_targets")
-    lora = LoraSettings(
-        options.pop("lora_rank"),
-        options.pop("lora_alpha"),
-        options.pop("lora_dropout"),
-        tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else (),
-    )
-    loss = LossSettings(
-        options.pop("snr_gamma"),
-        options.pop("noise_offset"),
-        options.pop("timestep_sampling"),
-        options.pop("logit_mean"),
-        options.pop("logit_std"),
-        options.pop("flow_shift"),
-        options.pop("caption_dropout"),
-    )
-    samples = SampleSettings(
-        tuple(options.pop("validation_prompts")),
-        options.pop("validation_prompts_file"),
-        options.pop("validation_every"),
-        options.pop("validation_steps"),
-        options.pop("validation_guidance"),
-        options.pop("validation_resolution"),
-        options.pop("validation_seed"),
-        not options.pop("no_validation"),
-    )
+    settings = _settings(options)
     resume_from = options.pop("resume_from")
     if resume_from:
         if options["resume"] not in ("auto", resume_from):
@@ -323,10 +295,7 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
     opts = options_from(
         TrainOptions,
         options,
-        optimizer=optimizer,
-        lora=lora,
-        loss=loss,
-        samples=samples,
+        **settings,
         family=Family(options["family"]) if options["family"] else None,
         local_cache_bytes=int(size * 2**30) if size else None,
         notify_urls=tuple(options["notify_urls"]),
@@ -336,7 +305,7 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
 
     def body(world: World) -> int:
         _quiet_libraries(verbose)
-        from stk.train.loop import run_train
+        from stk.train.run import run_train
 
         summary, code = run_train(opts, world)
         if world.is_root:
@@ -344,6 +313,30 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
         return int(code)
 
     run_command("stk-train", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
+
+
+def _settings(options: dict[str, Any]) -> dict[str, Any]:
+    """The option groups that are settings objects of their own, taken out of `options`."""
+    pop = options.pop
+    targets = pop("lora_targets")
+    loss = ("snr_gamma", "noise_offset", "timestep_sampling", "logit_mean", "logit_std", "flow_shift",
+            "caption_dropout")  # fmt: skip
+    validation = ("prompts_file", "every", "steps", "guidance", "resolution", "seed")
+    return {
+        "optimizer": OptimizerSettings(pop("optimizer"), pop("lr"), pop("betas"), pop("weight_decay")),
+        "lora": LoraSettings(
+            pop("lora_rank"),
+            pop("lora_alpha"),
+            pop("lora_dropout"),
+            tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else (),
+        ),
+        "loss": LossSettings(**{name: pop(name) for name in loss}),
+        "validation": ValidationSettings(
+            prompts=tuple(pop("validation_prompts")),
+            **{name: pop(f"validation_{name}") for name in validation},
+            enabled=not pop("no_validation"),
+        ),
+    }
 
 
 def _keep_stdout_for_data() -> TextIO:

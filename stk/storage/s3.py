@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 from stk.errors import InfraError, InputError
 from stk.log import get_logger
 from stk.storage.base import FileInfo
+from stk.storage.ranged import RangedReader
 
 __all__ = ["DEFAULT_RETRY_SECONDS", "S3Backend", "configure_s3", "split_url"]
 
@@ -288,42 +289,6 @@ def _translate(exc: Exception, bucket: str, key: str = "") -> Exception:
     return exc
 
 
-class _RangedObject(io.RawIOBase):
-    """A seekable read-only view of one S3 object; each read is one ranged GET."""
-
-    def __init__(self, bucket: str, key: str, size: int) -> None:
-        self._bucket, self._key, self._size, self._pos = bucket, key, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(base + offset, 0)
-        return self._pos
-
-    def readall(self) -> bytes:
-        """The rest of the object in one GET (io's default would issue one GET per 8 KiB)."""
-        data = S3Backend().read_range(f"s3://{self._bucket}/{self._key}", self._pos, self._size)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        if self._pos >= self._size:
-            return 0
-        end = min(self._pos + len(buffer), self._size)
-        data = S3Backend().read_range(f"s3://{self._bucket}/{self._key}", self._pos, end)
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 class S3Backend:
     def list_files(self, root: str) -> Iterator[FileInfo]:
         bucket, prefix = split_url(root)
@@ -367,10 +332,10 @@ class S3Backend:
         return True
 
     def open_read(self, location: str, size: int | None) -> BinaryIO:
-        bucket, key = split_url(location)
         if size is None:
             size = self.stat(location).size
-        return io.BufferedReader(_RangedObject(bucket, key, size), buffer_size=_READ_BLOCK)
+        ranged = RangedReader(lambda start, end: self.read_range(location, start, end), size)
+        return io.BufferedReader(ranged, buffer_size=_READ_BLOCK)
 
     def read_bytes(self, location: str) -> bytes:
         bucket, key = split_url(location)

@@ -168,7 +168,7 @@ class ShardedEma:
 
     @contextmanager
     def applied(self) -> Iterator[None]:
-        """The average in the module's weights for the duration (sample images), the trained weights back after;
+        """The average in the module's weights for the duration (validation images), the trained weights back after;
         every rank (a collective outside ZeRO-3). Costs this rank's share in fp32 while it lasts."""
         with torch.no_grad():
             trained = torch.cat([piece.view(self.zero3).float() for piece in self.pieces] or [torch.zeros(0)])

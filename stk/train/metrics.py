@@ -1,7 +1,7 @@
 """What a run reports per optimizer step, written by rank 0: OUTPUT/metrics.jsonl (one JSON line per
 step, flushed at once, so `tail -f metrics.jsonl | jq` follows a run and a killed run loses nothing it
-reported) and the same numbers, with the sample images, to a reporter (stk.train.reporters: TensorBoard by
-default). A round of samples at step 0 (before training) is a row of its own.
+reported) and the same numbers, with the validation images, to a reporter (stk.train.reporters: TensorBoard by
+default). A round of validation images at step 0 (before training) is a row of its own.
 
 A resumed run trains again the steps after its checkpoint: their rows are dropped from metrics.jsonl, so it
 holds each step once.
@@ -13,10 +13,12 @@ import json
 import os
 from typing import IO, Any
 
+import torch
+
 from stk.storage.failures import storage_errors
 from stk.train.reporters import Reporter, check_reporter, open_reporter
 
-__all__ = ["MetricsLog"]
+__all__ = ["MetricsLog", "peak_gpu_memory"]
 
 # metrics.jsonl fields that are not curves (the step is the x axis)
 _NOT_SCALARS = frozenset({"step", "epoch", "time"})
@@ -65,7 +67,7 @@ class MetricsLog:
             self._reporter.scalars(values, row["step"], row.get("time"))
 
     def images(self, step: int, images: dict[str, Any]) -> None:
-        """Sample images (tag -> HxWx3 uint8 array) at `step`, to the reporter."""
+        """Validation images (tag -> HxWx3 uint8 array) at `step`, to the reporter."""
         if self._reporter is not None:
             self._reporter.images(images, step)
 
@@ -76,6 +78,11 @@ class MetricsLog:
         if self._reporter is not None:
             self._reporter.close()
             self._reporter = None
+
+
+def peak_gpu_memory(device: torch.device) -> int | None:
+    """Bytes: the most this rank's GPU has held in tensors so far (None on the CPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def _step(line: str) -> int:

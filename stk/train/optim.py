@@ -24,7 +24,6 @@ __all__ = [
     "optimizer_section",
 ]
 
-OPTIMIZERS = ("adamw", "lion")
 SCHEDULES = ("constant", "cosine")
 
 
@@ -37,31 +36,47 @@ class OptimizerSettings:
     eps: float = 1e-8
 
 
-def client_optimizer(params: Iterable[torch.nn.Parameter], settings: OptimizerSettings) -> torch.optim.Optimizer:
-    trainable = [p for p in params if p.requires_grad]
-    if settings.name == "lion":
-        from lion_pytorch import Lion
+# the client optimizer over the trainable parameters, from its hyperparameters
+Builder = Callable[[list[torch.nn.Parameter], dict[str, Any]], torch.optim.Optimizer]
 
-        return Lion(trainable, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
-    if settings.name != "adamw":
-        raise ValueError(f"optimizer {settings.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+
+def _adamw(params: list[torch.nn.Parameter], hyper: dict[str, Any]) -> torch.optim.Optimizer:
     fused = torch.cuda.is_available()  # one kernel for all parameters on GPU; the foreach path on CPU
-    return torch.optim.AdamW(
-        trainable,
-        lr=settings.lr,
-        betas=settings.betas,
-        weight_decay=settings.weight_decay,
-        eps=settings.eps,
-        fused=fused,
-    )
+    return torch.optim.AdamW(params, **hyper, fused=fused)
+
+
+def _lion(params: list[torch.nn.Parameter], hyper: dict[str, Any]) -> torch.optim.Optimizer:
+    from lion_pytorch import Lion
+
+    optimizer: torch.optim.Optimizer = Lion(params, **hyper)
+    return optimizer
+
+
+# --optimizer name -> (its client optimizer, the type DeepSpeed builds itself when it offloads the optimizer, the
+# OptimizerSettings fields it takes): one line per optimizer
+OPTIMIZERS: dict[str, tuple[Builder, str, tuple[str, ...]]] = {
+    "adamw": (_adamw, "AdamW", ("lr", "betas", "weight_decay", "eps")),
+    "lion": (_lion, "Lion", ("lr", "betas", "weight_decay")),
+}
+
+
+def _kind(settings: OptimizerSettings) -> tuple[Builder, str, dict[str, Any]]:
+    """The optimizer's builder, DeepSpeed type and hyperparameters."""
+    if settings.name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {settings.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    build, deepspeed_type, fields = OPTIMIZERS[settings.name]
+    return build, deepspeed_type, {name: getattr(settings, name) for name in fields}
+
+
+def client_optimizer(params: Iterable[torch.nn.Parameter], settings: OptimizerSettings) -> torch.optim.Optimizer:
+    build, _, hyper = _kind(settings)
+    return build([p for p in params if p.requires_grad], hyper)
 
 
 def optimizer_section(settings: OptimizerSettings) -> dict[str, Any]:
     """The DeepSpeed config's optimizer section for the same settings (its CPU Adam/Lion when offloading)."""
-    params: dict[str, Any] = {"lr": settings.lr, "betas": list(settings.betas), "weight_decay": settings.weight_decay}
-    if settings.name == "lion":
-        return {"type": "Lion", "params": params}
-    return {"type": "AdamW", "params": {**params, "eps": settings.eps}}
+    _, deepspeed_type, hyper = _kind(settings)
+    return {"type": deepspeed_type, "params": {**hyper, "betas": list(settings.betas)}}
 
 
 def lr_schedule(kind: str, warmup_steps: int, total_steps: int) -> Callable[[torch.optim.Optimizer], Any]:

@@ -10,7 +10,7 @@ from stk.train.distributed import COLLECTIVE_TIMEOUT_S
 from stk.train.lora import LoraSettings
 from stk.train.losses import LossSettings
 from stk.train.optim import OptimizerSettings
-from stk.train.samples import SampleSettings
+from stk.train.validation import ValidationSettings
 
 __all__ = ["TrainOptions"]
 
@@ -44,7 +44,7 @@ class TrainOptions:
     gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: train every weight
     loss: LossSettings = field(default_factory=LossSettings)  # min-SNR, noise offset, Flux timestep sampling
-    samples: SampleSettings = field(default_factory=SampleSettings)  # the --validation-* options
+    validation: ValidationSettings = field(default_factory=ValidationSettings)  # the --validation-* options
     ema_decay: float = 0.0  # 0: no EMA; else the decay of a sharded EMA of the trained weights (stk.train.ema)
     ema_every: int = 1  # optimizer steps between EMA updates
     local_cache_dir: str | None = None  # node-local directory for whole S3 shards

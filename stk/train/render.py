@@ -1,4 +1,4 @@
-"""Sample images from the model being trained, on every rank, under every ZeRO stage.
+"""Validation images from the model being trained, on every rank, under every ZeRO stage.
 
 The family's diffusers pipeline runs with the training denoiser itself (the LoRA in it when one is
 trained; the EMA average swapped in for the round when there is one), the VAE loaded once, and the
@@ -19,7 +19,7 @@ import io
 import math
 import os
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +30,13 @@ from PIL import Image
 from stk.log import get_logger
 from stk.models.detect import Family
 from stk.prompts import EMPTY_CAPTION, prompt_slug
-from stk.train.ema import ShardedEma
 from stk.train.embeddings import Embeddings
 from stk.train.export import replaced_on_success
 from stk.train.objectives import Objective
-from stk.train.samples import SamplePlan
 from stk.train.stopping import is_out_of_memory, is_peer_failure
+from stk.train.validation import ValidationPlan
 
-__all__ = ["SAMPLES_DIR", "SampleRenderer", "SampleRound", "write_round"]
+__all__ = ["SAMPLES_DIR", "ValidationRenderer", "ValidationRound", "write_round"]
 
 log = get_logger("train")
 
@@ -48,7 +47,7 @@ _UNUSED = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "image_
 
 
 @dataclass
-class SampleRound:
+class ValidationRound:
     """What rank 0 learns from a round: each prompt's PNG (by prompt index) and each rank's failure."""
 
     pngs: dict[int, bytes] = field(default_factory=dict)
@@ -56,9 +55,9 @@ class SampleRound:
     seconds: float = 0.0  # the slowest rank's
 
 
-class SampleRenderer:
+class ValidationRenderer:
     def __init__(
-        self, plan: SamplePlan, objective: Objective, module: torch.nn.Module, embeddings: Embeddings,
+        self, plan: ValidationPlan, objective: Objective, module: torch.nn.Module, embeddings: Embeddings,
         device: torch.device, dtype: torch.dtype, rank: int, world: int,
     ) -> None:  # fmt: skip
         self.plan, self.module, self.rank, self.world = plan, module, rank, world
@@ -85,15 +84,16 @@ class SampleRenderer:
             out[name], out[f"negative_{name}"] = a, b
         return out
 
-    def render(self, ema: ShardedEma | None) -> SampleRound | None:
-        """One round on every rank (a collective); rank 0 gets the round, the others None."""
+    def render(self, weights: AbstractContextManager[None]) -> ValidationRound | None:
+        """One round on every rank (a collective) with `weights` in the module for its duration (the EMA's average,
+        say); rank 0 gets the round, the others None."""
         import torch.distributed as dist
 
         started = time.monotonic()
         pngs: dict[int, bytes] = {}
         failure = None
         try:
-            with ema.applied() if ema is not None else nullcontext():
+            with weights:
                 self.module.eval()
                 try:
                     for index, keep in self.work:
@@ -117,7 +117,7 @@ class SampleRenderer:
             gathered[0] = report
         if gathered is None:
             return None
-        out = SampleRound()
+        out = ValidationRound()
         for rank_pngs, rank_failure, seconds in gathered:
             out.pngs.update(rank_pngs)
             out.seconds = max(out.seconds, seconds)

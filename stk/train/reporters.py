@@ -1,4 +1,4 @@
-"""Where rank 0 reports each step's numbers and the sample images besides metrics.jsonl: TensorBoard (the default)
+"""Where rank 0 reports each step's numbers and the validation images besides metrics.jsonl: TensorBoard (the default)
 or Weights & Biases (`pip install 'stk[wandb]'`; `WANDB_MODE=offline` writes the run to OUTPUT/wandb/ for a later
 `wandb sync`), or nowhere.
 

@@ -1,8 +1,9 @@
-"""What sample images a run makes and when: the --validation-* options, settled before any model loads.
+"""What validation images a run makes and when: the --validation-* options, settled before any model loads.
 
-Samples are made at step 0 (the baseline, when a run starts from scratch), every `every` optimizer
+Images are made at step 0 (the baseline, when a run starts from scratch), every `every` optimizer
 steps, and after the last step, for each prompt: from --validation-prompt / --validation-prompts,
-else the prompts the cache holds (`stk-cache --validation-prompts`). stk.train.render makes them.
+else the prompts the cache holds (`stk-cache --validation-prompts`). stk.train.render makes them, for
+stk.train.validator, which decides when.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from stk.errors import InputError
 from stk.models.detect import Family
 from stk.prompts import read_prompts
 
-__all__ = ["FAMILY_SAMPLING", "SamplePlan", "SampleSettings", "parse_resolution", "plan_samples"]
+__all__ = ["FAMILY_SAMPLING", "ValidationPlan", "ValidationSettings", "parse_resolution", "plan_validation"]
 
 # inference steps and guidance scale as each family's pipeline is usually run
 FAMILY_SAMPLING: dict[Family, tuple[int, float]] = {
@@ -24,7 +25,7 @@ FAMILY_SAMPLING: dict[Family, tuple[int, float]] = {
 
 
 @dataclass(frozen=True)
-class SampleSettings:
+class ValidationSettings:
     prompts: tuple[str, ...] = ()  # --validation-prompt, in order
     prompts_file: str | None = None  # --validation-prompts: one per line, after `prompts`
     every: int = 500  # optimizer steps between rounds; 0: only at step 0 and the end
@@ -36,7 +37,7 @@ class SampleSettings:
 
 
 @dataclass(frozen=True)
-class SamplePlan:
+class ValidationPlan:
     prompts: tuple[str, ...]
     every: int
     steps: int
@@ -64,14 +65,14 @@ def parse_resolution(text: str) -> tuple[int, int]:
     return width, height
 
 
-def plan_samples(
-    settings: SampleSettings,
+def plan_validation(
+    settings: ValidationSettings,
     family: Family,
     cached_prompts: list[str],
     buckets: dict[tuple[int, int], int],  # latent (h, w) -> samples per epoch
     vae_scale_factor: int,
-) -> SamplePlan | None:
-    """The samples to make, or None for none; refuses an empty prompt file and a resolution the family's pipeline
+) -> ValidationPlan | None:
+    """The images to make, or None for none; refuses an empty prompt file and a resolution the family's pipeline
     cannot make (Flux packs 2x2 latent patches, so its sides are multiples of twice the VAE's factor)."""
     prompts = list(settings.prompts)
     if settings.prompts_file:
@@ -92,7 +93,7 @@ def plan_samples(
             f"--validation-resolution {width}x{height}: {family.value} makes images whose sides are multiples of "
             f"{alignment}"
         )
-    return SamplePlan(
+    return ValidationPlan(
         prompts=tuple(prompts),
         every=settings.every,
         steps=settings.steps or steps,

@@ -1,4 +1,4 @@
-"""The parts of sample images and caption dropout, without ranks: prompt files, the sample plan, how prompts are
+"""The parts of validation images and caption dropout, without ranks: prompt files, the validation plan, how prompts are
 split over ranks, the round's files, the EMA swapped in and out, the embeddings taken from a cache or encoded,
 and caption dropout against a direct calculation. End to end (every ZeRO stage, resume, the pipeline's own
 images): test_train.py and test_train_lora.py."""
@@ -20,7 +20,7 @@ from stk.train.ema import ShardedEma
 from stk.train.embeddings import embed_captions
 from stk.train.losses import LossSettings, drop_captions
 from stk.train.render import _share, write_round
-from stk.train.samples import FAMILY_SAMPLING, SampleSettings, parse_resolution, plan_samples
+from stk.train.validation import FAMILY_SAMPLING, ValidationSettings, parse_resolution, plan_validation
 
 # --- prompt files ------------------------------------------------------------------------------------------------
 
@@ -70,44 +70,44 @@ BUCKETS = {(8, 8): 10, (8, 12): 30, (12, 8): 5}  # latent (h, w) -> samples per 
 
 
 def test_no_prompts_anywhere_means_no_samples() -> None:
-    assert plan_samples(SampleSettings(), Family.SD, [], BUCKETS, 8) is None
+    assert plan_validation(ValidationSettings(), Family.SD, [], BUCKETS, 8) is None
 
 
 def test_the_family_defaults_and_the_most_common_bucket() -> None:
     for family, (steps, guidance) in FAMILY_SAMPLING.items():
-        plan = plan_samples(SampleSettings(prompts=("a",)), family, [], BUCKETS, 8)
+        plan = plan_validation(ValidationSettings(prompts=("a",)), family, [], BUCKETS, 8)
         assert plan is not None
         assert (plan.steps, plan.guidance, plan.width, plan.height) == (steps, guidance, 96, 64)
-    plan = plan_samples(SampleSettings(prompts=("a",), steps=4, guidance=0.0), Family.SD, [], BUCKETS, 8)
+    plan = plan_validation(ValidationSettings(prompts=("a",), steps=4, guidance=0.0), Family.SD, [], BUCKETS, 8)
     assert plan is not None and (plan.steps, plan.guidance) == (4, 0.0)
 
 
 def test_the_caches_prompts_serve_unless_the_run_gives_its_own_or_none(tmp_path: Path) -> None:
     cached = ["from the cache"]
-    plan = plan_samples(SampleSettings(), Family.SD, cached, BUCKETS, 8)
+    plan = plan_validation(ValidationSettings(), Family.SD, cached, BUCKETS, 8)
     assert plan is not None and plan.prompts == ("from the cache",)
     file = tmp_path / "p.txt"
     file.write_text("from the file\n")
-    given = SampleSettings(prompts=("given",), prompts_file=str(file))
-    plan = plan_samples(given, Family.SD, cached, BUCKETS, 8)
+    given = ValidationSettings(prompts=("given",), prompts_file=str(file))
+    plan = plan_validation(given, Family.SD, cached, BUCKETS, 8)
     assert plan is not None and plan.prompts == ("given", "from the file")
-    assert plan_samples(SampleSettings(enabled=False), Family.SD, cached, BUCKETS, 8) is None
+    assert plan_validation(ValidationSettings(enabled=False), Family.SD, cached, BUCKETS, 8) is None
 
 
 def test_a_size_the_family_cannot_make_is_refused() -> None:
-    fits_sd = SampleSettings(prompts=("a",), resolution=(1000, 1024))  # 1000 = 125 x 8, not a multiple of 16
-    assert plan_samples(fits_sd, Family.SD, [], BUCKETS, 8) is not None
+    fits_sd = ValidationSettings(prompts=("a",), resolution=(1000, 1024))  # 1000 = 125 x 8, not a multiple of 16
+    assert plan_validation(fits_sd, Family.SD, [], BUCKETS, 8) is not None
     with pytest.raises(InputError, match="flux makes images whose sides are multiples of 16"):
-        plan_samples(fits_sd, Family.FLUX, [], BUCKETS, 8)
+        plan_validation(fits_sd, Family.FLUX, [], BUCKETS, 8)
     with pytest.raises(InputError, match="multiples of 8"):
-        plan_samples(SampleSettings(prompts=("a",), resolution=(100, 64)), Family.SDXL, [], BUCKETS, 8)
+        plan_validation(ValidationSettings(prompts=("a",), resolution=(100, 64)), Family.SDXL, [], BUCKETS, 8)
 
 
 def test_rounds_follow_step_every_n_and_the_last() -> None:
-    plan = plan_samples(SampleSettings(prompts=("a",), every=4), Family.SD, [], BUCKETS, 8)
+    plan = plan_validation(ValidationSettings(prompts=("a",), every=4), Family.SD, [], BUCKETS, 8)
     assert plan is not None
     assert [step for step in range(1, 11) if plan.due(step, 10)] == [4, 8, 10]
-    only_ends = plan_samples(SampleSettings(prompts=("a",), every=0), Family.SD, [], BUCKETS, 8)
+    only_ends = plan_validation(ValidationSettings(prompts=("a",), every=0), Family.SD, [], BUCKETS, 8)
     assert only_ends is not None and [step for step in range(1, 11) if only_ends.due(step, 10)] == [10]
 
 
