@@ -80,7 +80,7 @@ def test_loads_frozen_on_cpu(family: Family, encoders: Callable[[Family], Encode
     assert enc.device == torch.device("cpu") and enc.dtype == torch.float32
     assert enc.latent_channels == LATENT_CHANNELS[family]
     assert enc.text_outputs == tuple(TEXT_SHAPES[family])
-    assert (enc.shift_factor is not None) == (family is Family.FLUX)
+    assert (enc.norm.shift_factor is not None) == (family is Family.FLUX)
     assert not any(p.requires_grad for p in enc.vae.parameters())
 
 

@@ -18,17 +18,17 @@ import h5py
 import numpy as np
 import pytest
 from helpers import S3_ENV, s3_client
-from shard_samples import Rank0, make_latent, make_text
+from shard_records import Rank0, make_latent, make_text
 
 from stk import storage
 from stk.errors import CacheIncomplete, ExitCode, InputError
 from stk.shards import (
     CacheReader,
-    LatentSample,
+    LatentRecord,
     Manifest,
     ShardInfo,
     ShardWriter,
-    TextSample,
+    TextRecord,
     shard_location,
     verify,
 )
@@ -40,8 +40,8 @@ SHAPES = [(4, 8, 8), (4, 8, 16), (4, 16, 8)]
 
 def write(
     cache: str,
-    latents: list[LatentSample],
-    texts: list[TextSample] = (),  # type: ignore[assignment]
+    latents: list[LatentRecord],
+    texts: list[TextRecord] = (),  # type: ignore[assignment]
     prefix: str = "r0",
     shard_size: int = 4000,
     work_dir: str | None = None,
@@ -56,7 +56,7 @@ def write(
     return rank0
 
 
-def assert_same_latent(got: LatentSample, want: LatentSample) -> None:
+def assert_same_latent(got: LatentRecord, want: LatentRecord) -> None:
     assert got.mean.dtype == want.mean.dtype and got.mean.shape == want.mean.shape
     assert got.mean.tobytes() == want.mean.tobytes()
     if want.logvar is None:
@@ -68,7 +68,7 @@ def assert_same_latent(got: LatentSample, want: LatentSample) -> None:
     assert (got.original_size, got.crop_top_left) == (want.original_size, want.crop_top_left)
 
 
-def assert_same_text(got: TextSample, want: TextSample) -> None:
+def assert_same_text(got: TextRecord, want: TextRecord) -> None:
     assert (got.key, got.length, sorted(got.arrays)) == (want.key, want.length, sorted(want.arrays))
     for name, array in want.arrays.items():
         assert got.arrays[name].dtype == array.dtype and got.arrays[name].shape == array.shape
@@ -298,19 +298,19 @@ def test_bad_samples_are_refused_and_the_writer_goes_on(cache: str) -> None:
     bad_latents = [
         make_latent(1, dtype="float32"),  # same shape, another dtype
         make_latent(2, logvar=True),  # logvar where the others have none
-        LatentSample("k" * 65, "t", np.zeros((4, 8, 8), np.float16), None, (1, 1), (0, 0), "p"),
-        LatentSample("é", "t", np.zeros((4, 8, 8), np.float16), None, (1, 1), (0, 0), "p"),
-        LatentSample("k", "t", np.zeros((8, 8), np.float16), None, (1, 1), (0, 0), "p"),
-        LatentSample("k", "t", np.zeros((4, 8, 8), np.float16), None, (1, 2, 3), (0, 0), "p"),  # type: ignore[arg-type]
+        LatentRecord("k" * 65, "t", np.zeros((4, 8, 8), np.float16), None, (1, 1), (0, 0), "p"),
+        LatentRecord("é", "t", np.zeros((4, 8, 8), np.float16), None, (1, 1), (0, 0), "p"),
+        LatentRecord("k", "t", np.zeros((8, 8), np.float16), None, (1, 1), (0, 0), "p"),
+        LatentRecord("k", "t", np.zeros((4, 8, 8), np.float16), None, (1, 2, 3), (0, 0), "p"),  # type: ignore[arg-type]
     ]
     for sample in bad_latents:
         with pytest.raises(ValueError):
             writer.add_latent(sample)
     bad_texts = [
-        TextSample("t1", {"prompt_embeds": np.zeros((3, 32), np.float16)}, 3),  # an array missing
-        TextSample("t2", {"prompt_embeds": np.zeros((3, 32), np.float32), "pooled_prompt_embeds": np.zeros(24)}, 3),
-        TextSample("t3", {}, 0),
-        TextSample("t4", {"a/b": np.zeros(3)}, 3),
+        TextRecord("t1", {"prompt_embeds": np.zeros((3, 32), np.float16)}, 3),  # an array missing
+        TextRecord("t2", {"prompt_embeds": np.zeros((3, 32), np.float32), "pooled_prompt_embeds": np.zeros(24)}, 3),
+        TextRecord("t3", {}, 0),
+        TextRecord("t4", {"a/b": np.zeros(3)}, 3),
     ]
     for text in bad_texts:
         with pytest.raises(ValueError):

@@ -503,7 +503,7 @@ def _batch_digest(slot: int, keys: list[str]) -> int:
 
 
 def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
-    """Latents sampled, shifted and scaled for the denoiser, from cached ones or encoded now."""
+    """Latents sampled and normalised for the denoiser, from cached ones or encoded now."""
     model = run.model
     if batch.pixels is not None:
         assert model.encoders is not None and batch.captions is not None
@@ -518,10 +518,8 @@ def _inputs(batch: Batch, run: _Run, generator: torch.Generator) -> StepInputs:
         latent = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=generator)
     if run.empty_caption is not None:
         text = drop_captions(text, run.empty_caption, run.opts.loss.caption_dropout, generator)
-    if run.plan.shift_factor is not None:
-        latent = latent - run.plan.shift_factor
     return StepInputs(
-        latents=(latent * run.plan.scaling_factor).to(model.device, model.dtype),
+        latents=run.plan.norm.normalize(latent).to(model.device, model.dtype),
         text={name: value.to(model.device, model.dtype) for name, value in text.items()},
         original_size=batch.original_size.to(model.device),
         crop_top_left=batch.crop_top_left.to(model.device),
