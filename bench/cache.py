@@ -47,7 +47,7 @@ import torch
 import zstandard
 from PIL import Image, ImageChops, ImageOps
 
-from stk.shards import CacheReader, LatentSample, Manifest, ShardInfo, ShardWriter, TextSample
+from stk.shards import CacheReader, LatentRecord, Manifest, ShardInfo, ShardWriter, TextRecord
 from stk.shards.layout import ZSTD_LEVEL, compress, decompress
 from stk.shards.manifest import shard_entry
 
@@ -68,12 +68,12 @@ class Samples:
     pooled: np.ndarray  # (N, 1280) float16
     lengths: list[int]
 
-    def latent(self, i: int) -> LatentSample:
-        return LatentSample(self.keys[i], self.text_keys[i], self.latents[i], None, (768, 1024), (0, 64), f"{i}.jpg")
+    def latent(self, i: int) -> LatentRecord:
+        return LatentRecord(self.keys[i], self.text_keys[i], self.latents[i], None, (768, 1024), (0, 64), f"{i}.jpg")
 
-    def text(self, i: int) -> TextSample:
+    def text(self, i: int) -> TextRecord:
         arrays = {"prompt_embeds": self.prompts[i], "pooled_prompt_embeds": self.pooled[i]}
-        return TextSample(self.text_keys[i], arrays, self.lengths[i])
+        return TextRecord(self.text_keys[i], arrays, self.lengths[i])
 
 
 def make_samples(count: int, seed: int) -> Samples:
@@ -331,7 +331,7 @@ def decode_and_write(paths: list[Path], scratch: Path) -> float:
         for path in paths:
             image, size = decode_resize(path)
             key = hashlib.sha256(str(path).encode()).hexdigest()
-            writer.add_latent(LatentSample(key, key, trivial_encoder(image), None, size, (0, 0), str(path)))
+            writer.add_latent(LatentRecord(key, key, trivial_encoder(image), None, size, (0, 0), str(path)))
     return time.perf_counter() - started
 
 

@@ -220,13 +220,12 @@ def peak_tflops(override: float | None) -> tuple[float | None, str]:
     return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None), name
 
 
-def step_inputs(batch: Any, scaling: float, shift: float | None, device: Any, dtype: torch.dtype):
-    """A cached batch as the objective takes it: the latent mean shifted and scaled (stk-train draws a sample)."""
+def step_inputs(batch: Any, norm: Any, device: Any, dtype: torch.dtype):
+    """A cached batch as the objective takes it: the latent mean normalised (stk-train draws a sample)."""
     from stk.train.batch import StepInputs
 
-    latent = batch.mean if shift is None else batch.mean - shift
     return StepInputs(
-        latents=(latent * scaling).to(device, dtype),
+        latents=norm.normalize(batch.mean).to(device, dtype),
         text={name: value.to(device, dtype) for name, value in batch.text.items()},
         original_size=batch.original_size.to(device),
         crop_top_left=batch.crop_top_left.to(device),
@@ -241,7 +240,7 @@ def cached_batch(cache: Path, size: int) -> Any:
         keys = max(data.buckets().values(), key=len)
         if len(keys) < size:
             raise SystemExit(f"{cache}: {len(keys)} samples in its largest bucket, fewer than a batch of {size}")
-        return data.load(keys[:size]), data.scaling_factor, data.shift_factor
+        return data.load(keys[:size]), data.config.norm
 
 
 def step_flops(model_dir: str, cache: Path, batch_size: int, denoiser_overrides: dict[str, Any] | None = None) -> int:
@@ -257,8 +256,8 @@ def step_flops(model_dir: str, cache: Path, batch_size: int, denoiser_overrides:
     config = {**objective.denoiser_config(), "_class_name": objective.denoiser_class.__name__,
               **(denoiser_overrides or {})}  # fmt: skip
     denoiser = build_published(config, "meta").to(torch.bfloat16)
-    batch, scaling, shift = cached_batch(cache, batch_size)
-    inputs = step_inputs(batch, scaling, shift, "meta", torch.bfloat16)
+    batch, norm = cached_batch(cache, batch_size)
+    inputs = step_inputs(batch, norm, "meta", torch.bfloat16)
     with FlopCounterMode(display=False) as counter:
         objective.loss(denoiser, inputs, torch.Generator().manual_seed(0)).backward()
     return int(counter.get_total_flops())
@@ -399,8 +398,8 @@ def baseline_child(spec: dict[str, Any]) -> dict[str, Any]:
     denoiser.train()
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-2, fused=device.type == "cuda")
-    batch, scaling, shift = cached_batch(Path(spec["cache"]), spec["batch"])
-    inputs = step_inputs(batch, scaling, shift, device, torch.float32)
+    batch, norm = cached_batch(Path(spec["cache"]), spec["batch"])
+    inputs = step_inputs(batch, norm, device, torch.float32)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     times = []
     try:

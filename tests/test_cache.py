@@ -44,14 +44,14 @@ from helpers import (
 )
 
 from stk import storage
-from stk.cache.identity import ImageJob, jobs_for, latent_recipe, text_recipe
-from stk.cache.keys import text_key
 from stk.datagen import generate_dataset, make_image
 from stk.models import Family, build_tiny_model, load_encoders
 from stk.preprocess import CropMode, preprocess
 from stk.prompts import EMPTY_CAPTION
 from stk.scan.reader import read_scan
 from stk.shards import CacheReader, Manifest
+from stk.shards.jobs import ImageJob, jobs_for
+from stk.shards.keys import text_key
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +87,8 @@ def jobs_of(cache: Path | str, scan: Path) -> list[ImageJob]:
     """The scan's rows with the keys the cache's own config gives them (no model needed)."""
     manifest = Manifest.load(str(cache))
     assert manifest is not None
-    return jobs_for(read_scan(str(scan)), latent_recipe(manifest.config), text_recipe(manifest.config))
+    config = manifest.cache_config(str(cache))
+    return jobs_for(read_scan(str(scan)), config.latent_recipe(), config.text_recipe())
 
 
 def shard_rows(cache: Path) -> tuple[int, int]:
@@ -267,7 +268,7 @@ def test_cache_holds_what_the_vae_and_text_encoders_give(
 
         encoders = load_encoders(models[family], device="cpu")
         captions = {job.text_key: job.caption for job in jobs}
-        captions[text_key(EMPTY_CAPTION, text_recipe(reader.manifest.config))] = EMPTY_CAPTION
+        captions[text_key(EMPTY_CAPTION, reader.manifest.cache_config(reader.cache).text_recipe())] = EMPTY_CAPTION
         assert set(reader.text_keys()) == set(captions)
         for key, caption in captions.items():
             stored = reader.text(key)
@@ -582,7 +583,8 @@ def test_trim_padding_stores_the_real_tokens_of_the_untrimmed_encoding(
 
     trimmed_manifest, full_manifest = Manifest.load(str(out)), Manifest.load(str(full.path))
     assert trimmed_manifest is not None and full_manifest is not None
-    trimmed_recipe, full_recipe = text_recipe(trimmed_manifest.config), text_recipe(full_manifest.config)
+    trimmed_recipe = trimmed_manifest.cache_config(str(out)).text_recipe()
+    full_recipe = full_manifest.cache_config(str(full.path)).text_recipe()
     assert trimmed_recipe != full_recipe
     with CacheReader(str(out)) as trimmed, CacheReader(str(full.path)) as padded:
         assert trimmed.latent_keys() == padded.latent_keys()  # latents do not depend on the text settings
@@ -666,11 +668,11 @@ def test_s3_cache_round_trip(
             assert sample.mean.dtype == np.float16
             np.testing.assert_allclose(sample.mean.astype(np.float32), expected.mean, rtol=2e-3, atol=1e-4)
             assert (sample.original_size, sample.crop_top_left) == (expected.original_size, expected.crop_top_left)
-        remote_config = remote.manifest.config
-        local_config = local.manifest.config
+        remote_recipe = remote.manifest.cache_config(remote.cache).text_recipe()
+        local_recipe = local.manifest.cache_config(local.cache).text_recipe()
         for caption in scanned.captions:
-            text = remote.text(text_key(caption, text_recipe(remote_config)))
-            expected_text = local.text(text_key(caption, text_recipe(local_config)))
+            text = remote.text(text_key(caption, remote_recipe))
+            expected_text = local.text(text_key(caption, local_recipe))
             assert text.length == expected_text.length
             embeds = text.arrays["prompt_embeds"]
             assert embeds.dtype == np.float16

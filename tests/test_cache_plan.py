@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 
-from stk.cache.identity import ImageJob, jobs_for
-from stk.cache.keys import latent_key, text_key
 from stk.cache.plan import assign, latent_batches, text_batches
 from stk.scan.reader import ScanTable
+from stk.shards.jobs import ImageJob, jobs_for
+from stk.shards.keys import latent_key, text_key
 
 ROW = {"path": "a/b.jpg", "bytes": 1000, "mtime": 1.5, "bucket_width": 64, "bucket_height": 48, "caption": "a cat"}
 RECIPE = {"model": "abc", "latents": {"crop": "center"}}

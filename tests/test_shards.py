@@ -5,6 +5,7 @@ an s3:// cache is written, listed and read back through a real S3 server."""
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import os
 import subprocess
@@ -18,20 +19,23 @@ import h5py
 import numpy as np
 import pytest
 from helpers import S3_ENV, s3_client
-from shard_samples import Rank0, make_latent, make_text
+from shard_records import Rank0, make_latent, make_text
 
 from stk import storage
 from stk.errors import CacheIncomplete, ExitCode, InputError
+from stk.preprocess import CropMode
 from stk.shards import (
     CacheReader,
-    LatentSample,
+    LatentRecord,
     Manifest,
     ShardInfo,
     ShardWriter,
-    TextSample,
+    TextRecord,
     shard_location,
     verify,
 )
+from stk.shards.config import CacheConfig, EncodeSettings
+from stk.shards.keys import latent_key, text_key
 from stk.shards.manifest import ManifestDamaged, shard_entry
 from stk.shards.rebuild import rebuild_manifest
 
@@ -40,8 +44,8 @@ SHAPES = [(4, 8, 8), (4, 8, 16), (4, 16, 8)]
 
 def write(
     cache: str,
-    latents: list[LatentSample],
-    texts: list[TextSample] = (),  # type: ignore[assignment]
+    latents: list[LatentRecord],
+    texts: list[TextRecord] = (),  # type: ignore[assignment]
     prefix: str = "r0",
     shard_size: int = 4000,
     work_dir: str | None = None,
@@ -56,7 +60,7 @@ def write(
     return rank0
 
 
-def assert_same_latent(got: LatentSample, want: LatentSample) -> None:
+def assert_same_latent(got: LatentRecord, want: LatentRecord) -> None:
     assert got.mean.dtype == want.mean.dtype and got.mean.shape == want.mean.shape
     assert got.mean.tobytes() == want.mean.tobytes()
     if want.logvar is None:
@@ -68,7 +72,7 @@ def assert_same_latent(got: LatentSample, want: LatentSample) -> None:
     assert (got.original_size, got.crop_top_left) == (want.original_size, want.crop_top_left)
 
 
-def assert_same_text(got: TextSample, want: TextSample) -> None:
+def assert_same_text(got: TextRecord, want: TextRecord) -> None:
     assert (got.key, got.length, sorted(got.arrays)) == (want.key, want.length, sorted(want.arrays))
     for name, array in want.arrays.items():
         assert got.arrays[name].dtype == array.dtype and got.arrays[name].shape == array.shape
@@ -298,19 +302,19 @@ def test_bad_samples_are_refused_and_the_writer_goes_on(cache: str) -> None:
     bad_latents = [
         make_latent(1, dtype="float32"),  # same shape, another dtype
         make_latent(2, logvar=True),  # logvar where the others have none
-        LatentSample("k" * 65, "t", np.zeros((4, 8, 8), np.float16), None, (1, 1), (0, 0), "p"),
-        LatentSample("é", "t", np.zeros((4, 8, 8), np.float16), None, (1, 1), (0, 0), "p"),
-        LatentSample("k", "t", np.zeros((8, 8), np.float16), None, (1, 1), (0, 0), "p"),
-        LatentSample("k", "t", np.zeros((4, 8, 8), np.float16), None, (1, 2, 3), (0, 0), "p"),  # type: ignore[arg-type]
+        LatentRecord("k" * 65, "t", np.zeros((4, 8, 8), np.float16), None, (1, 1), (0, 0), "p"),
+        LatentRecord("é", "t", np.zeros((4, 8, 8), np.float16), None, (1, 1), (0, 0), "p"),
+        LatentRecord("k", "t", np.zeros((8, 8), np.float16), None, (1, 1), (0, 0), "p"),
+        LatentRecord("k", "t", np.zeros((4, 8, 8), np.float16), None, (1, 2, 3), (0, 0), "p"),  # type: ignore[arg-type]
     ]
     for sample in bad_latents:
         with pytest.raises(ValueError):
             writer.add_latent(sample)
     bad_texts = [
-        TextSample("t1", {"prompt_embeds": np.zeros((3, 32), np.float16)}, 3),  # an array missing
-        TextSample("t2", {"prompt_embeds": np.zeros((3, 32), np.float32), "pooled_prompt_embeds": np.zeros(24)}, 3),
-        TextSample("t3", {}, 0),
-        TextSample("t4", {"a/b": np.zeros(3)}, 3),
+        TextRecord("t1", {"prompt_embeds": np.zeros((3, 32), np.float16)}, 3),  # an array missing
+        TextRecord("t2", {"prompt_embeds": np.zeros((3, 32), np.float32), "pooled_prompt_embeds": np.zeros(24)}, 3),
+        TextRecord("t3", {}, 0),
+        TextRecord("t4", {"a/b": np.zeros(3)}, 3),
     ]
     for text in bad_texts:
         with pytest.raises(ValueError):
@@ -352,6 +356,50 @@ def test_manifest_round_trip_and_refusals(cache: str) -> None:
         Manifest.load(cache)
     with pytest.raises(InputError, match=r"no manifest\.json"):
         CacheReader(str(Path(cache) / "elsewhere"))
+
+
+# a cache config as stk-cache has always written it (trimmed encoders): what every older cache holds
+RECORDED_CONFIG = """{
+ "family": "flux",
+ "model": {"family": "flux", "model": "/models/flux",
+  "vae": {"class": "AutoencoderKL", "scaling_factor": 0.3611, "shift_factor": 0.1159, "dtype": "bfloat16"},
+  "text": {"outputs": ["prompt_embeds"], "dtype": "bfloat16", "encoders": []}},
+ "latents": {"crop": "center", "store_logvar": false, "dtype": "float16"},
+ "text": {"trim_padding": true, "dtype": "float16"},
+ "buckets": {"resolution": 1024, "resolution_type": "side", "alignment": 16},
+ "scaling_factor": 0.3611,
+ "shift_factor": 0.1159
+}"""
+
+
+def test_a_recorded_cache_config_reads_back_to_the_same_json_and_the_same_keys() -> None:
+    recorded = json.loads(RECORDED_CONFIG)
+    config = CacheConfig.from_json(recorded, "cache/manifest.json")
+    assert config.settings == EncodeSettings(CropMode.CENTER, store_logvar=False, dtype="float16", trim_padding=True)
+    assert (config.family, config.norm.scaling_factor, config.norm.shift_factor) == ("flux", 0.3611, 0.1159)
+    assert json.dumps(config.to_json(), indent=1) == json.dumps(recorded, indent=1)  # key order included
+    assert Manifest.new(config).header() == {"version": 1, "config": recorded, "scaling_factor": 0.3611,
+                                             "validation_prompts": []}  # fmt: skip
+    # the keys the recipes give, pinned: a change here would orphan every cache made so far
+    row = {"path": "a/b.jpg", "bytes": 1000, "mtime": 1.5, "bucket_width": 64, "bucket_height": 48}
+    assert latent_key(row, config.latent_recipe()) == "66282d140925c1f94a1e0923c1285fbaa50d0f50"
+    assert text_key("a cat", config.text_recipe()) == "038dc3d08f823dc62787e50fa1bce457e71a604f"
+    assert config.differences({**recorded, "model": {**recorded["model"], "model": "/elsewhere"}}) == []
+    assert config.differences({**recorded, "latents": {"crop": "random"}, "shift_factor": None}) == [
+        "latents",
+        "shift_factor",
+    ]
+
+
+@pytest.mark.parametrize("broken", ["family", "latents", "buckets", "scaling_factor", "model"])
+def test_a_config_stk_cache_did_not_make_is_one_input_error_naming_the_manifest(broken: str) -> None:
+    recorded = json.loads(RECORDED_CONFIG)
+    if broken == "model":
+        recorded["model"] = "tiny"
+    else:
+        del recorded[broken]
+    with pytest.raises(InputError, match=r"^cache/manifest\.json: no usable .* \(not made by stk-cache\)$"):
+        CacheConfig.from_json(recorded, "cache/manifest.json")
 
 
 def test_shards_move_from_another_work_dir(cache: str, tmp_path: Path) -> None:

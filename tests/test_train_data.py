@@ -27,13 +27,13 @@ import torch
 from helpers import S3_ENV, cache_command, cache_env, s3_client, scan_command, summary_of
 
 from stk import storage
-from stk.cache.identity import jobs_for, latent_recipe, text_recipe
 from stk.datagen import generate_dataset
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model, load_encoders
 from stk.preprocess import CropMode, preprocess
 from stk.scan.reader import read_scan
 from stk.shards import CacheReader, Manifest, shard_location
+from stk.shards.jobs import jobs_for
 from stk.train.batch import Batch
 from stk.train.data import BatchLoader, CacheData, ImageData, TrainData
 from stk.train.sampler import BucketSampler
@@ -161,8 +161,8 @@ def assert_same_batch(got: Batch, want: Batch) -> None:
 def test_cache_data_buckets_and_batches_are_the_cached_arrays_as_float32(built: Built) -> None:
     jobs = jobs_for(read_scan(str(built.scan)), *_recipes(built.cache))
     with CacheData(str(built.cache)) as data, CacheReader(str(built.cache)) as reader:
-        assert data.family == "sdxl" and data.manifest.config["family"] == "sdxl"
-        assert data.scaling_factor == pytest.approx(0.13025) and data.shift_factor is None
+        assert data.config.family == "sdxl" and data.manifest.config["family"] == "sdxl"
+        assert data.config.norm.scaling_factor == pytest.approx(0.13025) and data.config.norm.shift_factor is None
         buckets = data.buckets()
         assert buckets == reader.buckets()
         assert {k for keys in buckets.values() for k in keys} == {job.key for job in jobs}
@@ -192,7 +192,8 @@ def test_cache_data_buckets_and_batches_are_the_cached_arrays_as_float32(built: 
 def _recipes(cache: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     manifest = Manifest.load(str(cache))
     assert manifest is not None
-    return latent_recipe(manifest.config), text_recipe(manifest.config)
+    config = manifest.cache_config(str(cache))
+    return config.latent_recipe(), config.text_recipe()
 
 
 @integration

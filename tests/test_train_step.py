@@ -14,6 +14,7 @@ import torch
 from helpers import CHANNELS, EXTENSIONS_DIR, TEXT
 
 from stk.models import Family, build_tiny_model
+from stk.models.latents import LatentNorm
 from stk.slurm import free_port
 from stk.train.batch import Batch, StepInputs
 from stk.train.distributed import DistEnv, init_distributed
@@ -74,7 +75,7 @@ def test_train_step_runs_the_objective_on_the_engine_and_steps_the_optimizer(one
     objective = objective_for(Family.SD, model_dir)
     config = engine_config(opts, load_deepspeed_config("zero2"), "fp32")
     engine = build_engine(objective.load_denoiser(torch.float32), opts, config, "fp32", total_steps=2)
-    model = StepModel(objective, engine, None, torch.device("cpu"), torch.float32, SCALE, None)
+    model = StepModel(objective, engine, None, torch.device("cpu"), torch.float32, LatentNorm(SCALE))
     micro = [batch(["a", "b"], 0), batch(["c", "d"], 1), batch(["e", "f"], 2), batch(["g", "h"], 3)]
     before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 

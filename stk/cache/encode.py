@@ -15,22 +15,15 @@ import numpy as np
 import torch
 
 from stk import storage
-from stk.cache.identity import ImageJob
 from stk.models import Encoders
 from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
-from stk.shards import LatentSample, ShardWriter, TextSample
+from stk.shards import LatentRecord, ShardWriter, TextRecord
+from stk.shards.config import EncodeSettings
+from stk.shards.jobs import ImageJob
 
-__all__ = ["Counters", "EncodeSettings", "encode_latents", "encode_texts"]
+__all__ = ["Counters", "encode_latents", "encode_texts"]
 
 PREFETCH_BATCHES = 4
-
-
-@dataclass(frozen=True)
-class EncodeSettings:
-    crop: CropMode = CropMode.CENTER
-    store_logvar: bool = False  # --latents params
-    dtype: str = "float16"  # how arrays are stored
-    trim_padding: bool = False
 
 
 @dataclass
@@ -67,7 +60,7 @@ def encode_texts(
                 if settings.trim_padding and array.ndim == 2:
                     array = array[: embedding.length]
                 arrays[name] = array.astype(settings.dtype)
-            writer.add_text(TextSample(key, arrays, embedding.length))
+            writer.add_text(TextRecord(key, arrays, embedding.length))
             counters.captions += 1
         tick(len(batch))
 
@@ -120,7 +113,7 @@ def encode_latents(
                     counters.error(job.path, "nonfinite_latent", "latent has NaN or Inf: not stored", job.key)
                     continue
                 writer.add_latent(
-                    LatentSample(
+                    LatentRecord(
                         key=job.key,
                         text_key=job.text_key,
                         mean=m.astype(settings.dtype),

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from stk import storage
-from stk.cache.identity import expected_jobs
 from stk.errors import CacheIncomplete, InputError
 from stk.lease import Lease, leased
 from stk.log import get_logger
 from stk.shards import CacheReader, Manifest, VerifyReport, shard_location, verify
+from stk.shards.jobs import expected_jobs
 from stk.shards.manifest import ManifestDamaged
 from stk.shards.rebuild import rebuild_manifest
 
@@ -70,7 +70,7 @@ def _verify_cache(cache: str, scan_dir: str | None, repair: bool) -> VerifyRepor
     paths: dict[str, str] = {}
     bad_input = 0
     if scan_dir is not None:
-        jobs, bad_input = expected_jobs(cache, manifest, scan_dir)
+        jobs, bad_input = expected_jobs(cache, manifest.cache_config(cache), scan_dir)
         latent_keys = [j.key for j in jobs]
         text_keys = sorted({j.text_key for j in jobs})
         paths = {j.key: j.path for j in jobs}
@@ -101,19 +101,20 @@ def cache_info(cache: str) -> dict[str, Any]:
     (that is what verify is for): a few samples are read to size them."""
     with CacheReader(cache, check_sha256=False) as reader:
         manifest = reader.manifest
+        config = manifest.cache_config(cache)
         buckets = reader.buckets()
         latent_raw = 0
         for keys in buckets.values():
-            sample = reader.latent(keys[0])
-            per_sample = sample.mean.nbytes + (sample.logvar.nbytes if sample.logvar is not None else 0)
-            latent_raw += per_sample * len(keys)
+            record = reader.latent(keys[0])
+            per_record = record.mean.nbytes + (record.logvar.nbytes if record.logvar is not None else 0)
+            latent_raw += per_record * len(keys)
         text_keys = reader.text_keys()
         text_raw = sum(sum(a.nbytes for a in reader.text(k).arrays.values()) for k in text_keys)
     stored = sum(int(s["bytes"]) for s in manifest.shards)
     return {
         "cache": cache,
-        "family": manifest.config.get("family"),
-        "model": manifest.config.get("model", {}).get("model"),
+        "family": config.family,
+        "model": config.model.get("model"),
         "latents": sum(len(k) for k in buckets.values()),
         "texts": len(text_keys),
         "buckets": {f"{h}x{w}": len(keys) for (h, w), keys in buckets.items()},  # latent height x width
@@ -121,7 +122,6 @@ def cache_info(cache: str) -> dict[str, Any]:
         "bytes": stored,
         "raw_bytes": latent_raw + text_raw,
         "compression_ratio": round((latent_raw + text_raw) / stored, 3) if stored else None,
-        "scaling_factor": manifest.scaling_factor,
-        "shift_factor": manifest.config.get("shift_factor"),
-        "settings": {"latents": manifest.config.get("latents"), "text": manifest.config.get("text")},
+        **config.norm.to_json(),
+        "settings": {"latents": config.latent_settings(), "text": config.text_settings()},
     }

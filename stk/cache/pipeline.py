@@ -12,18 +12,8 @@ from typing import Any
 import torch
 
 from stk import storage
-from stk.cache.encode import Counters, EncodeSettings, encode_latents, encode_texts
-from stk.cache.identity import (
-    ERRORS,
-    ImageJob,
-    cache_config,
-    config_differences,
-    jobs_for,
-    latent_recipe,
-    text_recipe,
-)
+from stk.cache.encode import Counters, encode_latents, encode_texts
 from stk.cache.inspect import cache_lease
-from stk.cache.keys import text_key
 from stk.cache.parts import PartRecorder, read_parts, remove_parts
 from stk.cache.plan import assign, latent_batches, local_work_dir, text_batches
 from stk.errors import InputError, check_max_errors, parse_max_errors
@@ -35,6 +25,9 @@ from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION, read_prompts
 from stk.scan.reader import ScanTable, read_buckets, read_scan
 from stk.shards import CacheReader, Manifest, ShardInfo, ShardWriter
+from stk.shards.config import CacheConfig, EncodeSettings
+from stk.shards.jobs import ERRORS, ImageJob, jobs_for
+from stk.shards.keys import text_key
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
@@ -114,11 +107,11 @@ _Share = tuple[list[list[ImageJob]], list[list[tuple[str, str]]]]  # one rank's 
 _Done = tuple[list[ShardInfo], Counters]  # one rank's finished shards and counts
 
 
-def _prepare_manifest(opts: CacheOptions, config: dict[str, Any], prompts: list[str] | None) -> Manifest:
+def _prepare_manifest(opts: CacheOptions, config: CacheConfig, prompts: list[str] | None) -> Manifest:
     """The manifest with shards from an interrupted run folded in; refuses another config."""
     manifest = Manifest.load(opts.cache)
     entries, part_files = read_parts(opts.cache)
-    changed = ", ".join(config_differences(manifest.config, config)) if manifest is not None else ""
+    changed = ", ".join(config.differences(manifest.config)) if manifest is not None else ""
     if changed:
         if not opts.force:
             raise InputError(
@@ -128,7 +121,7 @@ def _prepare_manifest(opts: CacheOptions, config: dict[str, Any], prompts: list[
         log.warning("--force: replacing the cache at %s (made with another config)", opts.cache)
         manifest, entries = None, []  # the old shards are unlisted now, and removed below
     if manifest is None:
-        manifest = Manifest(config=config, shards=[], scaling_factor=config["scaling_factor"])
+        manifest = Manifest.new(config)
     if prompts is not None:
         manifest.validation_prompts = prompts
     manifest.merge(entries)
@@ -183,7 +176,7 @@ def _check_inputs(opts: CacheOptions) -> ScanTable:
 
 
 def _plan(
-    opts: CacheOptions, scan: ScanTable, config: dict[str, Any], prompts: list[str] | None, world: World
+    opts: CacheOptions, scan: ScanTable, config: CacheConfig, prompts: list[str] | None, world: World
 ) -> tuple[_Plan, list[_Share]]:
     manifest = _prepare_manifest(opts, config, prompts)
     done_latents: set[str] = set()
@@ -192,8 +185,8 @@ def _plan(
         reader = CacheReader(opts.cache)
         done_latents, done_texts = set(reader.latent_keys()), set(reader.text_keys())
         reader.close()
-    texts = text_recipe(config)
-    jobs = jobs_for(scan, latent_recipe(config), texts)
+    texts = config.text_recipe()
+    jobs = jobs_for(scan, config.latent_recipe(), texts)
     captions = {job.text_key: job.caption for job in jobs}
     # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
     for caption in (EMPTY_CAPTION, *manifest.validation_prompts):
@@ -222,9 +215,10 @@ def _plan(
     return plan, shares
 
 
-def _load(opts: CacheOptions, world: World) -> tuple[Encoders, dict[str, Any]]:
+def _load(opts: CacheOptions, world: World) -> tuple[Encoders, CacheConfig]:
     encoders = load_encoders(opts.model, opts.family, device=_device(opts.device, world))
-    return encoders, cache_config(encoders, opts.settings, read_buckets(opts.scan_dir))
+    buckets = CacheConfig.scan_buckets(read_buckets(opts.scan_dir))
+    return encoders, CacheConfig(encoders.family.value, encoders.config(), opts.settings, buckets, encoders.norm)
 
 
 def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, plan: _Plan, share: _Share) -> _Done:
@@ -243,9 +237,9 @@ def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, plan: _P
     return recorder.finished, counters
 
 
-def _list_shards(opts: CacheOptions, config: dict[str, Any], done: list[_Done]) -> list[ShardInfo]:
+def _list_shards(opts: CacheOptions, config: CacheConfig, done: list[_Done]) -> list[ShardInfo]:
     """Every rank's finished shards into the manifest; the part files that recorded them go."""
-    manifest = Manifest.load(opts.cache) or Manifest(config, [], config["scaling_factor"])
+    manifest = Manifest.load(opts.cache) or Manifest.new(config)
     infos = [info for finished, _ in done for info in finished]
     manifest.merge(shard_entry(info) for info in infos)
     manifest.save(opts.cache)
@@ -259,7 +253,7 @@ def _list_shards(opts: CacheOptions, config: dict[str, Any], done: list[_Done]) 
 
 
 def _finish(
-    opts: CacheOptions, world: World, config: dict[str, Any], plan: _Plan, done: list[_Done], started: float
+    opts: CacheOptions, world: World, config: CacheConfig, plan: _Plan, done: list[_Done], started: float
 ) -> CacheSummary:
     infos = _list_shards(opts, config, done)
     errors = [e for _, c in done for e in c.errors]
@@ -269,7 +263,7 @@ def _finish(
     summary = CacheSummary(
         cache=opts.cache,
         model=opts.model,
-        family=config["family"],
+        family=config.family,
         images=plan.images,
         captions=plan.captions,
         encoded_images=encoded,

@@ -12,7 +12,7 @@ import heapq
 import os
 
 from stk import storage
-from stk.cache.identity import ImageJob
+from stk.shards.jobs import ImageJob
 
 __all__ = ["assign", "latent_batches", "local_work_dir", "text_batches"]
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import click
 
-from stk.cache.encode import EncodeSettings
 from stk.cache.inspect import cache_info, verify_cache
 from stk.cache.pipeline import CacheOptions, run_cache
 from stk.cli.common import (
@@ -21,6 +20,7 @@ from stk.cli.common import (
 )
 from stk.models import Family, quiet_model_libraries
 from stk.preprocess import CropMode
+from stk.shards.config import EncodeSettings
 from stk.world import World
 
 EPILOG = """\b

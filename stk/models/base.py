@@ -12,6 +12,7 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
 from stk.models.components import TextEncoder, vae_config
 from stk.models.detect import Family
+from stk.models.latents import LatentNorm
 
 __all__ = ["Encoders", "TextEmbedding", "identity_differences"]
 
@@ -42,17 +43,14 @@ class Encoders(abc.ABC):
     text: tuple[TextEncoder, ...] = field(repr=False)
     device: torch.device = field(init=False)
     dtype: torch.dtype = field(init=False)
-    scaling_factor: float = field(init=False)  # latents for the denoiser: (sample - shift_factor) * scaling_factor
-    shift_factor: float | None = field(init=False)
+    norm: LatentNorm = field(init=False)  # how the denoiser's latents are made from the VAE's
     latent_channels: int = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.vae.config
         self.device = self.vae.device
         self.dtype = self.vae.dtype
-        self.scaling_factor = float(config["scaling_factor"])
-        shift = config.get("shift_factor")
-        self.shift_factor = None if shift is None else float(shift)
+        self.norm = LatentNorm.from_vae_config(config)
         self.latent_channels = int(config["latent_channels"])
 
     @classmethod

@@ -16,17 +16,17 @@ os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
 from stk.shards.layout import shard_location
 from stk.shards.manifest import Manifest
 from stk.shards.reader import CacheReader
-from stk.shards.samples import LatentSample, TextSample
+from stk.shards.records import LatentRecord, TextRecord
 from stk.shards.verify import VerifyReport, verify
 from stk.shards.writer import ShardInfo, ShardWriter
 
 __all__ = [
     "CacheReader",
-    "LatentSample",
+    "LatentRecord",
     "Manifest",
     "ShardInfo",
     "ShardWriter",
-    "TextSample",
+    "TextRecord",
     "VerifyReport",
     "shard_location",
     "verify",

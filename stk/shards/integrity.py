@@ -5,7 +5,7 @@ Latent chunks are zstd frames without a checksum and text embeddings are raw fra
 flipped byte decodes to wrong numbers without any error: only the manifest's sha256, computed
 when the shard was closed, tells. A damaged shard stops the job with CacheIncomplete (exit 6), the
 code `stk-cache verify` gives for the same finding, since the fix is the same: `--repair` unlists
-the shard and rerunning stk-cache encodes its samples again. Rerunning the job alone (what the
+the shard and rerunning stk-cache encodes its records again. Rerunning the job alone (what the
 sbatch templates do for infrastructure failures) would meet the same bytes.
 """
 

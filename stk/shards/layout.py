@@ -8,7 +8,7 @@ shard is one HDF5 file, written by one writer (never several: no MPI-enabled HDF
                                    so that a lost manifest can be rebuilt from the shards (rebuild.py)
     /latents/<C>x<h>x<w>/          one group per latent shape (a bucket); attrs: dtype (numpy str, "<f2")
         mean           (N,C,h,w)   the stored dtype (float16 by default), chunks (1,C,h,w): one chunk per
-                                   sample, HDF5 filter 32015 (hdf5plugin Zstd, level 5)
+                                   record, HDF5 filter 32015 (hdf5plugin Zstd, level 5)
         logvar         (N,C,h,w)   same; only when the cache stores the distribution's parameters
         key            (N,)        S64, the latent key (hex, <= 64 ASCII characters)
         text_key       (N,)        S64, the key of the caption's text embedding
@@ -20,9 +20,9 @@ shard is one HDF5 file, written by one writer (never several: no MPI-enabled HDF
         length         (N,) int32  real tokens
         <name>/                    one group per array ("prompt_embeds", "pooled_prompt_embeds"...);
                                    attrs: dtype
-            data       (bytes,)    uint8, chunks of 256 KiB, no HDF5 filter: sample i's array, C order,
+            data       (bytes,)    uint8, chunks of 256 KiB, no HDF5 filter: record i's array, C order,
                                    as one zstd frame (level 5), frames back to back
-            end        (N,) int64  where sample i's frame ends in `data` (it starts where i-1's ends)
+            end        (N,) int64  where record i's frame ends in `data` (it starts where i-1's ends)
             shape      (N,ndim) int64
 
 `mean`/`logvar` chunks are compressed by stk with python-zstandard and written with
@@ -32,7 +32,7 @@ stk skips HDF5's filter pipeline on both sides (and needs no hdf5plugin). A byte
 dropped (bench/RESULTS.md): 0.4% smaller for 14-38% more write time, since zstd codes a 32 KiB
 chunk's bytes with one Huffman table, whose size a shuffle barely changes. Level 5, not zstd's
 default 3: latents come out the same size at any level (about 0.92 of raw, fp16 mantissas are
-noise) for ~20 us more per sample, and on text embeddings padded by repeating a row levels 3-4
+noise) for ~20 us more per record, and on text embeddings padded by repeating a row levels 3-4
 missed the repeats (0.49 of raw against 0.41 at levels 5-9, measured).
 
 Text arrays vary in shape (captions trimmed to their real tokens), so they are zstd frames in a
@@ -40,7 +40,7 @@ flat byte dataset with end offsets, not a variable-length (vlen) dataset: HDF5 r
 element through its global heap about 8x slower (150 vs 19 us measured for a 45 KB blob).
 
 The variable-length metadata (`key` ... `path`, `end`, `shape`, `length`) is written once when
-the shard is closed; the payloads are appended (resize along the first axis) as samples come.
+the shard is closed; the payloads are appended (resize along the first axis) as records come.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Whole shards of an s3:// cache on node-local disk, fetched on first use, shared by a node's ranks.
 
-Random reads want a local file (one ranged GET per sample would cost milliseconds), so a reader
-downloads a whole shard the first time it needs a sample from it, or ahead of time (prefetch).
+Random reads want a local file (one ranged GET per record would cost milliseconds), so a reader
+downloads a whole shard the first time it needs a record from it, or ahead of time (prefetch).
 Files are named after the shard's checksum as well as its name, so a directory kept between jobs,
 or shared by the ranks of a node (one `--local-cache-dir` for all), is reused: a copy under its
 final name was checked against the manifest (size, and sha256 unless `check_sha256` is off)

@@ -14,6 +14,7 @@ from typing import Any
 
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
+from stk.shards.config import CacheConfig
 from stk.shards.writer import ShardInfo
 
 __all__ = ["MANIFEST", "MANIFEST_VERSION", "Manifest", "ManifestDamaged", "shard_entry"]
@@ -42,16 +43,26 @@ def shard_entry(info: ShardInfo) -> dict[str, Any]:
 
 @dataclass
 class Manifest:
-    """`config`: the model and preprocessing the cache was made with (a cache is never extended
-    under another); `shards`: [{name, latents, texts, bytes, sha256}]; `scaling_factor`: the
-    VAE's, at the top level for trainers; `validation_prompts`: the prompts stk-cache embedded for
-    stk-train's samples (keyed like captions); `extra`: any other top-level keys, kept as they are."""
+    """`config`: the model and preprocessing the cache was made with, as JSON (a cache is never extended
+    under another; `cache_config()` reads it); `shards`: [{name, latents, texts, bytes, sha256}];
+    `scaling_factor`: the config's, repeated at the top level for other trainers (`new` sets it);
+    `validation_prompts`: the prompts stk-cache embedded for stk-train's sample images (keyed like
+    captions); `extra`: any other top-level keys, kept as they are."""
 
     config: dict[str, Any]
     shards: list[dict[str, Any]] = field(default_factory=list)
     scaling_factor: float | None = None
     validation_prompts: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def new(config: CacheConfig) -> Manifest:
+        """The manifest of a new cache made with `config`, listing no shard yet."""
+        return Manifest(config=config.to_json(), scaling_factor=config.norm.scaling_factor)
+
+    def cache_config(self, cache: str) -> CacheConfig:
+        """The typed config of the cache at `cache` (for errors); InputError when stk-cache did not make it."""
+        return CacheConfig.from_json(self.config, storage.join(cache, MANIFEST))
 
     def merge(self, entries: Iterable[dict[str, Any]]) -> None:
         """List the shards not listed yet: a shard recorded twice (by a rank's part file, then by

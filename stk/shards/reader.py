@@ -2,17 +2,17 @@
 
 On open, the reader reads every listed shard's `key` datasets (nothing else) and maps each key
 to its shard, group and row; a key written twice is served from the first shard in manifest
-order. A sample's other metadata is read whole per group on first use, and kept. Payloads are read
+order. A record's other metadata is read whole per group on first use, and kept. Payloads are read
 chunk by chunk (read_direct_chunk for latents, a byte range for text) under a lock, and
 decompressed outside it, so reader threads decompress in parallel.
 
 Local caches are read in place. For an s3:// cache the keys are read with ranged GETs, and a
-whole shard is downloaded into `local_dir` the first time a sample from it is read, or ahead of
+whole shard is downloaded into `local_dir` the first time a record from it is read, or ahead of
 time by `prefetch` (see localcopies.py). Downloads happen outside the lock, so other threads keep
 reading the shards they have meanwhile.
 
-No sample is served from a shard before the shard's sha256 matched the manifest's (integrity.py):
-a local cache's shard is hashed the first time this process reads a sample from it, or ahead of
+No record is served from a shard before the shard's sha256 matched the manifest's (integrity.py):
+a local cache's shard is hashed the first time this process reads a record from it, or ahead of
 time by `prefetch`, outside the lock; an S3 shard when it is downloaded. A damaged shard raises
 CacheIncomplete, then and on every later read of it. `check_sha256=False` skips the hash (the size
 is still checked). h5py files stay open per process (at most
@@ -41,7 +41,7 @@ from stk.shards.integrity import MISSING, damaged, problem
 from stk.shards.layout import TEXT, decompress, open_h5, shard_keys, shard_location
 from stk.shards.localcopies import TRIES, LocalCopies
 from stk.shards.manifest import Manifest
-from stk.shards.samples import LatentSample, TextSample
+from stk.shards.records import LatentRecord, TextRecord
 
 __all__ = ["CacheReader"]
 
@@ -150,7 +150,7 @@ class CacheReader:
 
     # ---------------------------------------------------------------- public
 
-    def latent(self, key: str) -> LatentSample:
+    def latent(self, key: str) -> LatentRecord:
         try:
             group_id, row = self._latents[key]
         except KeyError:
@@ -166,7 +166,7 @@ class CacheReader:
                 mask, frame = dataset.id.read_direct_chunk((row,) + (0,) * len(group.shape))
                 chunks.append(dataset[row] if mask else frame)  # a filter was skipped: let HDF5 decode it
         arrays = [c if isinstance(c, np.ndarray) else decompress(c, meta.dtype, group.shape) for c in chunks]
-        return LatentSample(
+        return LatentRecord(
             key=key,
             text_key=str(meta.text_key[row]),
             mean=arrays[0],
@@ -176,7 +176,7 @@ class CacheReader:
             path=str(meta.path[row]),
         )
 
-    def text(self, key: str) -> TextSample:
+    def text(self, key: str) -> TextRecord:
         try:
             group_id, row = self._texts[key]
         except KeyError:
@@ -196,7 +196,7 @@ class CacheReader:
             name: decompress(frame, meta.arrays[name].dtype, tuple(meta.arrays[name].shape[row].tolist()))
             for name, frame in frames.items()
         }
-        return TextSample(key=key, arrays=arrays, length=int(meta.length[row]))
+        return TextRecord(key=key, arrays=arrays, length=int(meta.length[row]))
 
     def text_key(self, key: str) -> str:
         """The key of a latent's caption embedding, from its shard's metadata (the latent is not read)."""
@@ -334,7 +334,7 @@ class CacheReader:
         entry = self.manifest.shards[shard]
         try:
             return self._copies.get(shard_location(self.cache, str(entry["name"])), entry, self._forget)
-        except CacheIncomplete as exc:  # damaged: not downloaded again for every sample
+        except CacheIncomplete as exc:  # damaged: not downloaded again for every record
             self._damaged[shard] = exc
             raise
 

@@ -3,13 +3,13 @@ cannot be read: no finished shard is lost to a damaged manifest.
 
 Each shard carries the manifest's header (what made the cache; layout.py) and its keys, shapes and
 dtypes. Without the manifest's sha256 a shard is checked by reading it whole: every dataset, every
-sample's frame decompressed to its shape. A byte changed inside a frame that still decompresses
+record's frame decompressed to its shape. A byte changed inside a frame that still decompresses
 cannot be told this way (zstd frames carry no checksum); the sha256 taken now guards it from here on.
 
 The shards made with the header most of them carry are listed (a shard whose header names another
 config was made before a `--force`); validation prompts and other header fields come from the
 newest of them. Damaged shards and those of another config are deleted, as `--repair` deletes the
-damaged shards of a readable manifest, so that rerunning stk-cache encodes their samples again.
+damaged shards of a readable manifest, so that rerunning stk-cache encodes their records again.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class _Shard:
 
 
 def _read_whole(file: h5py.File) -> tuple[int, int]:
-    """Read every dataset of an open shard and decompress every sample; its latent and text counts.
+    """Read every dataset of an open shard and decompress every record; its latent and text counts.
     Raises (OSError, ValueError, KeyError) at the first thing that does not read back."""
     latents, texts = shard_keys(file)
     for path, keys in latents.items():

@@ -4,7 +4,7 @@ Two facts shape it. HDF5 cannot close a file once one of its writes has failed: 
 flushes again, fails again, and the process crashes (h5py issue 914; measured with HDF5 2.0 on
 a full tmpfs: exit 139 instead of an error). So HDF5 writes through `StagedFile`, which keeps
 the first failure instead of raising it into HDF5 and skips later writes; the shard writer
-raises it after the sample and abandons the shard, and the HDF5 file closes cleanly.
+raises it after the record and abandons the shard, and the HDF5 file closes cleanly.
 
 And a staging file is owned while its writer lives: `StagedFile` holds an exclusive flock on
 it until it is closed, which the kernel releases when the process dies however it dies. A later

@@ -1,4 +1,4 @@
-"""One rank's shard writer: samples in, closed and checksummed shards out, one at a time.
+"""One rank's shard writer: records in, closed and checksummed shards out, one at a time.
 
 A shard is written as WORK_DIR/<prefix>-<seq>.h5.tmp and becomes CACHE/shards/<prefix>-<seq>.h5
 (renamed in place, copied across filesystems, or uploaded to S3) only once it is closed and its
@@ -40,7 +40,7 @@ from stk.shards.layout import (
     open_h5,
     shard_location,
 )
-from stk.shards.samples import LatentSample, TextSample
+from stk.shards.records import LatentRecord, TextRecord
 from stk.shards.staging import STAGED_SUFFIX, StagedFile, remove_stale
 from stk.storage.local import fsync_dir
 
@@ -75,14 +75,14 @@ def _pair(value: tuple[int, int], what: str, key: str) -> tuple[int, int]:
 
 class _LatentGroup:
     """One latent shape's datasets in an open shard: payloads go to the file as they come, the
-    per-sample metadata is kept and written when the shard closes."""
+    per-record metadata is kept and written when the shard closes."""
 
-    def __init__(self, file: h5py.File, sample: LatentSample) -> None:
-        self.shape = tuple(sample.mean.shape)
-        self.dtype = _little(sample.mean.dtype)
+    def __init__(self, file: h5py.File, record: LatentRecord) -> None:
+        self.shape = tuple(record.mean.shape)
+        self.dtype = _little(record.mean.dtype)
         self.group = file.create_group(latent_group(self.shape))
         self.group.attrs["dtype"] = self.dtype.str
-        self.has_logvar = sample.logvar is not None
+        self.has_logvar = record.logvar is not None
         self.payloads = [self._payload(name) for name in (("mean", "logvar") if self.has_logvar else ("mean",))]
         self.keys: list[bytes] = []
         self.text_keys: list[bytes] = []
@@ -102,27 +102,27 @@ class _LatentGroup:
             allow_unknown_filter=True,  # stk writes compressed chunks itself: HDF5 never runs the filter
         )
 
-    def check(self, sample: LatentSample) -> None:
-        if _little(sample.mean.dtype) != self.dtype:
-            raise ValueError(f"latent {sample.key}: dtype {sample.mean.dtype} differs from this cache's {self.dtype}")
-        if (sample.logvar is not None) != self.has_logvar:
-            raise ValueError(f"latent {sample.key}: either every latent of a cache has a logvar or none has")
+    def check(self, record: LatentRecord) -> None:
+        if _little(record.mean.dtype) != self.dtype:
+            raise ValueError(f"latent {record.key}: dtype {record.mean.dtype} differs from this cache's {self.dtype}")
+        if (record.logvar is not None) != self.has_logvar:
+            raise ValueError(f"latent {record.key}: either every latent of a cache has a logvar or none has")
 
-    def add(self, sample: LatentSample, cctx: zstandard.ZstdCompressor) -> int:
-        """Append one sample; the bytes it adds to the shard."""
-        arrays = (sample.mean, sample.logvar) if sample.logvar is not None else (sample.mean,)
+    def add(self, record: LatentRecord, cctx: zstandard.ZstdCompressor) -> int:
+        """Append one record; the bytes it adds to the shard."""
+        arrays = (record.mean, record.logvar) if record.logvar is not None else (record.mean,)
         frames = [compress(array, cctx) for array in arrays]
         row = len(self.keys)
         origin = (row,) + (0,) * len(self.shape)
         for dataset, frame in zip(self.payloads, frames, strict=True):
             dataset.resize(row + 1, axis=0)
             dataset.id.write_direct_chunk(origin, frame)
-        self.keys.append(encode_key(sample.key))
-        self.text_keys.append(encode_key(sample.text_key))
-        self.sizes.append(_pair(sample.original_size, "original_size", sample.key))
-        self.crops.append(_pair(sample.crop_top_left, "crop_top_left", sample.key))
-        self.paths.append(sample.path)
-        return sum(len(f) for f in frames) + 2 * KEY_BYTES + 16 + len(sample.path)
+        self.keys.append(encode_key(record.key))
+        self.text_keys.append(encode_key(record.text_key))
+        self.sizes.append(_pair(record.original_size, "original_size", record.key))
+        self.crops.append(_pair(record.crop_top_left, "crop_top_left", record.key))
+        self.paths.append(record.path)
+        return sum(len(f) for f in frames) + 2 * KEY_BYTES + 16 + len(record.path)
 
     def finish(self) -> None:
         self.group.create_dataset("key", data=np.array(self.keys, dtype=_KEY))
@@ -136,12 +136,12 @@ class _TextGroup:
     """/text in an open shard: each array's zstd frames appended to its flat `data`, the rest
     kept and written when the shard closes."""
 
-    def __init__(self, file: h5py.File, sample: TextSample) -> None:
+    def __init__(self, file: h5py.File, record: TextRecord) -> None:
         self.group = file.create_group(TEXT)
-        self.names = sorted(sample.arrays)
+        self.names = sorted(record.arrays)
         self.group.attrs["arrays"] = self.names
-        self.dtypes = {name: _little(sample.arrays[name].dtype) for name in self.names}
-        self.ndims = {name: sample.arrays[name].ndim for name in self.names}
+        self.dtypes = {name: _little(record.arrays[name].dtype) for name in self.names}
+        self.ndims = {name: record.arrays[name].ndim for name in self.names}
         self.data: dict[str, h5py.Dataset] = {}
         for name in self.names:
             sub = self.group.create_group(name)
@@ -154,18 +154,18 @@ class _TextGroup:
         self.keys: list[bytes] = []
         self.lengths: list[int] = []
 
-    def check(self, sample: TextSample) -> None:
-        if sorted(sample.arrays) != self.names:
-            raise ValueError(f"text {sample.key}: arrays {sorted(sample.arrays)} differ from this cache's {self.names}")
-        for name, array in sample.arrays.items():
+    def check(self, record: TextRecord) -> None:
+        if sorted(record.arrays) != self.names:
+            raise ValueError(f"text {record.key}: arrays {sorted(record.arrays)} differ from this cache's {self.names}")
+        for name, array in record.arrays.items():
             if _little(array.dtype) != self.dtypes[name] or array.ndim != self.ndims[name]:
                 raise ValueError(
-                    f"text {sample.key}: {name} is {array.ndim}-d {array.dtype}, this cache stores "
+                    f"text {record.key}: {name} is {array.ndim}-d {array.dtype}, this cache stores "
                     f"{self.ndims[name]}-d {self.dtypes[name]}"
                 )
 
-    def add(self, sample: TextSample, cctx: zstandard.ZstdCompressor) -> int:
-        frames = {name: compress(sample.arrays[name], cctx) for name in self.names}
+    def add(self, record: TextRecord, cctx: zstandard.ZstdCompressor) -> int:
+        frames = {name: compress(record.arrays[name], cctx) for name in self.names}
         for name, frame in frames.items():
             dataset = self.data[name]
             start = self.ends[name][-1] if self.ends[name] else 0
@@ -173,9 +173,9 @@ class _TextGroup:
             dataset.resize(end, axis=0)
             dataset[start:end] = np.frombuffer(frame, dtype=np.uint8)
             self.ends[name].append(end)
-            self.shapes[name].append(tuple(sample.arrays[name].shape))
-        self.keys.append(encode_key(sample.key))
-        self.lengths.append(int(sample.length))
+            self.shapes[name].append(tuple(record.arrays[name].shape))
+        self.keys.append(encode_key(record.key))
+        self.lengths.append(int(record.length))
         return sum(len(f) for f in frames.values()) + KEY_BYTES + 4 + 16 * len(frames)
 
     def finish(self) -> None:
@@ -230,32 +230,32 @@ class _Shard:
         self.staged.discard()
 
 
-def _check_latent(sample: LatentSample) -> None:
-    encode_key(sample.key)
-    encode_key(sample.text_key)
-    if sample.mean.ndim != 3 or sample.mean.dtype.hasobject:
-        raise ValueError(f"latent {sample.key}: mean must be a numeric (C, h, w) array, got {sample.mean.shape}")
-    logvar = sample.logvar
-    if logvar is not None and (logvar.shape, logvar.dtype) != (sample.mean.shape, sample.mean.dtype):
-        raise ValueError(f"latent {sample.key}: logvar must have the shape and dtype of mean")
-    _pair(sample.original_size, "original_size", sample.key)
-    _pair(sample.crop_top_left, "crop_top_left", sample.key)
+def _check_latent(record: LatentRecord) -> None:
+    encode_key(record.key)
+    encode_key(record.text_key)
+    if record.mean.ndim != 3 or record.mean.dtype.hasobject:
+        raise ValueError(f"latent {record.key}: mean must be a numeric (C, h, w) array, got {record.mean.shape}")
+    logvar = record.logvar
+    if logvar is not None and (logvar.shape, logvar.dtype) != (record.mean.shape, record.mean.dtype):
+        raise ValueError(f"latent {record.key}: logvar must have the shape and dtype of mean")
+    _pair(record.original_size, "original_size", record.key)
+    _pair(record.crop_top_left, "crop_top_left", record.key)
 
 
-def _check_text(sample: TextSample) -> None:
-    encode_key(sample.key)
-    if not sample.arrays:
-        raise ValueError(f"text {sample.key}: no arrays")
-    for name, array in sample.arrays.items():
+def _check_text(record: TextRecord) -> None:
+    encode_key(record.key)
+    if not record.arrays:
+        raise ValueError(f"text {record.key}: no arrays")
+    for name, array in record.arrays.items():
         if not name or "/" in name or name in _RESERVED_TEXT_NAMES or name.startswith("."):
-            raise ValueError(f"text {sample.key}: {name!r} cannot name an array")
+            raise ValueError(f"text {record.key}: {name!r} cannot name an array")
         if array.dtype.hasobject:
-            raise ValueError(f"text {sample.key}: {name} must be a numeric array")
+            raise ValueError(f"text {record.key}: {name} must be a numeric array")
 
 
 class ShardWriter:
     """One writer per rank (and per thread: it is not thread-safe), one prefix per writer at a
-    time. Starts a new shard when the current one passes `shard_size` bytes of stored samples.
+    time. Starts a new shard when the current one passes `shard_size` bytes of stored records.
 
     Shard numbers continue after any `<prefix>-<seq>.h5` already in the cache, so a rerun with
     the same prefix never replaces a listed shard; .tmp files in `work_dir` that no live writer
@@ -305,31 +305,31 @@ class ShardWriter:
             )
         return self._shard
 
-    def add_latent(self, sample: LatentSample) -> None:
-        _check_latent(sample)
+    def add_latent(self, record: LatentRecord) -> None:
+        _check_latent(record)
         shard = self._current()
-        group = shard.latents.get(tuple(sample.mean.shape))
+        group = shard.latents.get(tuple(record.mean.shape))
         if group is not None:
-            group.check(sample)
+            group.check(record)
         try:
             if group is None:
-                group = shard.latents[tuple(sample.mean.shape)] = _LatentGroup(shard.file, sample)
-            shard.bytes += group.add(sample, self._cctx)
+                group = shard.latents[tuple(record.mean.shape)] = _LatentGroup(shard.file, record)
+            shard.bytes += group.add(record, self._cctx)
             shard.check()
         except BaseException as exc:
             self._abandon(exc)
             raise
         self._roll_over_if_full()
 
-    def add_text(self, sample: TextSample) -> None:
-        _check_text(sample)
+    def add_text(self, record: TextRecord) -> None:
+        _check_text(record)
         shard = self._current()
         if shard.text is not None:
-            shard.text.check(sample)
+            shard.text.check(record)
         try:
             if shard.text is None:
-                shard.text = _TextGroup(shard.file, sample)
-            shard.bytes += shard.text.add(sample, self._cctx)
+                shard.text = _TextGroup(shard.file, record)
+            shard.bytes += shard.text.add(record, self._cctx)
             shard.check()
         except BaseException as exc:
             self._abandon(exc)
@@ -337,7 +337,7 @@ class ShardWriter:
         self._roll_over_if_full()
 
     def close(self) -> None:
-        """Finish the current shard, if it has samples."""
+        """Finish the current shard, if it has records."""
         if self._failed is not None:
             raise RuntimeError(f"shard writer {self.prefix} failed: its last shard was abandoned ({self._failed})")
         if self._shard is not None:

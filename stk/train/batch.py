@@ -41,8 +41,8 @@ class Batch:
 
 @dataclass
 class StepInputs:
-    """What an objective trains on: latents already sampled, shifted and scaled for the denoiser
-    ((sample - shift_factor) * scaling_factor), text embeddings by name, SDXL's size conditioning;
+    """What an objective trains on: latents already sampled and normalised for the denoiser
+    (stk.models.latents.LatentNorm), text embeddings by name, SDXL's size conditioning;
     all on the training device, latents and text in the training dtype."""
 
     latents: torch.Tensor  # (B, C, h, w)

@@ -14,7 +14,6 @@ run: seconds, up to a minute for Flux's T5 on a slow disk. `--force` skips it.
 from __future__ import annotations
 
 import gc
-from typing import Any
 
 import torch
 
@@ -40,8 +39,8 @@ def check_cache_model(opts: TrainOptions, plan: TrainPlan) -> None:
             "--force: not checking that %s was made with the VAE and text encoders of %s", opts.cache, opts.model
         )
         return
-    recorded: Any = plan.data.manifest.config.get("model")
-    dtype = getattr(torch, str(recorded.get("vae", {}).get("dtype")), None) if isinstance(recorded, dict) else None
+    recorded = plan.data.config.model
+    dtype = getattr(torch, str(recorded.get("vae", {}).get("dtype")), None)
     if not isinstance(dtype, torch.dtype):
         raise InputError(
             f"{opts.cache}/manifest.json does not record the VAE and text encoders it was made with: "

@@ -22,13 +22,14 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from stk import storage
-from stk.cache.identity import ImageJob, jobs_for, text_recipe
-from stk.cache.keys import text_key
 from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
 from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
 from stk.scan.reader import read_scan
-from stk.shards import CacheReader, Manifest, TextSample
+from stk.shards import CacheReader, Manifest, TextRecord
+from stk.shards.config import CacheConfig
+from stk.shards.jobs import ImageJob, jobs_for
+from stk.shards.keys import text_key
 from stk.train.batch import Batch
 
 __all__ = ["BatchLoader", "CacheData", "ImageData", "TrainData"]
@@ -82,16 +83,7 @@ class CacheData:
         )
         try:
             self.manifest: Manifest = self.reader.manifest
-            config = self.manifest.config
-            try:
-                self.family: str = str(config["family"])
-                self.scaling_factor = float(config["scaling_factor"])
-                shift = config.get("shift_factor")
-            except (KeyError, TypeError, ValueError) as exc:
-                raise InputError(
-                    f"{cache}/manifest.json: no usable {exc} in its config (not made by stk-cache)"
-                ) from None
-            self.shift_factor = None if shift is None else float(shift)
+            self.config: CacheConfig = self.manifest.cache_config(cache)
             self._buckets = self.reader.buckets()
         except BaseException:
             self.reader.close()
@@ -101,29 +93,29 @@ class CacheData:
         return {hw: list(keys) for hw, keys in self._buckets.items()}
 
     def load(self, keys: list[str]) -> Batch:
-        samples = [self.reader.latent(key) for key in keys]
-        texts: dict[str, TextSample] = {}
-        for sample in samples:
-            if sample.text_key not in texts:
+        records = [self.reader.latent(key) for key in keys]
+        texts: dict[str, TextRecord] = {}
+        for record in records:
+            if record.text_key not in texts:
                 try:
-                    texts[sample.text_key] = self.reader.text(sample.text_key)
+                    texts[record.text_key] = self.reader.text(record.text_key)
                 except KeyError:
                     raise InputError(
-                        f"{self.cache}: the caption embedding of {sample.path} (text key {sample.text_key}) is "
+                        f"{self.cache}: the caption embedding of {record.path} (text key {record.text_key}) is "
                         "missing: the cache is incomplete (stk-cache verify, then stk-cache again)"
                     ) from None
-        logvars = [s.logvar for s in samples if s.logvar is not None]
+        logvars = [s.logvar for s in records if s.logvar is not None]
         return Batch(
             keys=list(keys),
-            original_size=torch.tensor([s.original_size for s in samples], dtype=torch.int64).reshape(-1, 2),
-            crop_top_left=torch.tensor([s.crop_top_left for s in samples], dtype=torch.int64).reshape(-1, 2),
-            mean=_stack_float32([s.mean for s in samples]),
-            logvar=_stack_float32(logvars) if len(logvars) == len(samples) else None,
-            text=_collate_text([texts[s.text_key].arrays for s in samples]),
+            original_size=torch.tensor([s.original_size for s in records], dtype=torch.int64).reshape(-1, 2),
+            crop_top_left=torch.tensor([s.crop_top_left for s in records], dtype=torch.int64).reshape(-1, 2),
+            mean=_stack_float32([s.mean for s in records]),
+            logvar=_stack_float32(logvars) if len(logvars) == len(records) else None,
+            text=_collate_text([texts[s.text_key].arrays for s in records]),
         )
 
     def caption_arrays(self, caption: str) -> dict[str, np.ndarray] | None:
-        key = text_key(caption, text_recipe(self.manifest.config))
+        key = text_key(caption, self.config.text_recipe())
         try:
             return self.reader.text(key).arrays
         except KeyError:

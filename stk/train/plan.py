@@ -1,15 +1,16 @@
 """What a run trains on, settled before any model loads: the data source (cache or images), the
-keys per bucket, each bucket's repeats, and how latents are scaled for the denoiser."""
+keys per bucket, each bucket's repeats, and how latents are normalised for the denoiser."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from stk.buckets import effective_batch_size
-from stk.cache.identity import expected_jobs
 from stk.errors import InputError
 from stk.models import Family, detect_family
 from stk.models.detect import read_model_json, vae_scale_factor
+from stk.models.latents import LatentNorm
+from stk.shards.jobs import expected_jobs
 from stk.train.data import CacheData, ImageData, TrainData
 from stk.train.options import TrainOptions
 from stk.train.preflight import check_buckets, check_coverage, scan_repeats
@@ -25,8 +26,7 @@ class TrainPlan:
     data: TrainData
     buckets: dict[BucketShape, list[str]]  # latent (h, w) -> keys
     repeats: dict[BucketShape, int]
-    scaling_factor: float
-    shift_factor: float | None
+    norm: LatentNorm
     vae_scale_factor: int
 
 
@@ -34,9 +34,9 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
     family = Family(opts.family) if opts.family else detect_family(opts.model)
     factor = vae_scale_factor(opts.model)
     if opts.vae_on_the_fly:
-        data, buckets, scaling, shift = _from_images(opts, factor)
+        data, buckets, norm = _from_images(opts, factor)
     else:
-        data, buckets, scaling, shift = _from_cache(opts, family)
+        data, buckets, norm = _from_cache(opts, family)
     try:
         if not any(buckets.values()):
             raise InputError("nothing to train on: the cache (or scan) holds no samples")
@@ -46,23 +46,18 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
     except BaseException:
         data.close()
         raise
-    return TrainPlan(family, data, buckets, repeats, scaling, shift, factor)
+    return TrainPlan(family, data, buckets, repeats, norm, factor)
 
 
-def _from_images(
-    opts: TrainOptions, factor: int
-) -> tuple[TrainData, dict[BucketShape, list[str]], float, float | None]:
+def _from_images(opts: TrainOptions, factor: int) -> tuple[TrainData, dict[BucketShape, list[str]], LatentNorm]:
     if not opts.scan:
         raise InputError("--vae-on-the-fly trains from the scan table and its images: give --scan")
-    vae = read_model_json(opts.model, "vae/config.json")
+    norm = LatentNorm.from_vae_config(read_model_json(opts.model, "vae/config.json"))
     data = ImageData(opts.scan, factor, seed=opts.seed)
-    shift = vae.get("shift_factor")
-    return data, data.buckets(), float(vae["scaling_factor"]), None if shift is None else float(shift)
+    return data, data.buckets(), norm
 
 
-def _from_cache(
-    opts: TrainOptions, family: Family
-) -> tuple[TrainData, dict[BucketShape, list[str]], float, float | None]:
+def _from_cache(opts: TrainOptions, family: Family) -> tuple[TrainData, dict[BucketShape, list[str]], LatentNorm]:
     if not opts.cache:
         raise InputError("give --cache (made by stk-cache), or --vae-on-the-fly with --scan")
     data = CacheData(
@@ -72,9 +67,9 @@ def _from_cache(
         check_sha256=opts.check_shards,
     )
     try:
-        if data.family != family.value:
+        if data.config.family != family.value:
             raise InputError(
-                f"{opts.cache} was made for a {data.family} model, but {opts.model} is {family.value}: "
+                f"{opts.cache} was made for a {data.config.family} model, but {opts.model} is {family.value}: "
                 "cache with the model you train"
             )
         buckets = data.buckets()
@@ -83,14 +78,14 @@ def _from_cache(
     except BaseException:
         data.close()
         raise
-    return data, buckets, data.scaling_factor, data.shift_factor
+    return data, buckets, data.config.norm
 
 
 def _covered(
     cache: str, scan: str, data: CacheData, buckets: dict[BucketShape, list[str]]
 ) -> dict[BucketShape, list[str]]:
     """The scan's rows only (a cache may hold more), after checking the cache has all of them."""
-    jobs, _ = expected_jobs(cache, data.manifest, scan)
+    jobs, _ = expected_jobs(cache, data.config, scan)
     cached = {key for keys in buckets.values() for key in keys}
     texts = set(data.reader.text_keys())
     missing = [job.path for job in jobs if job.key not in cached]

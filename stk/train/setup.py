@@ -169,7 +169,7 @@ def _load_model(
     engine = build_engine(denoiser, opts, config, precision, total_steps)
     empty = embeddings.get(EMPTY_CAPTION) if opts.loss.caption_dropout else None
     return StepModel(
-        objective, engine, encoders, device, dtype, plan.scaling_factor, plan.shift_factor, empty,
+        objective, engine, encoders, device, dtype, plan.norm, empty,
         opts.loss.caption_dropout,
     )  # fmt: skip
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stk.models.latents import LatentNorm
 from stk.train.batch import Batch, StepInputs
 from stk.train.losses import drop_captions
 from stk.train.objectives import Objective
@@ -32,8 +33,7 @@ class StepModel:
     encoders: Any  # stk.models.Encoders with --vae-on-the-fly, else None
     device: torch.device
     dtype: torch.dtype
-    scaling_factor: float  # the VAE's latent normalisation: (latent - shift) * scale
-    shift_factor: float | None
+    norm: LatentNorm  # the VAE's latent normalisation
     empty_caption: dict[str, torch.Tensor] | None = None  # its embedding, with --caption-dropout
     caption_dropout: float = 0.0
 
@@ -84,7 +84,7 @@ def batch_digest(slot: int, keys: list[str]) -> int:
 
 
 def step_inputs(batch: Batch, model: StepModel, generator: torch.Generator) -> StepInputs:
-    """Latents sampled, shifted and scaled for the denoiser, from cached ones or encoded now."""
+    """Latents sampled and normalised for the denoiser, from cached ones or encoded now."""
     if batch.pixels is not None:
         assert model.encoders is not None and batch.captions is not None
         mean, logvar = model.encoders.encode_images(batch.pixels)
@@ -98,10 +98,8 @@ def step_inputs(batch: Batch, model: StepModel, generator: torch.Generator) -> S
         latent = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=generator)
     if model.empty_caption is not None:
         text = drop_captions(text, model.empty_caption, model.caption_dropout, generator)
-    if model.shift_factor is not None:
-        latent = latent - model.shift_factor
     return StepInputs(
-        latents=(latent * model.scaling_factor).to(model.device, model.dtype),
+        latents=model.norm.normalize(latent).to(model.device, model.dtype),
         text={name: value.to(model.device, model.dtype) for name, value in text.items()},
         original_size=batch.original_size.to(model.device),
         crop_top_left=batch.crop_top_left.to(model.device),

@@ -1,4 +1,5 @@
-"""The two kinds of sample a cache holds, as the writer takes them and the reader returns them."""
+"""The two kinds of record a cache holds, as the writer takes them and the reader returns them: one image's
+latent, and one caption's text embedding."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LatentSample", "TextSample"]
+__all__ = ["LatentRecord", "TextRecord"]
 
 
 @dataclass
-class LatentSample:
+class LatentRecord:
     """One image's cached latent. Arrays keep the dtype they were given (float16 by default)."""
 
     key: str  # latent key (hex string, <= 64 characters)
@@ -23,7 +24,7 @@ class LatentSample:
 
 
 @dataclass
-class TextSample:
+class TextRecord:
     """One caption's text-encoder outputs, e.g. {"prompt_embeds": (L, D), "pooled_prompt_embeds": (D,)}."""
 
     key: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from stk import storage
-from stk.shards import LatentSample, Manifest, ShardInfo, TextSample, shard_location
+from stk.shards import LatentRecord, Manifest, ShardInfo, TextRecord, shard_location
 from stk.shards.manifest import shard_entry
 
 __all__ = ["Rank0", "make_latent", "make_text"]
@@ -14,7 +14,7 @@ __all__ = ["Rank0", "make_latent", "make_text"]
 
 def make_latent(i: int, shape: tuple[int, int, int] = (4, 8, 8), dtype: str = "float16", logvar: bool = False):
     rng = np.random.default_rng(i)
-    return LatentSample(
+    return LatentRecord(
         key=f"{i:040x}",
         text_key=f"{i % 7:064x}",
         mean=(rng.standard_normal(shape) * 4).astype(dtype),
@@ -25,10 +25,10 @@ def make_latent(i: int, shape: tuple[int, int, int] = (4, 8, 8), dtype: str = "f
     )
 
 
-def make_text(i: int, length: int) -> TextSample:
+def make_text(i: int, length: int) -> TextRecord:
     rng = np.random.default_rng(10_000 + i)
     prompt = rng.standard_normal((length, 32)).astype(np.float16)
-    return TextSample(
+    return TextRecord(
         key=f"{i:064x}",
         arrays={"prompt_embeds": prompt, "pooled_prompt_embeds": rng.standard_normal(24).astype(np.float32)},
         length=length,

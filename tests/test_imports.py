@@ -1,0 +1,63 @@
+"""The stk package's import graph has no cycle: each module's imports, at the top, under TYPE_CHECKING or inside
+a function, read from the source (nothing is imported)."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+import stk
+
+ROOT = Path(stk.__file__).parent
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted name -> (file, is a package's __init__)."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _imports(name: str, path: Path, is_package: bool, modules: set[str]) -> set[str]:
+    """The stk modules `name` imports: `from a.b import c` is a.b.c when that is a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name if is_package else name.rpartition(".")[0]
+                package = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{package}.{base}".rstrip(".")
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
+    return (found & modules) - {name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, is_package, set(modules)) for name, (path, is_package) in modules.items()}
+
+
+def test_the_import_graph_is_read_and_has_no_cycle() -> None:
+    graph = import_graph()
+    assert "stk.shards.config" in graph["stk.shards.manifest"]  # the reading finds imports at all
+    assert "stk.models.latents" in graph["stk.shards.config"]
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import cycle: {' -> '.join(exc.args[1])}")
+
+
+def test_stk_train_imports_nothing_from_stk_cache() -> None:
+    """stk-train depends on the cache's format (stk/shards), not on the stk-cache command."""
+    graph = import_graph()
+    wrong = sorted(f"{m} -> {i}" for m, imports in graph.items() if m.startswith("stk.train") for i in imports
+                   if i.startswith("stk.cache"))  # fmt: skip
+    assert not wrong
