@@ -67,7 +67,7 @@ BLOCK_KINDS = {"ResnetBlock2D": "resnet", "BasicTransformerBlock": "transformer"
 
 # --table: the reference run
 GPUS, BATCH, RESOLUTION = 32, 8, 1024
-FLUX_TEXT_TOKENS = 512  # stk.models.flux.T5_MAX_LENGTH
+FLUX_TEXT_TOKENS = 512  # stk.models.families.flux.T5_MAX_LENGTH
 GPU_BYTES, HEADROOM = 80e9, 0.10  # an H100's 80 GB, 10% kept for the CUDA context, NCCL and fragmentation
 # Presets from the least overhead to the most: ZeRO-2 adds a reduce-scatter per bucket, ZeRO-3 gathers every weight
 # twice a step (three with checkpointing's recompute), and offload runs the optimizer on the host's CPUs over PCIe.

@@ -9,7 +9,7 @@ from stk.buckets import effective_batch_size
 from stk.cache.identity import expected_jobs
 from stk.errors import InputError
 from stk.models import Family, detect_family
-from stk.models.detect import read_model_json, vae_scale_factor
+from stk.models.model_json import read_model_json, vae_scale_factor
 from stk.train.data import CacheData, ImageData, TrainData
 from stk.train.options import TrainOptions
 from stk.train.preflight import check_buckets, check_coverage, scan_repeats
