@@ -381,7 +381,6 @@ def baseline_child(spec: dict[str, Any]) -> dict[str, Any]:
     from peft import LoraConfig
 
     from stk.models import detect_family
-    from stk.train.lora import DEFAULT_TARGETS
     from stk.train.objectives import objective_for
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -394,7 +393,7 @@ def baseline_child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["variant"].startswith("lora"):
         denoiser.requires_grad_(False)
         denoiser.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian",
-                                        target_modules=list(DEFAULT_TARGETS[family])))  # fmt: skip
+                                        target_modules=list(objective.spec.lora_targets)))  # fmt: skip
     denoiser.train()
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-2, fused=device.type == "cuda")

@@ -67,7 +67,7 @@ BLOCK_KINDS = {"ResnetBlock2D": "resnet", "BasicTransformerBlock": "transformer"
 
 # --table: the reference run
 GPUS, BATCH, RESOLUTION = 32, 8, 1024
-FLUX_TEXT_TOKENS = 512  # stk.models.flux.T5_MAX_LENGTH
+FLUX_TEXT_TOKENS = 512  # stk.models.families.flux.T5_MAX_LENGTH
 GPU_BYTES, HEADROOM = 80e9, 0.10  # an H100's 80 GB, 10% kept for the CUDA context, NCCL and fragmentation
 # Presets from the least overhead to the most: ZeRO-2 adds a reduce-scatter per bucket, ZeRO-3 gathers every weight
 # twice a step (three with checkpointing's recompute), and offload runs the optimizer on the host's CPUs over PCIe.
@@ -241,8 +241,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         from stk.models import Family
         from stk.train.lora import LoraSettings, add_lora
 
-        family = Family.FLUX if spec["model"] == "flux" else Family.SDXL
-        layers = add_lora(model, LoraSettings(rank=LORA_RANK), family, seed=0)
+        layers = add_lora(model, LoraSettings(rank=LORA_RANK), Family(spec["model"]), seed=0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if spec["mode"] == "train":
         for p in trainable:
@@ -455,10 +454,9 @@ def counts(name: str, config: dict[str, Any], threshold: int) -> tuple[int, int,
     from stk.models import Family
     from stk.train.lora import LoraSettings, add_lora
 
-    family = Family.FLUX if name == "flux" else Family.SDXL
     model = build_published(config)
     sizes = [p.numel() for p in model.parameters()]
-    add_lora(model, LoraSettings(rank=LORA_RANK), family, seed=0)
+    add_lora(model, LoraSettings(rank=LORA_RANK), Family(name), seed=0)
     adapter = [p.numel() for p in model.parameters() if p.requires_grad]
     small = sum(n for n in sizes if n < threshold)
     return sum(sizes), sum(adapter), max(sizes), small, sum(n for n in adapter if n < threshold)

@@ -26,6 +26,7 @@ import click
 
 from stk.datagen import generate_dataset, generate_format_samples
 from stk.models import Family, build_tiny_model, quiet_model_libraries
+from stk.models.families import DEMO_FAMILY, family_names
 
 
 def _mpiexec() -> str:
@@ -48,7 +49,7 @@ def _run(ranks: int, module: str, args: list[str]) -> dict[str, Any]:
 @click.option("--images", default=96, help="Images to generate.")
 @click.option("--ranks", default=2, help="MPI ranks for each step.")
 @click.option("--steps", default=20, help="Training steps.")
-@click.option("--family", type=click.Choice([f.value for f in Family]), default=Family.SDXL.value,
+@click.option("--family", type=click.Choice(family_names()), default=DEMO_FAMILY.value,
               help="The model family of the tiny model trained.")  # fmt: skip
 def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None:
     """Generate a dataset and a tiny model, then scan, cache and train with MPI ranks."""

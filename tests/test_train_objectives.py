@@ -21,7 +21,7 @@ from stk.errors import InputError
 from stk.models import Family, build_tiny_model
 from stk.train.batch import StepInputs
 from stk.train.export import export_pipeline
-from stk.train.objectives import FluxObjective, Objective, objective_for
+from stk.train.objectives import FlowObjective, Objective, objective_for
 
 # Text shapes per sample, from stk/models/tiny.py: SD CLIP 32; SDXL 32 + 64 and pooled 64; Flux T5 48, CLIP 32.
 VARIANTS = ["sd", "sd-v", "sdxl", "flux"]  # sd-v: the SD model with a v_prediction scheduler
@@ -189,13 +189,13 @@ def test_flux_without_guidance_embeds(models: dict[str, str]) -> None:
 def test_flux_sigmas_are_shifted_like_the_pipeline(models: dict[str, str]) -> None:
     u = torch.sigmoid(torch.normal(0.0, 1.0, size=(64,), generator=seeded(5)))  # logit-normal
     dynamic = objective_for(Family.FLUX, models["flux"])
-    assert isinstance(dynamic, FluxObjective)
+    assert isinstance(dynamic, FlowObjective)
     mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * (64 - 256)  # tiny config: base 256/0.5, max 4096/1.15
     expected = math.exp(mu) / (math.exp(mu) + (1 / u - 1))
     torch.testing.assert_close(dynamic.sigmas(64, 64, seeded(5)), expected)
     assert (dynamic.sigmas(64, 4096, seeded(5)) > dynamic.sigmas(64, 256, seeded(5))).all()  # larger: noisier
     static = objective_for(Family.FLUX, models["flux-static"])
-    assert isinstance(static, FluxObjective)
+    assert isinstance(static, FlowObjective)
     torch.testing.assert_close(static.sigmas(64, 64, seeded(5)), 3 * u / (1 + 2 * u))
 
 

@@ -15,12 +15,13 @@ from PIL import Image
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model, load_encoders
+from stk.models.families import all_specs
 from stk.prompts import EMPTY_CAPTION, prompt_slug, read_prompts
 from stk.train.ema import ShardedEma
 from stk.train.embeddings import embed_captions
 from stk.train.losses import LossSettings, drop_captions
 from stk.train.render import _share, write_round
-from stk.train.validation import FAMILY_SAMPLING, ValidationSettings, parse_resolution, plan_validation
+from stk.train.validation import ValidationSettings, parse_resolution, plan_validation
 
 # --- prompt files ------------------------------------------------------------------------------------------------
 
@@ -74,7 +75,8 @@ def test_no_prompts_anywhere_means_no_samples() -> None:
 
 
 def test_the_family_defaults_and_the_most_common_bucket() -> None:
-    for family, (steps, guidance) in FAMILY_SAMPLING.items():
+    for spec in all_specs():
+        family, (steps, guidance) = spec.name, (spec.sampling.steps, spec.sampling.guidance)
         plan = plan_validation(ValidationSettings(prompts=("a",)), family, [], BUCKETS, 8)
         assert plan is not None
         assert (plan.steps, plan.guidance, plan.width, plan.height) == (steps, guidance, 96, 64)

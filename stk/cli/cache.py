@@ -19,6 +19,7 @@ from stk.cli.common import (
     run_process,
 )
 from stk.models import Family, quiet_model_libraries
+from stk.models.families import family_names
 from stk.preprocess import CropMode
 from stk.shards.config import EncodeSettings
 from stk.world import World
@@ -65,7 +66,7 @@ def _defaults(name: str) -> Any:
 @click.argument("scan_dir")
 @click.option("--model", required=True, show_envvar=True, help="Hub id or local diffusers directory.")
 @click.option("--out", required=True, show_envvar=True, help="Cache directory or s3://bucket/prefix.")
-@click.option("--family", type=click.Choice([f.value for f in Family]), default=None, show_envvar=True,
+@click.option("--family", type=click.Choice(family_names()), default=None, show_envvar=True,
               help="Model family [default: from the model's model_index.json].")  # fmt: skip
 @click.option("--device", default=None, show_envvar=True, help="Torch device [default: this rank's GPU, else cpu].")
 @click.option("--batch-size", default=_defaults("batch_size"), type=click.IntRange(1), show_envvar=True,

@@ -14,6 +14,7 @@ import click
 from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command, run_process
 from stk.errors import InputError
 from stk.models import Family
+from stk.models.families import family_names
 from stk.train.dsconfig import PRECISIONS, PRESETS
 from stk.train.lora import LoraSettings
 from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
@@ -85,7 +86,7 @@ def _default(name: str) -> Any:
               help="stk-scan output: checks the cache covers it; trains on its rows with its repeats.")  # fmt: skip
 @click.option("--model", required=True, show_envvar=True, help="Hub id or local diffusers directory to fine-tune.")
 @click.option("--output-dir", required=True, show_envvar=True, help="Shared directory for checkpoints and outputs.")
-@click.option("--family", type=click.Choice([f.value for f in Family]), default=None, show_envvar=True,
+@click.option("--family", type=click.Choice(family_names()), default=None, show_envvar=True,
               help="Model family [default: from the model's model_index.json].")  # fmt: skip
 @click.option("--vae-on-the-fly", is_flag=True, show_envvar=True,
               help="Encode images and captions each step from --scan instead of reading a cache.")  # fmt: skip

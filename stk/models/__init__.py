@@ -1,5 +1,5 @@
-"""The one place that knows each model family (SD 1.x/2.x, SDXL, Flux): how to recognise it, which VAE and text
-encoders it has, how its pipeline turns captions into embeddings, and how its latents are scaled.
+"""Models: what every family shares (the VAE and text encoders behind `Encoders`, loading, tiny and published
+pipelines) and, in stk.models.families, what each family is: one module and one registry entry per family.
 
 `import stk.models` stays cheap: torch, diffusers and transformers load on first use of what needs them.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from stk.models.detect import Family, detect_family
+from stk.models.families import Family, detect_family
 
 if TYPE_CHECKING:
     from stk.models.base import Encoders, TextEmbedding

@@ -5,14 +5,9 @@ from __future__ import annotations
 import torch
 
 from stk.models.base import Encoders
-from stk.models.detect import Family, detect_family
-from stk.models.flux import FluxEncoders
-from stk.models.sd import SDEncoders
-from stk.models.sdxl import SDXLEncoders
+from stk.models.families import Family, detect_family, spec_for
 
-__all__ = ["ENCODERS", "load_encoders"]
-
-ENCODERS: dict[Family, type[Encoders]] = {Family.SD: SDEncoders, Family.SDXL: SDXLEncoders, Family.FLUX: FluxEncoders}
+__all__ = ["load_encoders"]
 
 
 def load_encoders(
@@ -32,7 +27,7 @@ def load_encoders(
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return ENCODERS[family].load(model, device, dtype)
+    return spec_for(family).encoders.load(model, device, dtype)
 
 
 def quiet_model_libraries() -> None:

@@ -10,13 +10,12 @@ from typing import Any
 
 import torch
 
-from stk.models.detect import Family
+from stk.models.families import Family, all_specs
 
 __all__ = ["PUBLISHED", "build_published", "published_config"]
 
-# name -> family; the hub repositories: runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-xl-base-1.0,
-# black-forest-labs/FLUX.1-dev
-PUBLISHED = {"sd15": Family.SD, "sdxl": Family.SDXL, "flux-dev": Family.FLUX}
+# config folder name -> family, from each family's spec (`FamilySpec.published`)
+PUBLISHED: dict[str, Family] = {name: spec.name for spec in all_specs() for name in spec.published}
 COMPONENTS = ("denoiser", "vae")
 
 

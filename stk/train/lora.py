@@ -1,6 +1,6 @@
 """LoRA through peft, as diffusers' own training examples add it: the denoiser's weights frozen, low-rank adapters
-on its attention projections (and Flux's double blocks' feed-forward layers) trained, and the adapters saved in the
-format `pipe.load_lora_weights` reads.
+on the layers the family's spec names (`FamilySpec.lora_targets`: the attention projections, and Flux's double
+blocks' feed-forward layers) trained, and the adapters saved in the format `pipe.load_lora_weights` reads.
 
 Under ZeRO-3 the adapter's parameters are partitioned like any other, so saving gathers them (and only them)
 first; every rank takes part, rank 0 writes.
@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stk.errors import InputError
-from stk.models import Family
+from stk.models.families import Family, spec_for
 from stk.train.export import replaced_on_success
 
 if TYPE_CHECKING:
     from stk.train.objectives import Objective
 
 __all__ = [
-    "DEFAULT_TARGETS",
     "LORA_WEIGHTS",
     "LoraSettings",
     "add_lora",
@@ -32,25 +31,13 @@ __all__ = [
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name load_lora_weights looks for
 
-_ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora(_sdxl).py
-# diffusers' train_dreambooth_lora_flux.py: the attention projections of both streams (the single blocks'
-# `attn.to_q/k/v` match too) and the double blocks' feed-forwards. Not `proj_out`: the name ends the single blocks' MLP
-# and also names the transformer's last projection, which diffusers leaves alone; `--lora-targets` adds `proj_mlp` or
-# `proj_out` on request.
-_FLUX = (
-    *(f"attn.{name}" for name in _ATTENTION),
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-)  # fmt: skip
-DEFAULT_TARGETS: dict[Family, tuple[str, ...]] = {Family.SD: _ATTENTION, Family.SDXL: _ATTENTION, Family.FLUX: _FLUX}
-
 
 @dataclass(frozen=True)
 class LoraSettings:
     rank: int = 0  # 0: full fine-tune
     alpha: int | None = None  # None: the rank (a scale of 1)
     dropout: float = 0.0
-    targets: tuple[str, ...] = ()  # module names (or their last parts); empty: the family's DEFAULT_TARGETS
+    targets: tuple[str, ...] = ()  # module names (or their last parts); empty: the family's lora_targets
 
     @property
     def enabled(self) -> bool:
@@ -71,7 +58,7 @@ class LoraSettings:
         return self.alpha or self.rank
 
     def targets_for(self, family: Family) -> tuple[str, ...]:
-        return self.targets or DEFAULT_TARGETS[family]
+        return self.targets or spec_for(family).lora_targets
 
     def run_settings(self, family: Family) -> dict[str, Any]:
         """What a checkpoint records of the adapter: rank and targets decide which weights exist."""

@@ -3,16 +3,17 @@ schedule, so a run without them trains exactly as before.
 
 - min-SNR-gamma weighting (Hang et al. 2023, as diffusers' train_text_to_image.py applies it): a sample at
   timestep t weighs min(SNR(t), gamma) / SNR(t) for epsilon prediction, min(SNR(t), gamma) / (SNR(t) + 1) for
-  v prediction. SD and SDXL.
+  v prediction. DDPM families (SD, SDXL).
 - noise offset (crosslabs 2023): noise + offset * N(0, 1) drawn once per image and channel, so the model can
-  learn to shift an image's mean brightness. SD and SDXL.
+  learn to shift an image's mean brightness. DDPM families.
 - caption dropout (as diffusers' examples' --proportion_empty_prompts): each sample's caption embedding is the
   empty caption's with probability P, so the model also learns the unconditional prediction that classifier-free
   guidance subtracts. Every family.
-- Flux's timestep sampling: logit-normal sigmoid(N(mean, std)) (stk's default; the default of diffusers' SD3
-  scripts, `--weighting_scheme logit_normal`), sigmoid sigmoid(std * N(0, 1)) (kohya's, logit-normal centred at
-  0), or uniform U(0, 1) (the default of diffusers' Flux scripts, `--weighting_scheme none`); then the flow shift
-  sigma' = S sigma / (1 + (S - 1) sigma) for a fixed S, or `auto`: the pipeline's own resolution-dependent shift.
+- the flow families' timestep sampling (Flux's): logit-normal sigmoid(N(mean, std)) (stk's default; the default
+  of diffusers' SD3 scripts, `--weighting_scheme logit_normal`), sigmoid sigmoid(std * N(0, 1)) (kohya's,
+  logit-normal centred at 0), or uniform U(0, 1) (the default of diffusers' Flux scripts, `--weighting_scheme
+  none`); then the flow shift sigma' = S sigma / (1 + (S - 1) sigma) for a fixed S, or `auto`: the pipeline's own
+  resolution-dependent shift.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 
 from stk.errors import InputError
-from stk.models.detect import Family
+from stk.models.families import Family, all_specs, spec_for
 
 __all__ = [
     "TIMESTEP_SAMPLINGS",
@@ -44,15 +45,15 @@ TIMESTEP_SAMPLINGS = ("logit-normal", "sigmoid", "uniform")
 class LossSettings:
     snr_gamma: float | None = None  # min-SNR-gamma weighting; None: every timestep weighs 1
     noise_offset: float = 0.0
-    timestep_sampling: str = "logit-normal"  # Flux
-    logit_mean: float = 0.0  # Flux, logit-normal
-    logit_std: float = 1.0  # Flux, logit-normal and sigmoid
-    flow_shift: float | None = None  # Flux; None: auto, the scheduler's own shift
+    timestep_sampling: str = "logit-normal"  # flow families (FamilySpec.flow)
+    logit_mean: float = 0.0  # flow, logit-normal
+    logit_std: float = 1.0  # flow, logit-normal and sigmoid
+    flow_shift: float | None = None  # flow; None: auto, the scheduler's own shift
     caption_dropout: float = 0.0  # probability of training a sample on the empty caption
 
     def check(self, family: Family) -> None:
         """Refuse settings that mean nothing for `family` or at all, before any model loads."""
-        flux = Family(family) is Family.FLUX
+        spec = spec_for(family)
         problems = []
         if self.snr_gamma is not None and self.snr_gamma <= 0:
             problems.append(f"--snr-gamma {self.snr_gamma:g} must be positive (5 is the paper's)")
@@ -68,17 +69,26 @@ class LossSettings:
             problems.append(f"--flow-shift {self.flow_shift:g} must be positive, or auto")
         if self.timestep_sampling == "sigmoid" and self.logit_mean != 0:
             problems.append("--timestep-sampling sigmoid is centred at 0: use logit-normal for --logit-mean")
-        if flux and (self.snr_gamma is not None or self.noise_offset):
-            problems.append("--snr-gamma and --noise-offset are for SD and SDXL (DDPM noise); Flux is a flow model")
-        flux_only = self.timestep_sampling != "logit-normal" or self.logit_mean or self.logit_std != 1.0
-        if not flux and (flux_only or self.flow_shift is not None):
-            problems.append("--timestep-sampling, --logit-mean, --logit-std and --flow-shift are for Flux")
+        if spec.flow and (self.snr_gamma is not None or self.noise_offset):
+            ddpm = _titles(flow=False)
+            problems.append(f"--snr-gamma and --noise-offset are for {ddpm} (DDPM noise); {spec.title} is a flow model")
+        flow_only = self.timestep_sampling != "logit-normal" or self.logit_mean or self.logit_std != 1.0
+        if not spec.flow and (flow_only or self.flow_shift is not None):
+            problems.append(
+                f"--timestep-sampling, --logit-mean, --logit-std and --flow-shift are for {_titles(flow=True)}"
+            )
         if problems:
             raise InputError("; ".join(problems))
 
     def run_settings(self) -> dict[str, Any]:
         """Part of a run's math: a checkpoint records them (stk.train.options)."""
         return asdict(self)
+
+
+def _titles(flow: bool) -> str:
+    """The families of one kind, as messages name them: "SD and SDXL"."""
+    titles = [spec.title for spec in all_specs() if spec.flow is flow]
+    return " and ".join([", ".join(titles[:-1]), titles[-1]] if len(titles) > 2 else titles)
 
 
 def drop_captions(

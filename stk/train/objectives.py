@@ -1,5 +1,6 @@
-"""Each model family's training loss, written as diffusers' own training examples write it, so a fine-tune learns
-what the family's pipeline will ask of it at inference.
+"""The training loss of each kind of family, written as diffusers' own training examples write it, so a fine-tune
+learns what the family's pipeline will ask of it at inference: DDPM noise prediction (epsilon or v) or rectified
+flow matching. The family's spec (stk.models.families) says which, and how its denoiser is called.
 
 All randomness (noise, timesteps, sigmas) comes from the caller's CPU generator and is then moved to the latents'
 device: a step is reproducible from its seed on any device and any number of ranks.
@@ -8,48 +9,53 @@ device: a step is reproducible from its seed on any device and any number of ran
 from __future__ import annotations
 
 import abc
+from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
-from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
-from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
-from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
-from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
-from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import StableDiffusionXLPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from stk.errors import InputError
 from stk.models.components import load_component
-from stk.models.detect import Family, vae_scale_factor
+from stk.models.families import Family, spec_for
+from stk.models.model_json import vae_scale_factor
 from stk.train.batch import StepInputs
 from stk.train.losses import LossSettings, flow_shift, min_snr_weights, offset_noise, sample_u
 from stk.train.weights import load_weights, load_weights_partitioned, weight_files
 from stk.world import World
 
-__all__ = ["OBJECTIVES", "FluxObjective", "Objective", "SDObjective", "SDXLObjective", "objective_for"]
+__all__ = ["DDPMObjective", "FlowObjective", "Objective", "objective_for"]
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
-PLAIN_LOSS = LossSettings()  # frozen: plain MSE and the pipeline's own Flux schedule
+PLAIN_LOSS = LossSettings()  # frozen: plain MSE and the pipeline's own flow schedule
 
 
 class Objective(abc.ABC):
     """One model family's denoiser and loss. Reads only configs when built; `load_denoiser` loads the weights."""
 
-    family: ClassVar[Family]
-    denoiser_subfolder: ClassVar[str]  # "unet" or "transformer"
-    denoiser_class: ClassVar[type[Any]]  # a diffusers ModelMixin (and ConfigMixin)
-    pipeline_class: ClassVar[type[Any]]  # whose save_lora_weights writes the family's LoRA format
-
-    def __init__(self, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS) -> None:
+    def __init__(
+        self, family: Family, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS
+    ) -> None:
+        self.spec = spec_for(family)
+        self.family = self.spec.name
+        self.denoiser_subfolder: str = self.spec.denoiser_subfolder
+        self.denoiser_class: type[Any] = self.spec.denoiser_class
+        self.pipeline_class: type[Any] = self.spec.pipeline_class  # its save_lora_weights writes the LoRA format
         self.model = model  # local diffusers pipeline directory or hub id
         self.guidance_scale = guidance_scale  # only guidance-distilled models (Flux dev) use it
         self.settings = settings
+
+    @cached_property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent, read from the VAE's config when a family's denoiser call first asks."""
+        return vae_scale_factor(self.model)
 
     def _check_denoiser_folder(self) -> None:
         if Path(self.model).is_dir() and not (Path(self.model) / self.denoiser_subfolder).is_dir():
@@ -100,17 +106,14 @@ class Objective(abc.ABC):
         """Scalar float32 MSE of one micro-batch. `denoiser` is the module or a DeepSpeed engine around it."""
 
 
-class SDObjective(Objective):
-    """SD 1.x/2.x: DDPM noise prediction (epsilon or v), as in diffusers' train_text_to_image.py. The scheduler
-    config the pipeline ships (PNDM, Euler, ...) holds the betas and prediction type the UNet was trained with."""
+class DDPMObjective(Objective):
+    """DDPM noise prediction (epsilon or v), as in diffusers' train_text_to_image.py. The scheduler config the
+    pipeline ships (PNDM, Euler, ...) holds the betas and prediction type the denoiser was trained with."""
 
-    family = Family.SD
-    denoiser_subfolder = "unet"
-    denoiser_class = UNet2DConditionModel
-    pipeline_class: ClassVar[type[Any]] = StableDiffusionPipeline
-
-    def __init__(self, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS) -> None:
-        super().__init__(model, guidance_scale, settings)
+    def __init__(
+        self, family: Family, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS
+    ) -> None:
+        super().__init__(family, model, guidance_scale, settings)
         self.scheduler = load_component(DDPMScheduler.from_pretrained, model, "scheduler")
         self.prediction_type = self.scheduler.config["prediction_type"]
         if self.prediction_type not in PREDICTION_TYPES:
@@ -118,10 +121,6 @@ class SDObjective(Objective):
                 f"{model}/scheduler: prediction_type {self.prediction_type!r} cannot be trained; stk trains "
                 + " or ".join(PREDICTION_TYPES)
             )
-
-    def conditioning(self, inputs: StepInputs) -> dict[str, Any]:
-        """The UNet's keyword arguments besides the noisy latents and timesteps."""
-        return {"encoder_hidden_states": inputs.text["prompt_embeds"]}
 
     def loss(self, denoiser: torch.nn.Module, inputs: StepInputs, generator: torch.Generator) -> torch.Tensor:
         latents = inputs.latents
@@ -132,7 +131,7 @@ class SDObjective(Objective):
         timesteps = torch.randint(0, steps, (len(latents),), generator=generator).to(latents.device)
         noisy = self.scheduler.add_noise(latents, noise, timesteps)
         target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
-        prediction = denoiser(noisy, timesteps, **self.conditioning(inputs), return_dict=False)[0]
+        prediction = self.spec.denoise(self, denoiser, noisy, timesteps, inputs)
         gamma = self.settings.snr_gamma
         if gamma is None:
             return F.mse_loss(prediction.float(), target.float())
@@ -140,39 +139,15 @@ class SDObjective(Objective):
         return (per_sample * min_snr_weights(self.scheduler, timesteps, gamma, self.prediction_type)).mean()
 
 
-class SDXLObjective(SDObjective):
-    """SDXL: DDPM plus the pooled text embedding and the size and crop conditioning ("time ids")."""
+class FlowObjective(Objective):
+    """Rectified flow matching as in diffusers' train_dreambooth_flux.py, the denoiser predicting noise - latents.
+    Sigmas are drawn logit-normal and then shifted like the pipeline shifts its schedule, so training spends its
+    steps on the noise levels inference visits at this resolution."""
 
-    family = Family.SDXL
-    pipeline_class = StableDiffusionXLPipeline
-
-    def __init__(self, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS) -> None:
-        super().__init__(model, guidance_scale, settings)
-        self.vae_scale_factor = vae_scale_factor(model)
-
-    def conditioning(self, inputs: StepInputs) -> dict[str, Any]:
-        """Time ids per sample: original (h, w), crop (top, left), target (h, w), the order of
-        StableDiffusionXLPipeline._get_add_time_ids; the target is the size the latents decode to."""
-        latents = inputs.latents
-        device, (b, _, h, w) = latents.device, latents.shape
-        target = torch.tensor([[h, w]], device=device).expand(b, 2) * self.vae_scale_factor
-        time_ids = torch.cat([inputs.original_size.to(device), inputs.crop_top_left.to(device), target], dim=1)
-        added = {"text_embeds": inputs.text["pooled_prompt_embeds"], "time_ids": time_ids.to(latents.dtype)}
-        return {**super().conditioning(inputs), "added_cond_kwargs": added}
-
-
-class FluxObjective(Objective):
-    """Flux: rectified flow matching as in diffusers' train_dreambooth_flux.py, the transformer predicting
-    noise - latents from packed 2x2 patches. Sigmas are drawn logit-normal and then shifted like FluxPipeline
-    shifts its schedule, so training spends its steps on the noise levels inference visits at this resolution."""
-
-    family = Family.FLUX
-    denoiser_subfolder = "transformer"
-    denoiser_class = FluxTransformer2DModel
-    pipeline_class = FluxPipeline
-
-    def __init__(self, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS) -> None:
-        super().__init__(model, guidance_scale, settings)
+    def __init__(
+        self, family: Family, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS
+    ) -> None:
+        super().__init__(family, model, guidance_scale, settings)
         self.scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, model, "scheduler")
 
     def sigmas(self, batch_size: int, image_seq_len: int, generator: torch.Generator) -> torch.Tensor:
@@ -196,40 +171,26 @@ class FluxObjective(Objective):
 
     def loss(self, denoiser: torch.nn.Module, inputs: StepInputs, generator: torch.Generator) -> torch.Tensor:
         latents = inputs.latents
-        b, c, h, w = latents.shape
-        if h % 2 or w % 2:
-            raise ValueError(f"Flux packs 2x2 latent patches: latent height and width must be even, got {h}x{w}")
+        b, _, h, w = latents.shape
+        patch = self.spec.patch_size
+        if h % patch or w % patch:
+            raise ValueError(
+                f"{self.spec.title} packs {patch}x{patch} latent patches: latent height and width must be multiples "
+                f"of {patch}, got {h}x{w}"
+            )
         device, dtype = latents.device, latents.dtype
         noise = randn_tensor(latents.shape, generator=generator, device=device, dtype=dtype)
-        sigmas = self.sigmas(b, (h // 2) * (w // 2), generator).to(device, dtype)
+        sigmas = self.sigmas(b, (h // patch) * (w // patch), generator).to(device, dtype)
         sigma = sigmas.view(b, 1, 1, 1)
         noisy = (1 - sigma) * latents + sigma * noise
-        module: Any = getattr(denoiser, "module", denoiser)  # a DeepSpeed engine holds the model as .module
-        guidance = torch.full((b,), self.guidance_scale, device=device) if module.config.guidance_embeds else None
-        prompt_embeds = inputs.text["prompt_embeds"]
-        prediction = denoiser(
-            hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w),
-            timestep=sigmas,  # FluxPipeline passes timestep / 1000 with timestep = sigma * 1000
-            guidance=guidance,
-            pooled_projections=inputs.text["pooled_prompt_embeds"],
-            encoder_hidden_states=prompt_embeds,
-            txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
-            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
-            return_dict=False,
-        )[0]
-        target = FluxPipeline._pack_latents(noise - latents, b, c, h, w)
+        prediction = self.spec.denoise(self, denoiser, noisy, sigmas, inputs)
+        target = self.spec.pack(noise - latents)
         return F.mse_loss(prediction.float(), target.float())
-
-
-OBJECTIVES: dict[Family, type[Objective]] = {
-    Family.SD: SDObjective,
-    Family.SDXL: SDXLObjective,
-    Family.FLUX: FluxObjective,
-}
 
 
 def objective_for(
     family: Family, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS
 ) -> Objective:
     """The objective of `family` for the pipeline `model` (a local directory or a hub id)."""
-    return OBJECTIVES[Family(family)](model, guidance_scale, settings)
+    kind = FlowObjective if spec_for(family).flow else DDPMObjective
+    return kind(family, model, guidance_scale, settings)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from stk.buckets import effective_batch_size
 from stk.errors import InputError
 from stk.models import Family, detect_family
-from stk.models.detect import read_model_json, vae_scale_factor
 from stk.models.latents import LatentNorm
+from stk.models.model_json import read_model_json, vae_scale_factor
 from stk.shards.jobs import expected_jobs
 from stk.train.data import CacheData, ImageData, TrainData
 from stk.train.options import TrainOptions

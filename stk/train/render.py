@@ -28,7 +28,6 @@ import torch
 from PIL import Image
 
 from stk.log import get_logger
-from stk.models.detect import Family
 from stk.prompts import EMPTY_CAPTION, prompt_slug
 from stk.train.embeddings import Embeddings
 from stk.train.export import replaced_on_success
@@ -63,16 +62,17 @@ class ValidationRenderer:
         self.plan, self.module, self.rank, self.world = plan, module, rank, world
         self.device, self.dtype = device, dtype
         self.pipeline = _pipeline(objective, module, device, dtype)
-        self.inputs = [self._conditioning(objective.family, embeddings, prompt) for prompt in plan.prompts]
+        negative = objective.spec.sampling.negative_prompt
+        self.inputs = [self._conditioning(negative, embeddings, prompt) for prompt in plan.prompts]
         zero3 = any(hasattr(p, "ds_tensor") for p in module.parameters())
         self.work = _share(len(plan.prompts), rank, world, zero3)
 
-    def _conditioning(self, family: Family, embeddings: Embeddings, prompt: str) -> dict[str, torch.Tensor]:
+    def _conditioning(self, negative_prompt: bool, embeddings: Embeddings, prompt: str) -> dict[str, torch.Tensor]:
         """The pipeline's embedding arguments for one prompt: its own, and for classifier-free guidance the empty
         caption's as the negative (SDXL's pipeline uses zeros instead when its config says so, as it does itself)."""
         cond = {name: value[None].to(self.device, self.dtype) for name, value in embeddings[prompt].items()}
         zeros = bool(getattr(self.pipeline.config, "force_zeros_for_empty_prompt", False))
-        if family is Family.FLUX or zeros:
+        if not negative_prompt or zeros:
             return cond
         negative = {name: value[None].to(self.device, self.dtype) for name, value in embeddings[EMPTY_CAPTION].items()}
         out = {}

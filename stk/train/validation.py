@@ -11,17 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stk.errors import InputError
-from stk.models.detect import Family
+from stk.models.families import Family, spec_for
 from stk.prompts import read_prompts
 
-__all__ = ["FAMILY_SAMPLING", "ValidationPlan", "ValidationSettings", "parse_resolution", "plan_validation"]
-
-# inference steps and guidance scale as each family's pipeline is usually run
-FAMILY_SAMPLING: dict[Family, tuple[int, float]] = {
-    Family.SD: (30, 7.5),
-    Family.SDXL: (30, 5.0),
-    Family.FLUX: (28, 3.5),  # the guidance embedding of FLUX.1-dev, not classifier-free guidance
-}
+__all__ = ["ValidationPlan", "ValidationSettings", "parse_resolution", "plan_validation"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +66,7 @@ def plan_validation(
     vae_scale_factor: int,
 ) -> ValidationPlan | None:
     """The images to make, or None for none; refuses an empty prompt file and a resolution the family's pipeline
-    cannot make (Flux packs 2x2 latent patches, so its sides are multiples of twice the VAE's factor)."""
+    cannot make (its sides are multiples of the VAE's factor times the denoiser's patch: `FamilySpec.alignment`)."""
     prompts = list(settings.prompts)
     if settings.prompts_file:
         prompts += read_prompts(settings.prompts_file)
@@ -81,13 +74,14 @@ def plan_validation(
         prompts = list(cached_prompts)
     if not settings.enabled or not prompts:
         return None
-    steps, guidance = FAMILY_SAMPLING[family]
+    spec = spec_for(family)
+    steps, guidance = spec.sampling.steps, spec.sampling.guidance
     if settings.resolution is not None:
         width, height = settings.resolution
     else:
         latent_h, latent_w = max(buckets, key=lambda hw: (buckets[hw], hw))
         width, height = latent_w * vae_scale_factor, latent_h * vae_scale_factor
-    alignment = vae_scale_factor * (2 if family is Family.FLUX else 1)
+    alignment = spec.alignment(vae_scale_factor)
     if width % alignment or height % alignment:
         raise InputError(
             f"--validation-resolution {width}x{height}: {family.value} makes images whose sides are multiples of "

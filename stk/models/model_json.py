@@ -1,37 +1,15 @@
-"""Which model family a diffusers pipeline belongs to, from its model_index.json."""
+"""The JSON files of a diffusers pipeline (model_index.json, each component's config.json), read without weights."""
 
 from __future__ import annotations
 
-import enum
 import json
 from pathlib import Path
 from typing import Any
 
 from stk.errors import InputError
+from stk.models.families import family_hint
 
-__all__ = ["PIPELINE_FAMILIES", "Family", "detect_family", "read_model_json", "vae_scale_factor"]
-
-
-class Family(str, enum.Enum):
-    SD = "sd"  # Stable Diffusion 1.x and 2.x
-    SDXL = "sdxl"
-    FLUX = "flux"
-
-
-# model_index.json "_class_name" -> family. Variants of one pipeline share its encoders.
-PIPELINE_FAMILIES: dict[str, Family] = {
-    "StableDiffusionPipeline": Family.SD,
-    "StableDiffusionImg2ImgPipeline": Family.SD,
-    "StableDiffusionInpaintPipeline": Family.SD,
-    "StableDiffusionXLPipeline": Family.SDXL,
-    "StableDiffusionXLImg2ImgPipeline": Family.SDXL,
-    "StableDiffusionXLInpaintPipeline": Family.SDXL,
-    "FluxPipeline": Family.FLUX,
-    "FluxImg2ImgPipeline": Family.FLUX,
-    "FluxInpaintPipeline": Family.FLUX,
-}
-
-_FAMILY_HINT = "pass --family " + "|".join(f.value for f in Family)
+__all__ = ["read_model_json", "vae_scale_factor"]
 
 
 def read_model_json(model: str, filename: str) -> dict[str, Any]:
@@ -52,7 +30,7 @@ def read_model_json(model: str, filename: str) -> dict[str, Any]:
         except (OSError, ValueError) as exc:  # offline, unknown repo, invalid id
             raise InputError(
                 f"cannot read {filename} of {model!r} ({type(exc).__name__}): give a local model directory, "
-                f"or {_FAMILY_HINT} with a model that is in the hub cache"
+                f"or {family_hint()} with a model that is in the hub cache"
             ) from exc
     try:
         data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
@@ -64,16 +42,3 @@ def read_model_json(model: str, filename: str) -> dict[str, Any]:
 def vae_scale_factor(model: str) -> int:
     """Pixels per latent along each side: 2 ** (VAE blocks - 1), as diffusers pipelines compute it."""
     return int(2 ** (len(read_model_json(model, "vae/config.json")["block_out_channels"]) - 1))
-
-
-def detect_family(model: str) -> Family:
-    """The family of `model` (a local diffusers directory or a hub id), from its pipeline class."""
-    name = read_model_json(model, "model_index.json").get("_class_name")
-    family = PIPELINE_FAMILIES.get(str(name))
-    if family is None:
-        known = ", ".join(PIPELINE_FAMILIES)
-        raise InputError(
-            f"{model}: pipeline {name!r} is not one stk knows ({known}); {_FAMILY_HINT} if its VAE and text encoders "
-            "are laid out like one of those"
-        )
-    return family

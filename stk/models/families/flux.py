@@ -1,0 +1,150 @@
+"""FLUX.1: a transformer trained by rectified flow matching (diffusers' train_dreambooth_flux.py) on 2x2 latent
+patches packed into tokens, conditioned on T5's last hidden state and CLIP's pooled output (diffusers'
+FluxPipeline.encode_prompt) and, in the guidance-distilled dev model, on a guidance scale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+# Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
+from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+from transformers import CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+
+from stk.models import tinyparts as tiny
+from stk.models.base import Encoders
+from stk.models.components import load_text_encoder, load_vae
+from stk.models.families import Family
+from stk.models.families.sd import ATTENTION_TARGETS
+from stk.models.families.spec import FamilySpec, Sampling
+
+if TYPE_CHECKING:
+    from stk.train.batch import StepInputs
+    from stk.train.objectives import Objective
+
+__all__ = ["SPEC", "T5_MAX_LENGTH", "FluxEncoders"]
+
+T5_MAX_LENGTH = 512  # FluxPipeline's default max_sequence_length (dev); capped by the tokenizer's own limit
+PATCH = 2  # FluxPipeline._pack_latents packs 2x2 latent patches into one token
+
+# diffusers' train_dreambooth_lora_flux.py: the attention projections of both streams (the single blocks'
+# `attn.to_q/k/v` match too) and the double blocks' feed-forwards. Not `proj_out`: the name ends the single blocks' MLP
+# and also names the transformer's last projection, which diffusers leaves alone; `--lora-targets` adds `proj_mlp` or
+# `proj_out` on request.
+LORA_TARGETS = (
+    *(f"attn.{name}" for name in ATTENTION_TARGETS),
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+)  # fmt: skip
+
+
+class FluxEncoders(Encoders):
+    family = Family.FLUX
+    text_outputs = ("prompt_embeds", "pooled_prompt_embeds")
+
+    @classmethod
+    def load(cls, model: str, device: torch.device, dtype: torch.dtype) -> FluxEncoders:
+        clip = load_text_encoder(model, "", CLIPTokenizer, CLIPTextModel, device, dtype)
+        t5 = load_text_encoder(model, "_2", T5Tokenizer, T5EncoderModel, device, dtype, max_length=T5_MAX_LENGTH)
+        return cls(model, load_vae(model, device, dtype), (clip, t5))
+
+    def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        clip, t5 = self.text
+        ids, _ = clip.tokenize(captions)
+        pooled = clip.model(ids).pooler_output
+        ids_2, mask_2 = t5.tokenize(captions)
+        embeds = t5.model(ids_2).last_hidden_state
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}, mask_2.sum(dim=1)
+
+
+def _pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C), FluxPipeline's token layout."""
+    b, c, h, w = latents.shape
+    packed: torch.Tensor = FluxPipeline._pack_latents(latents, b, c, h, w)
+    return packed
+
+
+def _denoise(
+    objective: Objective, denoiser: torch.nn.Module, noisy: torch.Tensor, sigmas: torch.Tensor, inputs: StepInputs
+) -> torch.Tensor:
+    """The packed prediction, with the ids and guidance FluxPipeline gives the transformer."""
+    b, _, h, w = noisy.shape
+    device, dtype = noisy.device, noisy.dtype
+    module: Any = getattr(denoiser, "module", denoiser)  # a DeepSpeed engine holds the model as .module
+    guidance = torch.full((b,), objective.guidance_scale, device=device) if module.config.guidance_embeds else None
+    prompt_embeds = inputs.text["prompt_embeds"]
+    prediction: torch.Tensor = denoiser(
+        hidden_states=_pack(noisy),
+        timestep=sigmas,  # FluxPipeline passes timestep / 1000 with timestep = sigma * 1000
+        guidance=guidance,
+        pooled_projections=inputs.text["pooled_prompt_embeds"],
+        encoder_hidden_states=prompt_embeds,
+        txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
+        img_ids=FluxPipeline._prepare_latent_image_ids(b, h // PATCH, w // PATCH, device, dtype),
+        return_dict=False,
+    )[0]
+    return prediction
+
+
+def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
+    tokenizer = tiny.clip_tokenizer(scratch / "tokenizer")
+    tokenizer_2 = tiny.t5_tokenizer(scratch / "tokenizer_2", T5_MAX_LENGTH)
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=transformer.config.joint_attention_dim if transformer is not None else 48,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer_2.pad_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+        )
+    )
+    transformer = transformer or FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * 16,  # 16 latent channels packed 2x2
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=t5.config.d_model,
+        pooled_projection_dim=32,  # CLIP width
+        guidance_embeds=True,  # like FLUX.1-dev
+        axes_dims_rope=(4, 6, 6),
+    )
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=vae or tiny.vae(16, 0.3611, shift_factor=0.1159),
+        text_encoder=tiny.clip(tokenizer, transformer.config.pooled_projection_dim),
+        tokenizer=tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+
+
+SPEC = FamilySpec(
+    name=Family.FLUX,
+    title="Flux",
+    pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"),
+    pipeline_class=FluxPipeline,
+    encoders=FluxEncoders,
+    denoiser_subfolder="transformer",
+    denoiser_class=FluxTransformer2DModel,
+    flow=True,
+    denoise=_denoise,
+    lora_targets=LORA_TARGETS,
+    # the guidance embedding of FLUX.1-dev, not classifier-free guidance: no negative prompt
+    sampling=Sampling(steps=28, guidance=3.5, negative_prompt=False),
+    published=("flux-dev",),  # black-forest-labs/FLUX.1-dev
+    tiny=_tiny,
+    patch_size=PATCH,
+    pack=_pack,
+)

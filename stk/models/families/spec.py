@@ -1,0 +1,62 @@
+"""What a model family is to stk: one `FamilySpec` per family, in its module (stk/models/families/<name>.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from stk.models.base import Encoders
+    from stk.models.families import Family
+    from stk.train.batch import StepInputs
+    from stk.train.objectives import Objective
+
+__all__ = ["Denoise", "FamilySpec", "Sampling", "TinyBuilder", "unpacked"]
+
+# The family's training forward pass, as its pipeline calls the denoiser: (objective, denoiser or a DeepSpeed engine
+# around it, noisy latents (B, C, h, w), timesteps (DDPM) or sigmas (flow), inputs) -> the prediction.
+Denoise = Callable[["Objective", torch.nn.Module, torch.Tensor, torch.Tensor, "StepInputs"], torch.Tensor]
+# (scratch folder for tokenizer files, a denoiser module or None, a VAE module or None) -> the pipeline's components,
+# tiny random-weight ones where None is given.
+TinyBuilder = Callable[[Path, Any, Any], dict[str, Any]]
+
+
+def unpacked(latents: torch.Tensor) -> torch.Tensor:
+    """The target of a denoiser that predicts in the latents' own layout."""
+    return latents
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the family's pipeline is usually run, for the sample images of a run."""
+
+    steps: int
+    guidance: float
+    negative_prompt: bool  # classifier-free guidance with the empty caption as the negative prompt
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: Family
+    title: str  # how messages name the family: "SDXL"
+    pipelines: tuple[str, ...]  # the model_index.json `_class_name`s of this family (detection)
+    pipeline_class: type[Any]  # writes model_index.json, saves the LoRA file, makes the sample images
+    encoders: type[Encoders]  # the VAE and the text recipe of the pipeline's own encode_prompt
+    denoiser_subfolder: str  # "unet" or "transformer"
+    denoiser_class: type[Any]  # a diffusers ModelMixin (and ConfigMixin)
+    flow: bool  # flow matching (sigmas, target noise - latents); else DDPM (timesteps, epsilon or v)
+    denoise: Denoise
+    lora_targets: tuple[str, ...]  # the default --lora-targets, as diffusers' training examples adapt the family
+    sampling: Sampling
+    published: tuple[str, ...]  # configs in stk/models/configs/<name>/ of the published architectures
+    tiny: TinyBuilder
+    patch_size: int = 1  # latent patches per side that the denoiser takes as one token
+    pack: Callable[[torch.Tensor], torch.Tensor] = unpacked  # a (B, C, h, w) target in the prediction's layout
+
+    def alignment(self, vae_scale_factor: int) -> int:
+        """Pixels that an image's sides must be multiples of, for a VAE of `vae_scale_factor`."""
+        return vae_scale_factor * self.patch_size

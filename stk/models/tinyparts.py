@@ -1,0 +1,121 @@
+"""The parts of the tiny random-weight pipelines that several families share: tokenizers built offline from a
+hand-written vocabulary, and CLIP text encoders, VAEs and UNets a few layers deep. Each family's module
+(stk.models.families) puts its pipeline together from them; stk.models.tiny writes it."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any
+
+from diffusers import UNet2DConditionModel
+
+# Deep import where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from tokenizers import Tokenizer
+from tokenizers.models import Unigram
+from tokenizers.pre_tokenizers import ByteLevel, Metaspace
+from tokenizers.processors import TemplateProcessing
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    T5Tokenizer,
+)
+
+__all__ = ["CLIP_LENGTH", "WORDS", "checked", "clip", "clip_tokenizer", "t5_tokenizer", "unet", "vae"]
+
+# Words that become single tokens, so captions tokenize into something like real subwords.
+WORDS = ("a", "an", "the", "photo", "of", "cat", "dog", "on", "in", "with", "and", "red", "blue", "painting", "man")
+CLIP_LENGTH = 77
+
+
+def checked(tokenizer: PreTrainedTokenizerBase, expected: int) -> PreTrainedTokenizerBase:
+    """from_pretrained can return an empty tokenizer instead of raising (FACTS.md): fail here, not in a later test."""
+    if len(tokenizer) != expected:
+        raise RuntimeError(f"tiny {type(tokenizer).__name__} loaded {len(tokenizer)} tokens, expected {expected}")
+    return tokenizer
+
+
+def clip_tokenizer(folder: Path, pad_token: str = "<|endoftext|>") -> PreTrainedTokenizerBase:
+    """CLIP's byte-level BPE from a hand-written vocab.json + merges.txt: every byte alone and word-final ('</w>'),
+    and merges that join each of WORDS left to right."""
+    alphabet = sorted(ByteLevel.alphabet())
+    merges: dict[tuple[str, str], None] = {}
+    for word in WORDS:
+        parts = [*word[:-1], word[-1] + "</w>"]
+        while len(parts) > 1:
+            merges[(parts[0], parts[1])] = None
+            parts = [parts[0] + parts[1], *parts[2:]]
+    tokens = [*alphabet, *(c + "</w>" for c in alphabet), *(a + b for a, b in merges)]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    tokenizer = CLIPTokenizer.from_pretrained(folder, pad_token=pad_token, model_max_length=CLIP_LENGTH)
+    return checked(tokenizer, len(vocab))
+
+
+def t5_tokenizer(folder: Path, max_length: int) -> PreTrainedTokenizerBase:
+    """T5's Unigram (sentencepiece) model built with the tokenizers library: every printable ASCII character alone
+    and at a word start ('▁'), plus WORDS; equal scores, so the fewest pieces win and words stay whole."""
+    chars = string.ascii_letters + string.digits + string.punctuation
+    pieces = dict.fromkeys(["▁", *chars, *("▁" + c for c in chars), *("▁" + w for w in WORDS)])
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), *((piece, -1.0) for piece in pieces)]
+    backend = Tokenizer(Unigram(vocab, unk_id=2))
+    backend.pre_tokenizer = Metaspace()
+    backend.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    tokenizer = T5Tokenizer.from_pretrained(folder, extra_ids=0, model_max_length=max_length)
+    return checked(tokenizer, len(vocab))
+
+
+def clip(tokenizer: PreTrainedTokenizerBase, hidden: int, projection: bool = False) -> PreTrainedModel:
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=CLIP_LENGTH,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def vae(latent_channels: int, scaling_factor: float, shift_factor: float | None = None) -> AutoencoderKL:
+    """Four blocks like the real ones (8x down: 64 px -> 8x8 latents). Flux's VAE has a shift and no quant convs."""
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(32, 64, 64, 64),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        sample_size=64,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=shift_factor is None,
+        use_post_quant_conv=shift_factor is None,
+    )
+
+
+def unet(cross_attention_dim: int, **extra: Any) -> UNet2DConditionModel:
+    return UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=cross_attention_dim,
+        attention_head_dim=(2, 4),
+        **extra,
+    )
