@@ -11,7 +11,7 @@ import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
 from stk.models.components import TextEncoder, vae_config
-from stk.models.families import Family
+from stk.models.families.registry import Family
 from stk.models.latents import LatentNorm
 
 __all__ = ["Encoders", "TextEmbedding", "identity_differences"]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from stk.errors import InputError
-from stk.models.families import family_hint
+from stk.models.families.registry import family_hint
 
 __all__ = ["read_model_json", "vae_scale_factor"]
 

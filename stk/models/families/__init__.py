@@ -1,5 +1,5 @@
-"""The registry of model families: one line each in `Family`, and everything stk knows about a family in its own
-module, stk/models/families/<name>.py, as one `FamilySpec` named SPEC (published configs in
+"""The model families: the registry (one line each in `Family`, registry.py), and everything stk knows about a
+family in its own module, stk/models/families/<name>.py, as one `FamilySpec` named SPEC (published configs in
 stk/models/configs/<name>/). Code outside this package asks a family's spec and never names a family.
 
 Listing the names is cheap (the command-line choices, `import stk.models`); a spec imports torch, diffusers and
@@ -8,35 +8,16 @@ transformers on first use.
 
 from __future__ import annotations
 
-import enum
 import importlib
 from typing import TYPE_CHECKING
 
 from stk.errors import InputError
+from stk.models.families.registry import DEMO_FAMILY, Family, family_hint, family_names
 
 if TYPE_CHECKING:
     from stk.models.families.spec import FamilySpec
 
 __all__ = ["DEMO_FAMILY", "Family", "all_specs", "detect_family", "family_hint", "family_names", "spec_for"]
-
-
-class Family(str, enum.Enum):
-    """A family's name; the value is its module's."""
-
-    SD = "sd"  # Stable Diffusion 1.x and 2.x
-    SDXL = "sdxl"
-    FLUX = "flux"  # FLUX.1
-
-
-DEMO_FAMILY = Family.SDXL  # the one the demo trains unless told otherwise
-
-
-def family_names() -> list[str]:
-    return [family.value for family in Family]
-
-
-def family_hint() -> str:
-    return "pass --family " + "|".join(family_names())
 
 
 def spec_for(family: Family | str) -> FamilySpec:

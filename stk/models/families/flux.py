@@ -18,13 +18,12 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel,
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families import Family
+from stk.models.families.registry import Family
 from stk.models.families.sd import ATTENTION_TARGETS
-from stk.models.families.spec import FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
-    from stk.train.objectives import Objective
 
 __all__ = ["SPEC", "T5_MAX_LENGTH", "FluxEncoders"]
 
@@ -69,7 +68,7 @@ def _pack(latents: torch.Tensor) -> torch.Tensor:
 
 
 def _denoise(
-    objective: Objective, denoiser: torch.nn.Module, noisy: torch.Tensor, sigmas: torch.Tensor, inputs: StepInputs
+    objective: DenoiseSettings, denoiser: torch.nn.Module, noisy: torch.Tensor, sigmas: torch.Tensor, inputs: StepInputs
 ) -> torch.Tensor:
     """The packed prediction, with the ids and guidance FluxPipeline gives the transformer."""
     b, _, h, w = noisy.shape

@@ -17,12 +17,11 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families import Family
-from stk.models.families.spec import FamilySpec, Sampling
+from stk.models.families.registry import Family
+from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
-    from stk.train.objectives import Objective
 
 __all__ = ["ATTENTION_TARGETS", "SD_BETAS", "SPEC", "SDEncoders", "call_unet"]
 
@@ -55,7 +54,11 @@ def call_unet(denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.T
 
 
 def _denoise(
-    objective: Objective, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, inputs: StepInputs
+    objective: DenoiseSettings,
+    denoiser: torch.nn.Module,
+    noisy: torch.Tensor,
+    timesteps: torch.Tensor,
+    inputs: StepInputs,
 ) -> torch.Tensor:
     prediction: torch.Tensor = call_unet(denoiser, noisy, timesteps, encoder_hidden_states=inputs.text["prompt_embeds"])
     return prediction

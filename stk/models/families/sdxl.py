@@ -18,13 +18,12 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families import Family
+from stk.models.families.registry import Family
 from stk.models.families.sd import ATTENTION_TARGETS, SD_BETAS, call_unet
-from stk.models.families.spec import FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
-    from stk.train.objectives import Objective
 
 __all__ = ["SPEC", "SDXLEncoders"]
 
@@ -53,7 +52,11 @@ class SDXLEncoders(Encoders):
 
 
 def _denoise(
-    objective: Objective, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, inputs: StepInputs
+    objective: DenoiseSettings,
+    denoiser: torch.nn.Module,
+    noisy: torch.Tensor,
+    timesteps: torch.Tensor,
+    inputs: StepInputs,
 ) -> torch.Tensor:
     """Time ids per sample: original (h, w), crop (top, left), target (h, w), the order of
     StableDiffusionXLPipeline._get_add_time_ids; the target is the size the latents decode to."""

@@ -5,21 +5,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from stk.models.base import Encoders
-    from stk.models.families import Family
+    from stk.models.families.registry import Family
     from stk.train.batch import StepInputs
-    from stk.train.objectives import Objective
 
-__all__ = ["Denoise", "FamilySpec", "Sampling", "TinyBuilder", "unpacked"]
+__all__ = ["Denoise", "DenoiseSettings", "FamilySpec", "Sampling", "TinyBuilder", "unpacked"]
 
-# The family's training forward pass, as its pipeline calls the denoiser: (objective, denoiser or a DeepSpeed engine
-# around it, noisy latents (B, C, h, w), timesteps (DDPM) or sigmas (flow), inputs) -> the prediction.
-Denoise = Callable[["Objective", torch.nn.Module, torch.Tensor, torch.Tensor, "StepInputs"], torch.Tensor]
+
+class DenoiseSettings(Protocol):
+    """What a family's forward pass reads of the objective that calls it (stk.train.objectives.Objective)."""
+
+    @property
+    def guidance_scale(self) -> float:
+        """Guidance-distilled models (FLUX.1-dev) take it as an input."""
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent, for size conditioning."""
+
+
+# The family's training forward pass, as its pipeline calls the denoiser: (the objective's settings, denoiser or a
+# DeepSpeed engine around it, noisy latents (B, C, h, w), timesteps (DDPM) or sigmas (flow), inputs) -> the prediction.
+Denoise = Callable[[DenoiseSettings, torch.nn.Module, torch.Tensor, torch.Tensor, "StepInputs"], torch.Tensor]
 # (scratch folder for tokenizer files, a denoiser module or None, a VAE module or None) -> the pipeline's components,
 # tiny random-weight ones where None is given.
 TinyBuilder = Callable[[Path, Any, Any], dict[str, Any]]

@@ -1,0 +1,27 @@
+"""The registry: one line per model family stk trains. The value is the name of the family's module in this package;
+listing the names imports nothing heavy (the command-line choices, `import stk.models`)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["DEMO_FAMILY", "Family", "family_hint", "family_names"]
+
+
+class Family(str, enum.Enum):
+    """A family's name; the value is its module's."""
+
+    SD = "sd"  # Stable Diffusion 1.x and 2.x
+    SDXL = "sdxl"
+    FLUX = "flux"  # FLUX.1
+
+
+DEMO_FAMILY = Family.SDXL  # the one the demo trains unless told otherwise
+
+
+def family_names() -> list[str]:
+    return [family.value for family in Family]
+
+
+def family_hint() -> str:
+    return "pass --family " + "|".join(family_names())
