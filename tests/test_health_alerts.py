@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers import Receiver
+from support.helpers import Receiver
 
 from stk.health.alerts import Event, apply, body, notify_report, payload, plan_events, redact, send, title
 from stk.health.report import Finding, Report, Severity

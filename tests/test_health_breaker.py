@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_nvml import H100, FakeNvml, nvml_present
-from helpers import gpu
+from support.fake_nvml import H100, FakeNvml, nvml_present
+from support.helpers import gpu
 
 from stk.errors import InputError
 from stk.health.breaker import GpuWatch, local_gpu_index

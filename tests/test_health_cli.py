@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Receiver
+from support.helpers import Receiver
 
 HEALTH = [sys.executable, "-m", "stk.cli.health"]
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster
+from support.slurm_cluster import SlurmCluster
 
 from stk.errors import InfraError, InputError
 from stk.health.report import Finding, Report, Severity

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import cache_command, cache_env, scan_command, scan_env
 from PIL import Image, ImageOps
+from support.helpers import cache_command, cache_env, scan_command, scan_env
 
 from stk.datagen import FORMAT_SAMPLES, FormatSample, generate_format_samples, make_image
 from stk.errors import ExitCode

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import train_env
+from support.helpers import REPO, train_env
 
 from stk.cli.launch import RANK_ENTRY
 from stk.errors import ExitCode, InputError
@@ -23,7 +23,7 @@ from stk.launch.supervise import supervise
 from stk.models import Family
 from stk.slurm import hostnames
 
-STK_LAUNCH = str(Path(__file__).resolve().parents[1] / "bin" / "stk-launch")
+STK_LAUNCH = str(REPO / "bin" / "stk-launch")
 SLURM = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "123"}
 FAST = ["--batch-size", "1", "--lr", "1e-3", "--precision", "fp32", "-q"]
 

@@ -10,8 +10,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import cache_command, cache_env, kill_cache_ranks_when, s3_client, scan_command, scan_env, summary_of
-from shard_records import Rank0, make_latent, make_text
+from support.helpers import (
+    cache_command,
+    cache_env,
+    kill_cache_ranks_when,
+    s3_client,
+    scan_command,
+    scan_env,
+    summary_of,
+)
+from support.shard_records import Rank0, make_latent, make_text
 
 from stk.datagen import make_image
 from stk.models import Family, build_tiny_model

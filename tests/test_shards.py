@@ -18,8 +18,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import S3_ENV, s3_client
-from shard_records import Rank0, make_latent, make_text
+from support.helpers import S3_ENV, s3_client
+from support.shard_records import Rank0, make_latent, make_text
 
 from stk import storage
 from stk.errors import CacheIncomplete, ExitCode, InputError

@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import FAST, metrics, run_train, summary_of, train_command, train_env
-from test_storage_failures import mount, one_error  # noqa: F401  (the tmpfs fixture)
+from support.helpers import FAST, metrics, one_error, run_train, summary_of, train_command, train_env
 
 from stk.errors import CheckpointDamaged, InfraError, InputError
 from stk.models import Family
@@ -202,7 +201,7 @@ def test_no_good_checkpoint_is_exit_6_before_any_model_loads(copied):
 
 
 @pytest.mark.integration
-def test_a_disk_that_fills_while_the_ema_is_saved_is_exit_69_on_every_rank_and_latest_stays(trained, mount):  # noqa: F811
+def test_a_disk_that_fills_while_the_ema_is_saved_is_exit_69_on_every_rank_and_latest_stays(trained, mount):
     args, trained_out = trained
     disk = mount("disk", "size=256m")
     out = disk / "run"

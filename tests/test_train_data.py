@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import S3_ENV, cache_command, cache_env, s3_client, scan_command, summary_of
+from support.helpers import S3_ENV, cache_command, cache_env, s3_client, scan_command, summary_of
 
 from stk import storage
 from stk.datagen import generate_dataset

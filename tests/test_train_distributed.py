@@ -19,7 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import EXTENSIONS_DIR
+from support.helpers import EXTENSIONS_DIR
 
 from stk.errors import InfraError, InputError
 from stk.slurm import free_port, hostnames

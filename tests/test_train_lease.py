@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from helpers import (
+from support.helpers import (
     FAST,
     board_scalars,
     board_tags,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from helpers import FAST, SAMPLING, metrics, run_train, sample_pngs, samples_match, summary_of
 from safetensors.torch import load_file
+from support.helpers import FAST, SAMPLING, metrics, run_train, sample_pngs, samples_match, summary_of
 
 from stk.errors import InputError
 from stk.models import Family

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, run_train
+from support.helpers import FAST, run_train
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import EXTENSIONS_DIR, FAST, mpi_rank_pids, run_train, train_command, train_env
+from support.helpers import EXTENSIONS_DIR, FAST, mpi_rank_pids, run_train, train_command, train_env
 
 from stk.errors import ExitCode, InfraError, InputError
 from stk.models import Family

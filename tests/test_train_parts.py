@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import board_scalars, board_tags
+from support.helpers import REPO, board_scalars, board_tags
 
 from stk.errors import BatchCheckFailed, CheckpointDamaged, ExitCode, InputError, PreflightFailed
 from stk.train.checkpoint import CheckpointDir, tag_for
@@ -36,7 +36,7 @@ def test_presets_load_and_get_stks_settings(preset):
 
 
 def test_the_etc_presets_are_the_packaged_ones():
-    etc = Path(__file__).parent.parent / "etc" / "deepspeed"
+    etc = REPO / "etc" / "deepspeed"
     for preset in PRESETS:
         assert json.loads((etc / f"{preset}.json").read_text()) == load_deepspeed_config(preset)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel, UNet2DConditionModel
-from helpers import MPIEXEC, train_env
+from support.helpers import MPIEXEC, train_env
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model

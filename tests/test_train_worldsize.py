@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, metrics, run_train, summary_of
 from safetensors.torch import load_file
+from support.helpers import FAST, metrics, run_train, summary_of
 
 from stk.errors import InputError
 from stk.models import Family

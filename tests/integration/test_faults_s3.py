@@ -1,0 +1,552 @@
+"""S3 outages: each command rides through one shorter than --s3-retry-seconds and ends with exit 69
+(one line) past it; errors a retry cannot fix are not retried. Every test has its own SeaweedFS
+server, stopped (SIGSTOP) or killed and started again on the same ports and data.
+
+The storage layer meets both faults in-process; the commands ride through a stopped server (the
+harder case: requests hang until their timeouts) and give up on a killed one (refused at once),
+which keeps the suite's time in bounds while each command meets each kind of failure."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from support.helpers import cache_command, cache_env, scan_command, scan_env, summary_of, train_command, train_env
+from support.slurm_cluster import free_ports
+from support.weed_server import S3_ENV, WeedServer, s3_client
+
+from stk import storage
+from stk.datagen import generate_dataset
+from stk.errors import ExitCode, InfraError, InputError
+from stk.lease import lease_name
+from stk.models import Family
+
+pytestmark = pytest.mark.integration
+
+OUTAGE_S = 10  # a server restart, or a failover
+BUDGET_S = 5  # the short --s3-retry-seconds of the tests that outlast it
+STOP_BUDGET_S = 30  # timeouts of 2.5 s: a stopped server is noticed (two attempts) within the 10 s outage
+EXIT_BOUND_S = BUDGET_S + 40  # past the budget: one attempt's timeouts, the ranks' teardown, a loaded machine
+
+
+@pytest.fixture
+def weed(tmp_path: Path) -> Iterator[WeedServer]:
+    """A private S3 server that this test may stop, kill and restart."""
+    server = WeedServer(tmp_path / "weed")
+    server.data.mkdir()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()  # its data goes with tmp_path: no need to wait for a clean shutdown (2-15 s)
+
+
+@pytest.fixture
+def in_process(weed: WeedServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Handler]:
+    """stk.storage in this process pointed at `weed`; yields a handler that records the S3 log."""
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    records = _Records()
+    logger = logging.getLogger("stk.storage.s3")
+    logger.addHandler(records)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(records)
+        storage.configure_s3(None)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def count(self, text: str) -> int:
+        return sum(text in line for line in self.lines)
+
+
+def _bucket(weed: WeedServer, name: str, objects: dict[str, bytes]) -> None:
+    client = s3_client(weed.endpoint)
+    client.create_bucket(Bucket=name)
+    for key, body in objects.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+
+
+# --------------------------------------------------------------------------- the policy itself
+
+
+def test_errors_a_retry_cannot_fix_are_raised_at_once(weed: WeedServer, in_process: _Records):
+    _bucket(weed, "here", {"a": b"x"})
+    storage.configure_s3(weed.endpoint, retry_seconds=60)
+    started = time.monotonic()
+    with pytest.raises(InputError, match="S3 bucket 'nowhere' does not exist at " + weed.endpoint):
+        list(storage.list_files("s3://nowhere/images"))
+    with pytest.raises(FileNotFoundError, match="s3://here/missing: no such object"):
+        storage.read_bytes("s3://here/missing")
+    assert not storage.exists("s3://here/missing")
+    assert time.monotonic() - started < 10
+    assert in_process.lines == []
+
+
+def test_wrong_credentials_are_raised_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A server with one identity: another key is refused (InvalidAccessKeyId), never retried."""
+    config = tmp_path / "s3.json"
+    identity = {"accessKey": S3_ENV["AWS_ACCESS_KEY_ID"], "secretKey": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
+    actions = ["Admin", "Read", "Write", "List"]
+    config.write_text(json.dumps({"identities": [{"name": "stk", "credentials": [identity], "actions": actions}]}))
+    server = WeedServer(tmp_path / "weed", args=(f"-s3.config={config}",))
+    server.data.mkdir()
+    server.start()
+    try:
+        _bucket(server, "locked", {"a": b"x"})
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone-else")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        storage.configure_s3(server.endpoint, retry_seconds=60)
+        started = time.monotonic()
+        with pytest.raises(InputError, match=r"access denied to s3://locked/a at .*InvalidAccessKeyId"):
+            storage.read_bytes("s3://locked/a")
+        assert time.monotonic() - started < 10
+    finally:
+        storage.configure_s3(None)
+        server.stop()
+
+
+def test_a_host_name_that_never_resolved_is_input_and_one_that_resolved_before_is_an_outage(
+    weed: WeedServer, in_process: _Records, monkeypatch: pytest.MonkeyPatch
+):
+    """A typo in the endpoint is exit 3 at once (retried as an outage it would requeue the job forever); a
+    name that resolved earlier in the process and then fails is an outage (a DNS server can go down)."""
+    storage.configure_s3("http://no-such-host.invalid:8333", retry_seconds=60)
+    started = time.monotonic()
+    with pytest.raises(InputError, match=r"http://no-such-host\.invalid:8333: the host name .* does not resolve"):
+        storage.read_bytes("s3://data/k")
+    assert time.monotonic() - started < 10 and in_process.lines == []
+
+    _bucket(weed, "data", {"k": b"v"})
+    storage.configure_s3(weed.endpoint.replace("127.0.0.1", "localhost"), retry_seconds=2)
+    assert storage.read_bytes("s3://data/k") == b"v"
+    _outage(weed, "kill")
+    try:
+
+        def no_dns(*args: object, **kwargs: object) -> None:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+        monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+        with pytest.raises(InfraError, match="did not answer for 2 s"):
+            storage.read_bytes("s3://data/k")
+    finally:
+        monkeypatch.undo()
+        _recover(weed, "kill")
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_threads_wait_through_an_outage_logged_once(weed: WeedServer, in_process: _Records, fault: str):
+    """Eight threads reading through an 8 s outage all succeed; the wait is logged once when it
+    starts and once when it ends, not once per thread or per attempt. (A budget of 30 s makes the
+    timeouts 2.5 s, so botocore's two attempts give up on a stopped server within the outage.)"""
+    objects = {f"k{i}": bytes([i]) * 1000 for i in range(8)}
+    _bucket(weed, "data", objects)
+    storage.configure_s3(weed.endpoint, retry_seconds=30)
+    assert storage.read_bytes("s3://data/k0") == objects["k0"]  # the client is made, connections open
+    _outage(weed, fault)
+    results: dict[str, bytes] = {}
+
+    def read(key: str) -> None:
+        results[key] = storage.read_bytes(f"s3://data/{key}")
+
+    threads = [threading.Thread(target=read, args=(key,)) for key in objects]
+    for thread in threads:
+        thread.start()
+    time.sleep(8)
+    _recover(weed, fault)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == objects
+    assert in_process.count("is not answering") == 1, in_process.lines
+    assert in_process.count("answers again") == 1, in_process.lines
+    assert len(in_process.lines) == 2, in_process.lines
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_past_the_budget_is_an_infra_error_naming_endpoint_object_and_budget(
+    weed: WeedServer, in_process: _Records, fault: str
+):
+    _bucket(weed, "data", {"k": b"v"})
+    storage.configure_s3(weed.endpoint, retry_seconds=3)
+    assert storage.read_bytes("s3://data/k") == b"v"
+    _outage(weed, fault)
+    started = time.monotonic()
+    try:
+        with pytest.raises(InfraError) as raised:
+            storage.read_bytes("s3://data/k")
+        took = time.monotonic() - started
+    finally:
+        _recover(weed, fault)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert weed.endpoint in message and "s3://data/k" in message and "3 s" in message, message
+    assert 3 <= took < 3 + 15, took  # the budget, plus at most one attempt's timeouts
+    assert in_process.count("is not answering") == 1, in_process.lines
+    assert storage.read_bytes("s3://data/k") == b"v"  # and it works again once the server is back
+
+
+def test_every_kind_of_call_rides_through(weed: WeedServer, in_process: _Records, tmp_path: Path):
+    """Listing (several pages), ranged and whole GETs, HEAD, PUT, multipart upload, download, delete:
+    each started while the server is down, each finishing once it is back."""
+    _bucket(weed, "all", {f"page/{i:04d}": b"x" for i in range(1005)})
+    big = tmp_path / "big"
+    big.write_bytes(bytes(range(256)) * (40 * 2**12))  # 10 MiB: boto3 uploads it in parts
+    storage.configure_s3(weed.endpoint, retry_seconds=60)
+    storage.write_atomic("s3://all/small", b"0123456789")
+    calls = {
+        "list": lambda: len(list(storage.list_files("s3://all/page"))),
+        "range": lambda: storage.open_read("s3://all/small", 10).read(4),
+        "get": lambda: storage.read_bytes("s3://all/small"),
+        "head": lambda: storage.stat("s3://all/small").size,
+        "put": lambda: storage.write_atomic("s3://all/put", b"p"),
+        "multipart": lambda: storage.upload_file(str(big), "s3://all/big"),
+        "download": lambda: storage.download_file("s3://all/small", str(tmp_path / "copy")),
+        "delete": lambda: storage.delete("s3://all/put"),
+    }
+    weed.kill()
+    results: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda n=n, c=c: results.update({n: c()})) for n, c in calls.items()]
+    for thread in threads:
+        thread.start()
+    time.sleep(4)
+    weed.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert results["list"] == 1005
+    assert results["range"] == b"0123"
+    assert results["get"] == b"0123456789"
+    assert results["head"] == 10
+    assert storage.read_bytes("s3://all/big") == big.read_bytes()
+    assert (tmp_path / "copy").read_bytes() == b"0123456789"
+    assert set(results) == set(calls)
+    assert in_process.count("is not answering") == 1, in_process.lines
+
+
+def _outage(weed: WeedServer, fault: str) -> None:
+    if fault == "kill":
+        weed.kill()
+    else:
+        weed.pause()
+
+
+def _recover(weed: WeedServer, fault: str) -> None:
+    if fault == "kill":
+        weed.start()
+    else:
+        weed.resume()
+
+
+# --------------------------------------------------------------------------- the commands
+
+
+@dataclass
+class Outcome:
+    proc: subprocess.CompletedProcess[str]
+    exit_s: float  # from the start of the fault to the command's exit
+
+    def lines(self, text: str) -> list[str]:
+        return [line for line in self.proc.stderr.splitlines() if text in line]
+
+    def assert_waited_once_per_rank(self) -> None:
+        """Each rank that met the outage logged it once, and its end once (not per thread, per attempt)."""
+        waits = self.lines("is not answering")
+        assert waits, self.proc.stderr
+        for rank in ("r0@", "r1@"):
+            mine = [line for line in waits if f" {rank}" in line]
+            back = [line for line in self.lines("answers again") if f" {rank}" in line]
+            assert len(mine) <= 1 and len(back) == len(mine), self.proc.stderr
+
+    def assert_gave_up(self, weed: WeedServer) -> None:
+        """Exit 69, one error line naming the endpoint and the budget (from each rank whose budget ran
+        out before the abort reached it, at most one per rank), no traceback, in bounded time."""
+        assert self.proc.returncode == ExitCode.INFRA, self.proc.stderr
+        assert "Traceback" not in self.proc.stderr, self.proc.stderr
+        errors = self.lines(" ERROR ")
+        reporters = [line.split(" ERROR ")[0].split()[-1] for line in errors]  # "r1@vm"
+        assert errors and len(set(reporters)) == len(reporters), self.proc.stderr
+        for line in errors:
+            assert weed.endpoint in line and f"did not answer for {BUDGET_S} s" in line, errors
+        assert self.exit_s < EXIT_BOUND_S, self.exit_s
+
+
+def _run_with_fault(
+    command: list[str],
+    env: dict[str, str],
+    weed: WeedServer,
+    fault: str,
+    started: Callable[[], bool],
+    outage_s: float | None,
+) -> Outcome:
+    """Run `command`; once `started()` holds, stop or kill the server, and bring it back after `outage_s`
+    (None: only after the command has ended, which must then come within EXIT_BOUND_S)."""
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    with ThreadPoolExecutor(2) as pool:  # read both pipes as they fill
+        out, err = pool.submit(proc.stdout.read), pool.submit(proc.stderr.read)  # type: ignore[union-attr]
+        deadline = time.monotonic() + 240
+        while not started() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, f"ended before the fault:\n{err.result()}"
+        fault_at = time.monotonic()
+        _outage(weed, fault)
+        try:
+            if outage_s is not None:
+                time.sleep(outage_s)
+                _recover(weed, fault)
+            code = proc.wait(timeout=300 if outage_s is not None else EXIT_BOUND_S)
+            exit_s = time.monotonic() - fault_at
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and its ranks
+            proc.wait()
+            pytest.fail(f"still running {time.monotonic() - fault_at:.0f} s after the fault:\n{err.result()[-3000:]}")
+        finally:
+            if outage_s is None:
+                _recover(weed, fault)
+    completed = subprocess.CompletedProcess(command, code, out.result(), err.result())
+    print(f"{' '.join(command[-6:])}: {fault}, outage {outage_s} s -> exit {code} after {exit_s:.1f} s")
+    return Outcome(completed, exit_s)
+
+
+def _files(pattern: str, root: Path) -> Callable[[], bool]:
+    return lambda: any(root.glob(pattern))
+
+
+def _upload(weed: WeedServer, bucket: str, root: Path, prefix: str) -> str:
+    client = s3_client(weed.endpoint)
+    client.create_bucket(Bucket=bucket)
+    paths = [p for p in sorted(root.rglob("*")) if p.is_file()]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: client.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(root)}"), paths))
+    return f"s3://{bucket}/{prefix}"
+
+
+# --- stk-scan: listing, sidecar captions and ranged header reads, on 2 ranks x 2 threads
+
+SCAN_IMAGES = 400
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    generate_dataset(str(root), count=SCAN_IMAGES, seed=3, min_side=64, max_side=80)
+    return root
+
+
+def _scan_args(url: str, out: Path, weed: WeedServer, budget: float) -> list[str]:
+    return [url, "--out", str(out), "--s3-endpoint-url", weed.endpoint, "--s3-retry-seconds", f"{budget:g}",
+            "--threads", "2", "--commit-every", "10", "--resolution", "64", "--batch-size", "1",
+            "--gpus", "1"]  # fmt: skip
+
+
+def test_scan_rides_through_an_outage(weed: WeedServer, images: Path, tmp_path: Path):
+    url = _upload(weed, "scan", images, "set")
+    out = tmp_path / "out"
+    command = scan_command(_scan_args(url, out, weed, STOP_BUDGET_S), mpi=2)
+    outcome = _run_with_fault(command, scan_env(), weed, "stop", _files(".scan-journal/*", out), OUTAGE_S)
+    assert outcome.proc.returncode == 0, outcome.proc.stderr
+    outcome.assert_waited_once_per_rank()
+    summary = summary_of(outcome.proc)
+    assert summary["images"] == SCAN_IMAGES and summary["errors"] == 0, summary  # no image taken for unreadable
+
+
+def test_scan_past_the_budget_exits_69_and_a_rerun_finishes(weed: WeedServer, images: Path, tmp_path: Path):
+    url = _upload(weed, "scan", images, "set")
+    out = tmp_path / "out"
+    command = scan_command(_scan_args(url, out, weed, BUDGET_S), mpi=2)
+    outcome = _run_with_fault(command, scan_env(), weed, "kill", _files(".scan-journal/*", out), None)
+    outcome.assert_gave_up(weed)
+    rerun = subprocess.run(command, capture_output=True, text=True, env=scan_env(), timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    summary = summary_of(rerun)
+    assert summary["images"] == SCAN_IMAGES and summary["errors"] == 0 and summary["reused"] > 0, summary
+
+
+# --- stk-cache: images read from S3 on 2 ranks x 2 threads, shards, parts and manifest written to S3
+
+
+@pytest.fixture(scope="module")
+def sd_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from stk.models import build_tiny_model
+
+    return build_tiny_model(Family.SD, str(tmp_path_factory.mktemp("model") / "sd"))
+
+
+def _scan_on(weed: WeedServer, images: Path, out: Path) -> None:
+    url = _upload(weed, "images", images, "set")
+    args = [url, "--out", out, "--s3-endpoint-url", weed.endpoint, "--resolution", "64", "--batch-size", "1", "-q"]
+    command = scan_command(list(map(str, args)))
+    proc = subprocess.run(command, capture_output=True, text=True, env=scan_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _verify(weed: WeedServer, cache: str, scan: Path) -> None:
+    args = ["verify", cache, "--scan", scan, "--s3-endpoint-url", weed.endpoint]
+    proc = subprocess.run(cache_command(args), capture_output=True, text=True, env=cache_env(), timeout=300)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["ok"], proc.stdout + proc.stderr
+
+
+def _cache_run(
+    weed: WeedServer, images: Path, sd_model: str, tmp_path: Path, budget: float
+) -> tuple[list[str], dict[str, str], Path]:
+    """(the 2-rank stk-cache command, its environment, its scan) for a cache written to S3."""
+    scan = tmp_path / "scan"
+    _scan_on(weed, images, scan)
+    s3_client(weed.endpoint).create_bucket(Bucket="cache")
+    args = [scan, "--model", sd_model, "--out", "s3://cache/c", "--s3-endpoint-url", weed.endpoint,
+            "--s3-retry-seconds", f"{budget:g}", "--threads", "2", "--batch-size", "4"]  # fmt: skip
+    env = {**cache_env(), "STK_CACHE_WORK_DIR": str(tmp_path / "work")}
+    return cache_command(args, mpi=2), env, scan
+
+
+def test_cache_rides_through_an_outage(weed: WeedServer, images: Path, sd_model: str, tmp_path: Path):
+    command, env, scan = _cache_run(weed, images, sd_model, tmp_path, STOP_BUDGET_S)
+    started = _files("*/*.h5.tmp", tmp_path / "work")
+    outcome = _run_with_fault(command, env, weed, "stop", started, OUTAGE_S)
+    assert outcome.proc.returncode == 0, outcome.proc.stderr
+    outcome.assert_waited_once_per_rank()
+    summary = summary_of(outcome.proc)
+    assert summary["encoded_images"] == SCAN_IMAGES and summary["errors"] == 0, summary
+    _verify(weed, "s3://cache/c", scan)
+
+
+def test_cache_past_the_budget_exits_69_and_a_rerun_finishes(
+    weed: WeedServer, images: Path, sd_model: str, tmp_path: Path
+):
+    command, env, scan = _cache_run(weed, images, sd_model, tmp_path, BUDGET_S)
+    outcome = _run_with_fault(command, env, weed, "kill", _files("*/*.h5.tmp", tmp_path / "work"), None)
+    outcome.assert_gave_up(weed)
+    rerun = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    summary = summary_of(rerun)
+    assert summary["images"] == SCAN_IMAGES and summary["errors"] == 0, summary
+    _verify(weed, "s3://cache/c", scan)
+
+
+# --- stk-train: whole shards fetched from S3 on 2 ranks, with a local limit below one shard. Which
+# step next needs a fetch depends on the shuffle, so the ride-through starts its outage as soon as
+# the run holds its lease, before its first read from S3 (the plan, then every rank's first
+# shards); giving up is tested mid-run, where some later step must fetch from the dead server.
+
+
+@pytest.fixture(scope="module")
+def two_shards(scan: Path, sd_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local cache of conftest's `scan` in two shards (one per writer rank)."""
+    cache = tmp_path_factory.mktemp("train-cache") / "cache"
+    args = [scan, "--model", sd_model, "--out", cache, "--dtype", "float32", "-q"]
+    proc = subprocess.run(cache_command(args, mpi=2), capture_output=True, text=True, env=cache_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert len(list((cache / "shards").iterdir())) == 2
+    return cache
+
+
+TRAIN_STEPS = 30
+
+
+def _train_command(weed: WeedServer, scan: Path, model: str, out: Path, budget: float) -> list[str]:
+    args = ["--cache", "s3://train/cache", "--scan", scan, "--model", model, "--output-dir", out,
+            "--epochs", "3", "--max-steps", TRAIN_STEPS, "--checkpoint-every", "4", "--local-cache-size", "1e-6",
+            "--loader-threads", "2", "--prefetch", "1", "--batch-size", "1", "--lr", "1e-3", "--precision", "fp32",
+            "-q", "--s3-endpoint-url", weed.endpoint, "--s3-retry-seconds", f"{budget:g}"]  # fmt: skip
+    return train_command(list(map(str, args)), mpi=2)
+
+
+def _trained_steps(out: Path) -> Callable[[], int]:
+    def steps() -> int:
+        path = out / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    return steps
+
+
+def _assert_each_step_once(out: Path) -> None:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, TRAIN_STEPS + 1)), rows
+
+
+def test_train_rides_through_an_outage(weed: WeedServer, scan: Path, sd_model: str, two_shards: Path, tmp_path: Path):
+    _upload(weed, "train", two_shards, "cache")
+    out = tmp_path / "run"
+    outcome = _run_with_fault(
+        _train_command(weed, scan, sd_model, out, STOP_BUDGET_S),
+        train_env(),
+        weed,
+        "stop",
+        lambda: (out / lease_name("stk-train")).exists(),
+        OUTAGE_S,
+    )
+    assert outcome.proc.returncode == 0, outcome.proc.stderr
+    assert "Traceback" not in outcome.proc.stderr, outcome.proc.stderr
+    outcome.assert_waited_once_per_rank()
+    _assert_each_step_once(out)
+
+
+def test_train_past_the_budget_exits_69_and_a_rerun_finishes(
+    weed: WeedServer, scan: Path, sd_model: str, two_shards: Path, tmp_path: Path
+):
+    _upload(weed, "train", two_shards, "cache")
+    out = tmp_path / "run"
+    command = _train_command(weed, scan, sd_model, out, BUDGET_S)
+    steps = _trained_steps(out)
+    outcome = _run_with_fault(command, train_env(), weed, "kill", lambda: steps() >= 2, None)
+    outcome.assert_gave_up(weed)
+    assert steps() < TRAIN_STEPS
+    rerun = subprocess.run(command, capture_output=True, text=True, env=train_env(), timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    _assert_each_step_once(out)
+
+
+# --- where the budget comes from
+
+
+@pytest.mark.parametrize("source", ["option", "environment", "config [s3]", "config [scan]"])
+def test_the_budget_comes_from_option_environment_or_config(tmp_path: Path, source: str):
+    """An endpoint where nothing listens, a 2 s budget set four ways: exit 69 naming it, in bounded time."""
+    endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"
+    config = tmp_path / "stk.toml"
+    args, env = ["s3://nowhere/images", "--out", str(tmp_path / "out"), "--s3-endpoint-url", endpoint], scan_env()
+    if source == "option":
+        args += ["--s3-retry-seconds", "2"]
+    elif source == "environment":
+        env["STK_SCAN_S3_RETRY_SECONDS"] = "2"
+    else:
+        table = "[s3]\nretry_seconds = 2\n" if source == "config [s3]" else "[scan]\ns3-retry-seconds = 2\n"
+        config.write_text(table)
+        args += ["--config", str(config)]
+    started = time.monotonic()
+    proc = subprocess.run(scan_command(args), capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == ExitCode.INFRA, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"S3 endpoint {endpoint} did not answer for 2 s (s3://nowhere/" in errors[0], errors
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - started < 2 + 30
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_stk_launch_passes_a_given_budget_on_to_stk_train(tmp_path: Path, given: bool):
+    args = ["--dry-run", "--hosts", "localhost", "--slots-per-node", "2", "--hostfile", str(tmp_path / "hosts")]
+    args += ["--s3-retry-seconds", "300"] if given else []
+    command = [sys.executable, "-m", "stk.cli.launch", *args, "--", "--cache", "c", "--model", "m", "--output-dir", "o"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=scan_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert ("export STK_TRAIN_S3_RETRY_SECONDS=300" in proc.stdout) is given, proc.stdout

@@ -1,0 +1,139 @@
+"""bench/gpu.py, the GPU proof kit, in its --cpu smoke mode: every part runs on tiny shapes through the code a GPU
+runs (stk's real CLIs, DeepSpeed engines on the CPU, the baseline loop in a process of its own, the breaker on a
+scripted GPU behind stk's device interface, a batch the address space cannot hold), prints the keys the GPU run
+records, and --record writes its table. Its numbers mean nothing; its keys, exit codes and arithmetic do."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.helpers import REPO, train_env
+
+pytestmark = pytest.mark.integration
+
+KIT = REPO / "bench" / "gpu.py"
+KEYS = ("samples_per_s", "peak_memory", "mfu", "baseline_ratio")
+
+
+def load_kit() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_kit", KIT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+# Two kit processes at once (the parts are independent; this halves the wait on two cores), each its own workdir
+# and results file, as two calls on a lent machine would be.
+HALVES = ("health,cache,train,breaker", "flux,oom")
+
+
+@dataclass
+class Kit:
+    rows: dict[str, list[dict[str, Any]]]  # part -> its rows, in the order printed
+    tables: list[str]  # each half's results file
+    work: Path  # the first half's workdir: the SDXL model and cache
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory: pytest.TempPathFactory) -> Kit:
+    root = tmp_path_factory.mktemp("gpu-kit")
+    procs = []
+    for i, parts in enumerate(HALVES):
+        results = root / f"RESULTS-{i}.md"
+        results.write_text("# Benchmark results\n")
+        command = [sys.executable, str(KIT), "--cpu", "--only", parts, "--record", "--results", str(results),
+                   "--workdir", str(root / f"work-{i}"), "--peak-tflops", "0.05"]  # fmt: skip
+        procs.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=train_env()), results))  # fmt: skip
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for proc, _ in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-4000:]
+        printed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert "environment" in printed[0]
+        for row in printed[1:]:
+            rows.setdefault(row["part"], []).append(row)
+    return Kit(rows, [results.read_text() for _, results in procs], root / "work-0")
+
+
+def test_every_part_runs_and_prints_the_keys_the_gpu_run_records(kit):
+    assert sorted(kit.rows) == sorted(",".join(HALVES).split(","))
+    for part, rows in kit.rows.items():
+        assert len(rows) == 1, part  # --cpu runs one training variant; a GPU run all four per batch size
+        assert set(KEYS) <= set(rows[0]), rows[0]
+
+
+def test_health_reads_the_gpu_and_is_timed_against_the_interpreter(kit):
+    (health,) = kit.rows["health"]
+    assert health["exit_code"] == 0 and health["ok"] is True
+    (summary,) = [f for f in health["findings"] if f.get("summary")]
+    assert summary["gpus"] == 1 and summary["severity"] == "OK"
+    assert 0 < health["seconds_over_interpreter"] < health["seconds"]
+
+
+def test_cache_and_train_are_measured_against_their_baselines(kit):
+    (cache,) = kit.rows["cache"]
+    assert cache["images"] == 8 and cache["samples_per_s"] > 0
+    assert cache["baseline_ratio"] == pytest.approx(cache["samples_per_s"] / cache["baseline_samples_per_s"], rel=1e-2)
+    (train,) = kit.rows["train"]
+    assert train["variant"] == "lora" and train["batch"] == 2 and train["flops_per_step"] > 0
+    assert train["samples_per_s"] > 0 and train["baseline"]["samples_per_s"] > 0
+    assert train["baseline_ratio"] == pytest.approx(
+        train["samples_per_s"] / train["baseline"]["samples_per_s"], rel=1e-2
+    )
+    assert train["mfu"] == pytest.approx(train["flops_per_step"] / train["step_s"] / 0.05e12, rel=1e-2)
+
+
+def test_flops_are_counted_per_sample_of_the_batch(kit):
+    gpu = load_kit()
+    model, cache = str(kit.work / "model-sdxl"), kit.work / "cache-sdxl"
+    one, two = gpu.step_flops(model, cache, 1), gpu.step_flops(model, cache, 2)
+    assert two == pytest.approx(2 * one, rel=0.01) and one > 0
+
+
+def test_flux_projects_the_full_model_from_the_measured_rate(kit):
+    (flux,) = kit.rows["flux"]
+    assert flux["blocks"] == [1, 1] and flux["samples_per_s"] > 0 and flux["mfu"] > 0
+    projection = flux["projection"]
+    assert projection["gpus"] == 32 and projection["batch_per_gpu"] == 8
+    assert projection["s_per_step"] == pytest.approx(projection["compute_s"] + projection["allreduce_s"], abs=2e-3)
+    # FLUX.1-dev's 11.9B bf16 gradients, ring all-reduced over 32 GPUs at 50 GB/s
+    assert projection["allreduce_s"] == pytest.approx(2 * 31 / 32 * 11_901_408_320 * 2 / 50e9, rel=1e-3)
+
+
+def test_the_breaker_polls_while_the_workload_runs(kit):
+    (breaker,) = kit.rows["breaker"]
+    assert breaker["watch_active"] is True and breaker["step_s"] > 0
+    assert isinstance(breaker["overhead_pct"], float)
+
+
+def test_a_batch_too_big_is_one_line_and_exit_3(kit):
+    (oom,) = kit.rows["oom"]
+    assert oom["exit_code"] == 3 and oom["traceback"] is False and oom["ok"] is True
+    assert "out of host memory at --batch-size 16" in oom["line"] and "--gradient-checkpointing" in oom["line"]
+
+
+def test_record_appends_a_table_headed_by_the_environment(kit):
+    for parts, text in zip(HALVES, kit.tables, strict=True):
+        assert text.startswith("# Benchmark results\n")
+        assert "### GPU proof kit: cpu, driver None, torch " in text
+        assert f"`python bench/gpu.py --cpu --only {parts} --record" in text
+        table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| part")]
+        assert [line.split(" | ")[0].removeprefix("| ") for line in table] == parts.split(",")
+
+
+def test_unknown_parts_and_no_gpu_are_usage_errors(tmp_path):
+    for args, message in ((["--cpu", "--only", "train,bake"], "--only bake: choose from"),
+                          ([], "no CUDA device")):  # fmt: skip
+        proc = subprocess.run([sys.executable, str(KIT), *args, "--workdir", str(tmp_path)], capture_output=True,
+                              text=True, env=train_env(), timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

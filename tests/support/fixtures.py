@@ -1,0 +1,197 @@
+"""Shared fixtures: a generated dataset, a way to run stk-scan as users do, a real S3 server
+(SeaweedFS `weed mini`) for the session, a real one-node Slurm, an apprise receiver, and the
+scan, tiny models and caches that stk-train's tests share. tests/conftest.py brings them to every
+test directory; helpers that are not fixtures live in helpers.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from stk.datagen import GeneratedImage, generate_dataset
+from support.helpers import (
+    EXTENSIONS_DIR,
+    FRESH_EXTENSIONS_DIR,
+    PROMPTS,
+    TRAIN,
+    TRAIN_IMAGES,
+    Mount,
+    Receiver,
+    RunScan,
+    cache_command,
+    scan_command,
+    scan_env,
+)
+from support.slurm_cluster import slurm_cluster  # noqa: F401  (the real Slurm fixture)
+from support.slurm_nodes import slurm_nodes  # noqa: F401  (the real four-node Slurm fixture)
+from support.weed_server import WeedServer
+
+if TYPE_CHECKING:
+    from stk.models import Family
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_memory_left_behind() -> Iterator[None]:
+    """DeepSpeed's CPU all-reduce maps a 66 MiB file in /dev/shm per rank and master port, and a rank
+    that a test kills never removes it: in RAM, across a whole session. Those of a test go when it ends
+    (its ranks have ended too)."""
+    before = set(SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*"))
+    yield
+    for leftover in set(SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*")) - before:
+        leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fresh_op_builds() -> Iterator[None]:
+    """The session's build directory for DeepSpeed's ops (helpers.EXTENSIONS_DIR) goes when the session ends."""
+    yield
+    if FRESH_EXTENSIONS_DIR:
+        shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def keep_logging() -> Iterator[None]:
+    """A command run in-process (CliRunner) points the 'stk' logger at the runner's stderr; put it back afterwards."""
+    logger = logging.getLogger("stk")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
+
+
+@pytest.fixture
+def run_scan() -> RunScan:
+    """run_scan(args, stdin=None, mpi=0, env=None, timeout=120) -> CompletedProcess (text)."""
+
+    def run(
+        args: list[Any],
+        stdin: str | None = None,
+        mpi: int = 0,
+        env: dict[str, str] | None = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
+        full_env = scan_env()
+        full_env.update(env or {})
+        return subprocess.run(
+            scan_command(args, mpi),
+            input=stdin if stdin is not None else "",
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout,
+        )
+
+    return run
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> tuple[Path, list[GeneratedImage]]:
+    """48 generated images (every format, some EXIF-rotated, most with a caption sidecar)."""
+    root = tmp_path / "dataset"
+    made = generate_dataset(str(root), count=48, seed=1)
+    return root, made
+
+
+# --- a real S3 server -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A SeaweedFS server (`weed mini`) on 127.0.0.1, on free ports; yields the S3 endpoint URL."""
+    server = WeedServer(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        server.start()
+        yield server.endpoint
+    finally:
+        server.stop()
+
+
+# --- a small tmpfs: a disk that fills, a file system remounted read-only ---------------------
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Mount]:
+    """mount(name, options) -> a tmpfs at tmp_path/name mounted with `options`; all unmounted at teardown."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs (a disk that fills, a remount read-only) needs root")
+    mounted: list[Path] = []
+
+    def do(name: str, options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield do
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# --- a local HTTP receiver for apprise json:// alerts -----------------------------------
+
+
+@pytest.fixture
+def receiver() -> Iterator[Callable[..., Receiver]]:
+    started: list[Receiver] = []
+
+    def start(port: int = 0) -> Receiver:
+        started.append(Receiver(port))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.close()
+
+
+# --- a scanned dataset, tiny models and caches for stk-train (the training tests) ------------------------------
+
+
+@pytest.fixture(scope="session")  # read-only for every test: one scan for the session
+def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    data = tmp_path_factory.mktemp("train-data")
+    generate_dataset(str(data), count=TRAIN_IMAGES, seed=7, min_side=64, max_side=80)
+    out = tmp_path_factory.mktemp("train-scan") / "scan"
+    command = [
+        str(Path(TRAIN[0])), "-m", "stk.cli.scan", data, "--out", out, "--resolution", "64", "--alignment", "64",
+        "--batch-size", "1", "--gpus", "2", "-q",
+    ]  # fmt: skip
+    proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=scan_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")  # tests copy a model or cache before changing it
+def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], tuple[str, Path]]:
+    """setups(family) -> (model dir, cache dir), built on first use. The Flux cache holds PROMPTS' embeddings."""
+    done: dict[Family, tuple[str, Path]] = {}
+
+    def get(family: Family) -> tuple[str, Path]:
+        if family not in done:
+            root = tmp_path_factory.mktemp(f"train-{family.value}")
+            from stk.models import Family, build_tiny_model
+
+            model = build_tiny_model(family, str(root / "model"))
+            cache = root / "cache"
+            args = [scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"]
+            if family is Family.FLUX:  # the Flux cache holds the sample prompts (what stk-cache --validation-prompts
+                prompts = root / "prompts.txt"  # does); a run on it samples them unless told otherwise
+                prompts.write_text("\n".join(PROMPTS) + "\n")
+                args += ["--validation-prompts", prompts]
+            env = {**scan_env(), "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run(cache_command(args), capture_output=True, text=True, env=env, timeout=300)
+            assert proc.returncode == 0, proc.stderr
+            done[family] = (model, cache)
+        return done[family]
+
+    return get

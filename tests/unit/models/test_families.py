@@ -1,0 +1,142 @@
+"""stk.models.families: every family's spec is complete and its own, detection finds each family from its pipeline
+names, listing the names stays cheap, and no module outside stk/models/families/ names a family."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import ModelMixin
+from support.helpers import REPO
+
+from stk.errors import InputError
+from stk.models import Encoders
+from stk.models.families import DEMO_FAMILY, Family, all_specs, detect_family, family_names, spec_for
+from stk.models.families.spec import FamilySpec
+
+STK = REPO / "stk"
+HOME = STK / "models" / "families"
+specs = pytest.mark.parametrize("spec", all_specs(), ids=lambda spec: spec.name.value)
+
+
+@specs
+def test_each_spec_is_complete_and_its_own(spec: FamilySpec) -> None:
+    assert spec is spec_for(spec.name) and spec is spec_for(spec.name.value)
+    assert spec.title and spec.pipeline_class.__name__ in spec.pipelines
+    assert issubclass(spec.encoders, Encoders) and spec.encoders.family is spec.name
+    assert not inspect.isabstract(spec.encoders)
+    assert issubclass(spec.denoiser_class, ModelMixin)
+    assert spec.denoiser_subfolder in inspect.signature(spec.pipeline_class).parameters
+    assert spec.lora_targets and all(spec.lora_targets)
+    assert spec.sampling.steps > 0 and spec.sampling.guidance > 0
+    assert spec.patch_size >= 1 and spec.alignment(8) == 8 * spec.patch_size
+    latents = torch.randn(2, 4, 4, 6)
+    packed = spec.pack(latents)
+    assert packed.numel() == latents.numel() and packed.shape[0] == 2
+    assert spec.published
+    for name in spec.published:
+        for component, cls in (("denoiser", spec.denoiser_class), ("vae", None)):
+            text = resources.files("stk.models").joinpath("configs", name, f"{component}.json").read_text()
+            assert cls is None or json.loads(text)["_class_name"] == cls.__name__
+
+
+def test_the_registry_is_one_name_per_family_and_one_family_per_pipeline() -> None:
+    assert family_names() == [spec.name.value for spec in all_specs()] == [f.value for f in Family]
+    assert all((HOME / f"{name}.py").is_file() for name in family_names())
+    pipelines = [name for spec in all_specs() for name in spec.pipelines]
+    assert len(pipelines) == len(set(pipelines))
+    published = [name for spec in all_specs() for name in spec.published]
+    assert len(published) == len(set(published))
+    assert DEMO_FAMILY in Family
+    with pytest.raises(ValueError):
+        spec_for("sd4")
+
+
+@pytest.mark.parametrize("pipeline", [name for spec in all_specs() for name in spec.pipelines])
+def test_each_pipeline_name_is_detected_as_its_family(pipeline: str, tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    (expected,) = [spec.name for spec in all_specs() if pipeline in spec.pipelines]
+    assert detect_family(str(tmp_path)) is expected
+
+
+def test_an_unknown_pipeline_lists_every_known_one(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    with pytest.raises(InputError, match="WanPipeline") as raised:
+        detect_family(str(tmp_path))
+    assert all(name in str(raised.value) for spec in all_specs() for name in spec.pipelines)
+    assert "pass --family " + "|".join(family_names()) in str(raised.value)
+
+
+def test_listing_the_names_imports_no_model_library() -> None:
+    code = (
+        "import sys; from stk.models.families import family_names; assert family_names(); "
+        "assert not {'torch', 'diffusers', 'transformers'} & set(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _namings(source: str) -> list[tuple[int, str]]:
+    """Where `source` names a family: a Family member, a string or identifier word that is a family's name, one of
+    its pipelines or published configs, or an import of a family's module. Docstrings are prose and not read."""
+    names = {spec.name.value for spec in all_specs()}
+    strings = names | {n.lower() for spec in all_specs() for n in (*spec.pipelines, *spec.published)}
+    members = {family.name for family in Family}
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Family":
+            if node.attr in members:
+                found.append((line, f"Family.{node.attr}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if node.value.lower() in strings:
+                found.append((line, repr(node.value)))
+        elif isinstance(node, ast.Name | ast.FunctionDef | ast.ClassDef | ast.arg):
+            identifier = getattr(node, "id", None) or getattr(node, "name", None) or getattr(node, "arg", "")
+            if names & set(identifier.lower().split("_")):
+                found.append((line, identifier))
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported = {node.module.split(".")[-1], *(alias.name for alias in node.names)}
+            if node.module.startswith("stk.models.families") and names & imported:
+                found.append((line, f"import of {node.module}"))
+    return found
+
+
+def test_the_check_finds_a_family_named_in_each_way() -> None:
+    source = (
+        '"""flux in prose is fine."""\n'
+        "from stk.models.families.flux import SPEC\n"
+        "from stk.models.families import sdxl\n"
+        "def f(family, is_flux):\n"
+        "    return family is Family.SD or family == 'sdxl' or name == 'FluxPipeline' or config == 'flux-dev'\n"
+    )
+    found = {what for _, what in _namings(source)}
+    assert found == {"import of stk.models.families.flux", "import of stk.models.families", "is_flux", "Family.SD",
+                     "'sdxl'", "'FluxPipeline'", "'flux-dev'"}  # fmt: skip
+    assert _namings('"""Flux, SDXL"""\nx = spec.flow and Family(name)\n') == []
+
+
+def test_no_module_outside_the_families_home_names_a_family() -> None:
+    outside = [path for path in sorted(STK.rglob("*.py")) if HOME not in path.parents]
+    assert len(outside) > 50
+    named = {
+        f"{path.relative_to(STK)}:{line}: {what}": None
+        for path in outside
+        for line, what in _namings(path.read_text(encoding="utf-8"))
+    }
+    assert not named, "\n".join(named)
