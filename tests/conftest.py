@@ -6,14 +6,20 @@ tests/support/ for what tests share."""
 from support.fixtures import (  # noqa: F401  (fixtures, found by name)
     _fresh_op_builds,
     _no_shared_memory_left_behind,
+    cache,
+    copied,
     dataset,
+    format_corpus,
     keep_logging,
     mount,
     receiver,
     run_scan,
     s3_server,
     scan,
+    sdxl,
     setups,
-    slurm_cluster,
-    slurm_nodes,
+    slurm,
+    trained,
 )
+from support.slurm_cluster import slurm_cluster  # noqa: F401  (the real one-node Slurm)
+from support.slurm_nodes import slurm_nodes  # noqa: F401  (the real four-node Slurm)

@@ -20,8 +20,8 @@ import pytest
 from support.helpers import (
     CACHE,
     MPIEXEC,
-    REPO,
     SCAN,
+    STK_LAUNCH,
     TRAIN,
     cache_env,
     descendant_pids,
@@ -37,7 +37,6 @@ from stk.models import Family
 pytestmark = pytest.mark.integration
 
 HOST = socket.gethostname()
-STK_LAUNCH = str(REPO / "bin" / "stk-launch")
 TIMEOUT_S = 15  # --collective-timeout in these tests
 PEER = "a peer rank failed, stopped answering or was cut off"
 STEPS = 20  # long enough that every fault, applied after step 3, lands mid-run

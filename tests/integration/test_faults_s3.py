@@ -451,7 +451,7 @@ def test_cache_past_the_budget_exits_69_and_a_rerun_finishes(
 
 @pytest.fixture(scope="module")
 def two_shards(scan: Path, sd_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A local cache of conftest's `scan` in two shards (one per writer rank)."""
+    """A local cache of the `scan` fixture's in two shards (one per writer rank)."""
     cache = tmp_path_factory.mktemp("train-cache") / "cache"
     args = [scan, "--model", sd_model, "--out", cache, "--dtype", "float32", "-q"]
     proc = subprocess.run(cache_command(args, mpi=2), capture_output=True, text=True, env=cache_env(), timeout=300)

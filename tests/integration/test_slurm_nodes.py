@@ -1,6 +1,6 @@
-"""Slurm across four nodes (tests/slurm_nodes.py: four namespaces on a bridge, one slurmd each): srun
+"""Slurm across four nodes (tests/support/slurm_nodes.py: four namespaces on a bridge, one slurmd each): srun
 and sbatch reach every node, MPI ranks under `srun --mpi=pmi2` form one world over four hostnames,
-and each node's /tmp is its own. The templates across these nodes: tests/test_slurm_pipeline.py."""
+and each node's /tmp is its own. The templates across these nodes: tests/integration/test_slurm_pipeline.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The sbatch templates and sbatch/pipeline.sh across four real Slurm nodes (tests/slurm_nodes.py: four
+"""The sbatch templates and sbatch/pipeline.sh across four real Slurm nodes (tests/support/slurm_nodes.py: four
 namespaces on a bridge, a slurmd each, a private /tmp each): the whole chain scan -> cache -> train with
 the tiny models on the CPU over 4 nodes x 2 tasks, a USR2 that checkpoints every rank on every node,
 requeues and resumes, a GPU fault that drains only its own node, a node whose processes die, and a

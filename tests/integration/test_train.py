@@ -96,7 +96,7 @@ def denoiser_weights(model_dir: Path, family: Family) -> dict[str, torch.Tensor]
     return load_file(str(model_dir / DENOISER[family] / "diffusion_pytorch_model.safetensors"))
 
 
-# --- fixtures `scan` and `setups` (a dataset and its scan, a tiny model and an fp32 cache per family): conftest.py
+# --- fixtures `scan` and `setups` (a dataset and its scan, a tiny model and an fp32 cache per family): fixtures.py
 
 
 def check_final(final: Path, family: Family, trained: dict[str, torch.Tensor] | None = None) -> None:
@@ -164,7 +164,7 @@ MATRIX = [
     ("zero1", Family.SDXL, ["--grad-accum", "2", "--lora-rank", "4", "--lora-dropout", "0.1"]),
     ("zero2", Family.SDXL, ["--no-gradient-checkpointing"]),  # the other cells checkpoint (the default)
     ("zero3", Family.SDXL, ["--optimizer", "lion", "--lr", "1e-4"]),
-    # the Flux cache holds the prompts (stk-cache --validation-prompts, conftest.py): no text encoder loads; W&B
+    # the Flux cache holds the prompts (stk-cache --validation-prompts, support/fixtures.py): no text encoder loads; W&B
     ("zero1", Family.FLUX, ["--caption-dropout", "0.5", "--report-to", "wandb"]),
     ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
     ("zero3", Family.FLUX, ["--grad-accum", "2", "--lora-rank", "4"]),

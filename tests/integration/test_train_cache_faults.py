@@ -15,14 +15,12 @@ from typing import Any
 
 import h5py
 import pytest
-from support.helpers import FAST, S3_ENV, cache_command, cache_env, metrics, run_train, s3_client, upload_cache
+from support.helpers import FAST, LOUD, S3_ENV, cache_command, cache_env, metrics, run_train, s3_client, upload_cache
 
 from stk.errors import ExitCode
 from stk.models import Family
 
 pytestmark = pytest.mark.integration
-
-LOUD = [a for a in FAST if a != "-q"]  # info lines from rank 0 (the local copies' counts)
 
 
 def stk_cache(args: list[Any], mpi: int = 0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -11,14 +11,21 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-from stk.datagen import GeneratedImage, generate_dataset
+from stk.datagen import (
+    FormatSample,
+    GeneratedImage,
+    generate_dataset,
+    generate_format_samples,
+)
+from stk.models import Family, build_tiny_model
 from support.helpers import (
     EXTENSIONS_DIR,
     FRESH_EXTENSIONS_DIR,
+    LOUD,
     PROMPTS,
     TRAIN,
     TRAIN_IMAGES,
@@ -26,15 +33,12 @@ from support.helpers import (
     Receiver,
     RunScan,
     cache_command,
+    run_train,
     scan_command,
     scan_env,
 )
-from support.slurm_cluster import slurm_cluster  # noqa: F401  (the real Slurm fixture)
-from support.slurm_nodes import slurm_nodes  # noqa: F401  (the real four-node Slurm fixture)
+from support.slurm_cluster import SlurmCluster
 from support.weed_server import WeedServer
-
-if TYPE_CHECKING:
-    from stk.models import Family
 
 SHARED_MEMORY = Path("/dev/shm")
 
@@ -179,8 +183,6 @@ def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Fa
     def get(family: Family) -> tuple[str, Path]:
         if family not in done:
             root = tmp_path_factory.mktemp(f"train-{family.value}")
-            from stk.models import Family, build_tiny_model
-
             model = build_tiny_model(family, str(root / "model"))
             cache = root / "cache"
             args = [scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"]
@@ -195,3 +197,62 @@ def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Fa
         return done[family]
 
     return get
+
+
+# --- the one-node Slurm, as stk.health.slurm's drain and resume see it ------------------------------------------
+
+
+@pytest.fixture
+def slurm(slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmCluster]:
+    """The session cluster with SLURM_CONF in this process's environment; the node idle again after."""
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
+    monkeypatch.setenv("PATH", slurm_cluster.env.get("PATH", os.defpath))
+    yield slurm_cluster
+    slurm_cluster.run(["scontrol", "update", f"NodeName={slurm_cluster.node}", "State=RESUME"], check=False)
+    slurm_cluster.wait_idle()
+
+
+# --- image formats, shards, checkpoints and weights that a unit test module and its integration half share -----
+
+
+@pytest.fixture(scope="session")  # read-only for every test
+def format_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[FormatSample]]:
+    """(its root, the samples): one file of every format and orientation transform stk reads (stk.datagen)."""
+    root = tmp_path_factory.mktemp("formats") / "samples"
+    return root, generate_format_samples(str(root))
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> str:
+    """Where a test's shard cache goes (not made yet)."""
+    return str(tmp_path / "cache")
+
+
+@pytest.fixture(scope="session")  # tests that change it take `copied`
+def trained(
+    setups: Callable[[Family], tuple[str, Path]], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[Any], Path]:
+    """(the run's arguments less --output-dir and --max-steps, its output): 4 steps on 2 ranks, checkpoints at 2
+    and 4 (both kept), an EMA sharded over the ranks."""
+    model, cache = setups(Family.SD)
+    args = ["--cache", cache, "--model", model, "--checkpoint-every", "2", "--keep-checkpoints", "2",
+            "--ema-decay", "0.8", "--no-validation", *LOUD]  # fmt: skip
+    out = tmp_path_factory.mktemp("trained") / "run"
+    proc = run_train([*args, "--output-dir", out, "--max-steps", "4"])
+    assert proc.returncode == 0, proc.stderr
+    return args, out
+
+
+@pytest.fixture
+def copied(trained: tuple[list[Any], Path], tmp_path: Path) -> tuple[list[Any], Path]:
+    """`trained`, copied for a test to change."""
+    args, out = trained
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, symlinks=True)
+    return args, copy
+
+
+@pytest.fixture(scope="session")  # read-only for every test
+def sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SDXL pipeline."""
+    return Path(build_tiny_model(Family.SDXL, str(tmp_path_factory.mktemp("weights") / "sdxl")))

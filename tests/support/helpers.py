@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from stk.lease import lease_name
 from stk.models import Family
 from stk.train.batch import StepInputs
 from support.slurm_cluster import free_ports
@@ -38,10 +39,13 @@ __all__ = [
     "EXTENSIONS_DIR",
     "FAST",
     "FRESH_EXTENSIONS_DIR",
+    "LEASE_NAME",
+    "LOUD",
     "MPIEXEC",
     "REPO",
     "S3_ENV",
     "SCAN",
+    "STK_LAUNCH",
     "TEXT",
     "TRAIN",
     "TRAIN_IMAGES",
@@ -57,6 +61,7 @@ __all__ = [
     "free_ports",
     "gpu",
     "kill_cache_ranks_when",
+    "loader_threads",
     "metrics",
     "mpi_rank_pids",
     "one_error",
@@ -78,6 +83,7 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: its bin/, etc/, sbatch/ and bench/
 BIN = Path(sys.executable).parent
+STK_LAUNCH = str(REPO / "bin" / "stk-launch")
 MPIEXEC = BIN / "mpiexec"
 SCAN = [sys.executable, "-m", "stk.cli.scan"]
 
@@ -291,6 +297,7 @@ def train_command(args: list[Any], mpi: int = 0) -> list[str]:
 
 
 FAST = ["--batch-size", "1", "--lr", "1e-3", "--precision", "fp32", "-q"]
+LOUD = [a for a in FAST if a != "-q"]  # warnings shown (a skipped checkpoint is one)
 
 
 def run_train(
@@ -471,3 +478,10 @@ def raising(exc: BaseException) -> Callable[..., Any]:
         raise exc
 
     return raise_it
+
+
+def loader_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("stk-load", "stk-prefetch"))]
+
+
+LEASE_NAME = lease_name("stk-train")

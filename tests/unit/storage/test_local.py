@@ -101,7 +101,9 @@ def test_list_files_needs_a_directory(tmp_path: Path, what: str) -> None:
         list(storage.list_files(str(target)))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can list any directory (tests/test_scan_cli.py drops that)")
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root can list any directory (tests/integration/test_scan_cli.py drops that)"
+)
 def test_an_unlistable_subdirectory_is_one_error_entry_and_the_rest_is_listed(tree: Path) -> None:
     locked = tree / "sub" / "deeper"
     locked.chmod(0)
@@ -312,3 +314,14 @@ def test_join(root: str, key: str, expected: str) -> None:
 )
 def test_is_s3(location: str, expected: bool) -> None:
     assert storage.is_s3(location) is expected
+
+
+def test_local_upload_and_download_copy_atomically(tmp_path: Path) -> None:
+    source = tmp_path / "a.bin"
+    source.write_bytes(os.urandom(100_000))
+    storage.upload_file(str(source), str(tmp_path / "sub" / "b.bin"))
+    storage.download_file(str(tmp_path / "sub" / "b.bin"), str(tmp_path / "c" / "c.bin"))
+    assert (tmp_path / "c" / "c.bin").read_bytes() == source.read_bytes()
+    assert sorted(os.listdir(tmp_path / "sub")) == ["b.bin"]  # no temp file left behind
+    with pytest.raises(FileNotFoundError):
+        storage.download_file(str(tmp_path / "missing"), str(tmp_path / "d.bin"))

@@ -2,7 +2,7 @@
 whole, each rank's average equal to its part of a 1-rank average), checkpoint round trips (on the ranks that saved
 them and on another number) and the refusals. The runs through stk-train (ZeRO-2 ranges and ZeRO-3 partitions on 2
 ranks, against an EMA computed from each step's weights, 5 + resume + 5, and 2 ranks -> 1 -> 2) are in
-test_train.py, test_train_lora.py and test_train_worldsize.py."""
+tests/integration/: test_train.py, test_train_lora.py and test_train_worldsize.py."""
 
 from __future__ import annotations
 

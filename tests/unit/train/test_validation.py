@@ -1,7 +1,7 @@
 """The parts of validation images and caption dropout, without ranks: prompt files, the validation plan, how prompts are
 split over ranks, the round's files, the EMA swapped in and out, the embeddings taken from a cache or encoded,
 and caption dropout against a direct calculation. End to end (every ZeRO stage, resume, the pipeline's own
-images): test_train.py and test_train_lora.py."""
+images): tests/integration/test_train.py and test_train_lora.py."""
 
 from __future__ import annotations
 

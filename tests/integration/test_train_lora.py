@@ -1,0 +1,54 @@
+"""stk-train --lora-rank: a LoRA run resumed bitwise under ZeRO-3 on 2 MPI ranks. Elsewhere: each family trained
+under another preset and loaded with `pipe.load_lora_weights` (the ZeRO matrix, test_train.py), and the resumes
+refused because they would load other adapter weights (tests/unit/train/test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from safetensors.torch import load_file
+from support.helpers import FAST, SAMPLING, metrics, run_train, sample_pngs, samples_match, summary_of
+
+from stk.models import Family
+from stk.train.lora import LORA_WEIGHTS
+
+# --- resume -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_ten_lora_steps_equal_five_then_resume_five(setups, tmp_path):
+    model, cache = setups(Family.SDXL)
+    common = ["--cache", cache, "--model", model, "--deepspeed", "zero3", "--epochs", "2", "--lora-rank", 4,
+              "--ema-decay", "0.8", *FAST, *SAMPLING, "--validation-every", "5"]  # fmt: skip
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    every_step = ["--checkpoint-every", "1", "--keep-checkpoints", "10"]  # each step's adapter, for the EMA below
+    assert run_train([*common, "--output-dir", straight, "--max-steps", "10", *every_step]).returncode == 0
+    assert run_train([*common, "--output-dir", split, "--max-steps", "5"]).returncode == 0
+    second = run_train([*common, "--output-dir", split, "--max-steps", "10"])
+    assert second.returncode == 0, second.stderr
+    assert summary_of(second)["resumed_from"].endswith("step-00000005")
+    assert [r.get("loss") for r in metrics(straight)][1:] == [r.get("loss") for r in metrics(split)][1:]
+    for final in ("final-no-ema", "final"):  # the adapter, and its EMA sharded as ZeRO-3 partitions it
+        a, b = load_file(straight / final / LORA_WEIGHTS), load_file(split / final / LORA_WEIGHTS)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), final
+    # the EMA of the adapter against one computed here from each step's lora/ file
+    steps = [load_file(straight / "checkpoints" / f"step-{s:08d}" / "lora" / LORA_WEIGHTS) for s in range(1, 11)]
+    raw = load_file(straight / "final-no-ema" / LORA_WEIGHTS)
+    assert all(torch.equal(raw[k], steps[-1][k]) for k in raw)
+    expected = dict(steps[0])
+    for t, weights in enumerate(steps[1:], start=1):
+        decay = min(0.8, (1 + t) / (10 + t))
+        expected = {k: decay * expected[k] + (1 - decay) * weights[k] for k in expected}
+    ema = load_file(straight / "final" / LORA_WEIGHTS)
+    assert all(torch.allclose(ema[k], expected[k], rtol=1e-5, atol=1e-7) for k in ema)
+    assert any(not torch.allclose(ema[k], raw[k]) for k in ema)
+    assert (split / "checkpoints" / "latest").read_text().strip() == "step-00000010"
+    # samples made by both ranks together under ZeRO-3 with the adapter's EMA: the same bytes from both runs, and
+    # what SDXL's pipeline makes with the EMA adapter loaded, not with the raw one
+    for step in (0, 5, 10):
+        assert sample_pngs(straight, step) == sample_pngs(split, step), step
+    for weights, close in (("final", True), ("final-no-ema", False)):
+        pipe = DiffusionPipeline.from_pretrained(model)
+        pipe.load_lora_weights(straight / weights)
+        assert samples_match(pipe, sample_pngs(straight, 10), guidance=5.0) == close, weights

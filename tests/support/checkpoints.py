@@ -1,0 +1,27 @@
+"""What a checkpoint holds on disk, for the tests of stk.train.checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stk.train.checkpoint import SETTINGS, CheckpointDir, Resume
+from stk.world import World
+
+OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step-{step:08d}"
+
+
+def record(out: Path, step: int) -> dict[str, Any]:
+    return json.loads((step_dir(out, step) / SETTINGS).read_text())
+
+
+def resolve(out: Path, resume: str = "auto") -> Resume | None:
+    """What a resume takes, in this process (a world of one verifies every file)."""
+    return CheckpointDir(str(out), keep=2, rank=0).resolve(resume, World())

@@ -1,0 +1,227 @@
+"""stk.models: detection and frozen encoders on tiny random-weight pipelines of each family, built once per module,
+all on the CPU and offline."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL, DiffusionPipeline
+from transformers import AutoTokenizer
+
+from stk.errors import InputError
+from stk.models import Encoders, Family, build_tiny_model, detect_family, load_encoders
+
+CAPTIONS = ["a photo of a cat", "A red dog, on the painting!", "the " * 100 + "cat"]  # the last overflows CLIP's 77
+LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16}
+# name -> shape per caption; widths follow tiny.py (SDXL 32 + 64, Flux T5 48 and CLIP 32)
+TEXT_SHAPES = {
+    Family.SD: {"prompt_embeds": (77, 32)},
+    Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
+    Family.FLUX: {"prompt_embeds": (512, 48), "pooled_prompt_embeds": (32,)},
+}
+# the tokenizers whose attention masks count the real tokens of the longest sequence
+SEQUENCE_TOKENIZERS = {
+    Family.SD: ["tokenizer"],
+    Family.SDXL: ["tokenizer", "tokenizer_2"],
+    Family.FLUX: ["tokenizer_2"],
+}
+DENOISERS = {
+    Family.SD: "UNet2DConditionModel",
+    Family.SDXL: "UNet2DConditionModel",
+    Family.FLUX: "FluxTransformer2DModel",
+}
+
+families = pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """tiny(family, seed=0) -> the directory of that tiny model, built on first use."""
+    built: dict[tuple[Family, int], str] = {}
+
+    def get(family: Family, seed: int = 0) -> str:
+        if (family, seed) not in built:
+            out = tmp_path_factory.mktemp(f"{family.value}-{seed}")
+            built[family, seed] = build_tiny_model(family, str(out), seed=seed)
+        return built[family, seed]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def encoders(tiny: Callable[..., str]) -> Callable[[Family], Encoders]:
+    loaded: dict[Family, Encoders] = {}
+
+    def get(family: Family) -> Encoders:
+        if family not in loaded:
+            loaded[family] = load_encoders(tiny(family), device="cpu")
+        return loaded[family]
+
+    return get
+
+
+@families
+def test_detect_family(family: Family, tiny: Callable[..., str]) -> None:
+    assert detect_family(tiny(family)) is family
+
+
+@families
+def test_loads_frozen_on_cpu(family: Family, encoders: Callable[[Family], Encoders]) -> None:
+    enc = encoders(family)
+    assert enc.family is family
+    assert enc.device == torch.device("cpu") and enc.dtype == torch.float32
+    assert enc.latent_channels == LATENT_CHANNELS[family]
+    assert enc.text_outputs == tuple(TEXT_SHAPES[family])
+    assert (enc.norm.shift_factor is not None) == (family is Family.FLUX)
+    assert not any(p.requires_grad for p in enc.vae.parameters())
+
+
+@families
+def test_encode_images_is_the_vae_distribution(
+    family: Family, tiny: Callable[..., str], encoders: Callable[[Family], Encoders]
+) -> None:
+    pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    mean, logvar = encoders(family).encode_images(pixels)
+
+    assert mean.shape == logvar.shape == (2, LATENT_CHANNELS[family], 8, 8)
+    assert mean.dtype == logvar.dtype == torch.float32 and mean.device.type == "cpu"
+    with torch.no_grad():
+        expected = AutoencoderKL.from_pretrained(tiny(family), subfolder="vae").encode(pixels).latent_dist
+    torch.testing.assert_close(mean, expected.mean)  # unscaled, unshifted
+    torch.testing.assert_close(logvar, expected.logvar)
+
+
+@families
+def test_encode_text_shapes_and_lengths(
+    family: Family, tiny: Callable[..., str], encoders: Callable[[Family], Encoders]
+) -> None:
+    enc = encoders(family)
+    embeddings = enc.encode_text(CAPTIONS)
+
+    assert len(embeddings) == len(CAPTIONS)
+    for caption, embedding in zip(CAPTIONS, embeddings, strict=True):
+        assert {k: v.shape for k, v in embedding.arrays.items()} == TEXT_SHAPES[family]
+        assert all(v.dtype == np.float32 for v in embedding.arrays.values())
+        masks = []
+        for subfolder in SEQUENCE_TOKENIZERS[family]:
+            tokenizer = AutoTokenizer.from_pretrained(tiny(family), subfolder=subfolder)
+            sequence = TEXT_SHAPES[family]["prompt_embeds"][0]
+            masks.append(sum(tokenizer(caption, max_length=sequence, truncation=True)["attention_mask"]))
+        assert embedding.length == max(masks)
+    # CLIP stops at 77 tokens, T5 does not: Flux's length is T5's
+    assert embeddings[2].length == (102 if family is Family.FLUX else 77)
+    assert enc.encode_text([]) == []
+
+
+@families
+def test_encode_text_is_deterministic_and_batch_independent(
+    family: Family, encoders: Callable[[Family], Encoders]
+) -> None:
+    enc = encoders(family)
+    first, again, alone = enc.encode_text(CAPTIONS), enc.encode_text(CAPTIONS), enc.encode_text(CAPTIONS[1:2])
+    for a, b in zip(first, again, strict=True):
+        assert a.length == b.length
+        assert all(np.array_equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+    for name, array in alone[0].arrays.items():
+        np.testing.assert_allclose(array, first[1].arrays[name], atol=1e-5)
+
+
+@families
+def test_matches_the_diffusers_pipeline(
+    family: Family, tiny: Callable[..., str], encoders: Callable[[Family], Encoders]
+) -> None:
+    """The tiny model loads as a whole pipeline, denoiser included, and our embeddings are its encode_prompt's."""
+    pipeline = DiffusionPipeline.from_pretrained(tiny(family))
+    denoiser = pipeline.transformer if family is Family.FLUX else pipeline.unet
+    assert type(denoiser).__name__ == DENOISERS[family]
+
+    embeddings = encoders(family).encode_text(CAPTIONS)
+    ours = {k: torch.from_numpy(np.stack([e.arrays[k] for e in embeddings])) for k in TEXT_SHAPES[family]}
+    with torch.no_grad():
+        if family is Family.SD:
+            prompt_embeds, _ = pipeline.encode_prompt(CAPTIONS, "cpu", 1, False)
+            expected = {"prompt_embeds": prompt_embeds}
+        elif family is Family.SDXL:
+            prompt_embeds, _, pooled, _ = pipeline.encode_prompt(
+                CAPTIONS, device="cpu", do_classifier_free_guidance=False
+            )
+            expected = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+        else:
+            prompt_embeds, pooled, _ = pipeline.encode_prompt(CAPTIONS, CAPTIONS, device="cpu")
+            expected = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+    for name, tensor in expected.items():
+        torch.testing.assert_close(ours[name], tensor, atol=1e-4, rtol=1e-4)
+
+
+def test_config_identifies_the_encoders(tiny: Callable[..., str], encoders: Callable[[Family], Encoders]) -> None:
+    config = encoders(Family.SD).config()
+    json.dumps(config)  # JSON-able
+    assert config["family"] == "sd" and config["model"] == tiny(Family.SD)
+    assert load_encoders(tiny(Family.SD), device="cpu").config() == config
+
+    other = load_encoders(tiny(Family.SD, seed=1), device="cpu").config()
+    assert other["vae"] != config["vae"] and other["text"] != config["text"]
+
+
+def test_config_changes_when_weights_change_in_place(tmp_path: Path) -> None:
+    path = build_tiny_model(Family.SD, str(tmp_path / "model"), seed=2)
+    before = load_encoders(path, device="cpu").config()
+    build_tiny_model(Family.SD, path, seed=3)  # same path, same architecture, other weights
+    after = load_encoders(path, device="cpu").config()
+    assert after["vae"]["config_sha256"] == before["vae"]["config_sha256"]
+    assert after["vae"] != before["vae"] and after["text"] != before["text"]
+
+
+def test_same_seed_builds_the_same_model(tmp_path: Path, tiny: Callable[..., str]) -> None:
+    again = load_encoders(build_tiny_model(Family.SD, str(tmp_path / "again")), device="cpu").config()
+    original = load_encoders(tiny(Family.SD), device="cpu").config()
+    assert again["vae"] == original["vae"] and again["text"] == original["text"]
+
+
+def test_empty_tokenizer_is_refused(tmp_path: Path, tiny: Callable[..., str]) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny(Family.SD), model)
+    shutil.rmtree(model / "tokenizer")
+    (model / "tokenizer").mkdir()
+    with pytest.raises(InputError, match=r"tokenizer in .*/tokenizer loaded empty \(vocab size 2\)"):
+        load_encoders(str(model), device="cpu")
+
+
+def test_wrong_family_is_refused(tiny: Callable[..., str]) -> None:
+    """An SD model has no tokenizer_2/text_encoder_2 for Flux's T5."""
+    with pytest.raises(InputError, match="tokenizer_2"):
+        load_encoders(tiny(Family.SD), Family.FLUX, device="cpu")
+
+
+def test_unknown_pipeline_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
+    with pytest.raises(InputError, match=r"'KandinskyPipeline'.*StableDiffusionXLPipeline.*--family sd\|sdxl\|flux"):
+        detect_family(str(tmp_path))
+
+
+def test_not_a_pipeline_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"no model_index\.json"):
+        detect_family(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(InputError, match="is a file"):
+        detect_family(str(tmp_path / "model.safetensors"))
+
+
+def test_uncached_hub_id_offline_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(InputError, match=r"'stk-test/no-such-model'.*local model directory"):
+        detect_family("stk-test/no-such-model")
+
+
+def test_import_does_not_load_torch() -> None:
+    code = "import sys, stk.models; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,66 @@
+"""Loading the denoiser tensor by tensor (stk.train.weights): the same weights diffusers' from_pretrained gives, in
+the training dtype, from one file or shards; damaged or foreign files refused in one line. Under ZeRO-3:
+tests/integration/test_train_weights.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+
+from stk.errors import InputError
+from stk.models import Family, build_tiny_model
+from stk.train.objectives import objective_for
+from stk.train.weights import load_weights, weight_files
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-from-an-fp32-file"])
+def test_the_same_weights_as_from_pretrained_in_the_training_dtype(sdxl, dtype):
+    expected = UNet2DConditionModel.from_pretrained(sdxl, subfolder="unet", torch_dtype=dtype)
+    files = weight_files(sdxl / "unet")
+    assert files is not None
+    loaded = load_weights(UNet2DConditionModel, dict(expected.config), files, dtype)
+    assert same_weights(loaded, expected)
+    denoiser = objective_for(Family.SDXL, str(sdxl)).load_denoiser(dtype)  # the path stk-train takes
+    assert same_weights(denoiser, expected) and all(p.requires_grad for p in denoiser.parameters())
+
+
+def test_sharded_weights_load_from_their_index(tmp_path):
+    model = Path(build_tiny_model(Family.FLUX, str(tmp_path / "flux")))
+    whole = FluxTransformer2DModel.from_pretrained(model, subfolder="transformer")
+    whole.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    files = weight_files(tmp_path / "sharded")
+    assert files is not None and len(files) > 1
+    assert same_weights(load_weights(FluxTransformer2DModel, dict(whole.config), files, torch.float32), whole)
+
+
+def test_a_folder_without_safetensors_has_no_weight_files(tmp_path):
+    assert weight_files(tmp_path) is None
+
+
+def test_a_damaged_file_is_one_line_naming_it(sdxl, tmp_path):
+    (tmp_path / "diffusion_pytorch_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken")
+    files = weight_files(tmp_path)
+    assert files is not None
+    with pytest.raises(InputError, match=r"cannot load .*diffusion_pytorch_model.safetensors: ") as error:
+        load_weights(UNet2DConditionModel, UNet2DConditionModel.load_config(sdxl / "unet"), files, torch.float32)
+    assert "\n" not in str(error.value)
+
+
+def test_weights_of_another_config_are_refused_naming_what_differs(sdxl, tmp_path):
+    config = UNet2DConditionModel.load_config(sdxl, subfolder="unet")
+    files = weight_files(sdxl / "unet")
+    assert files is not None
+    wider = {**config, "block_out_channels": [c * 2 for c in config["block_out_channels"]]}
+    fewer = {**config, "layers_per_block": config["layers_per_block"] + 1}
+    with pytest.raises(InputError, match=r"unet: the weights do not fit the config \(\d+ missing, e.g. down_blocks"):
+        load_weights(UNet2DConditionModel, fewer, files, torch.float32)
+    with pytest.raises(InputError, match=r"\(\d+ of another shape, e.g. \w"):
+        load_weights(UNet2DConditionModel, wider, files, torch.float32)
