@@ -33,15 +33,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from diffusers import AutoencoderKL
-from support.helpers import (
-    S3_ENV,
-    cache_command,
-    cache_env,
-    kill_cache_ranks_when,
-    s3_client,
-    scan_env,
-    summary_of,
-)
+from support.commands import cache_command, cache_env, scan_env, summary_of
+from support.processes import kill_cache_ranks_when
+from support.weed_server import S3_ENV, s3_client
 
 from stk import storage
 from stk.datagen import generate_dataset, make_image

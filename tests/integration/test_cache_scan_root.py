@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.helpers import cache_command, cache_env, scan_command, scan_env, summary_of
+from support.commands import cache_command, cache_env, scan_command, scan_env, summary_of
 
 from stk.datagen import make_image
 from stk.models import Family, build_tiny_model

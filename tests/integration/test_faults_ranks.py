@@ -17,19 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.helpers import (
-    CACHE,
-    MPIEXEC,
-    SCAN,
-    STK_LAUNCH,
-    TRAIN,
-    cache_env,
-    descendant_pids,
-    process_ended,
-    scan_env,
-    summary_of,
-    train_env,
-)
+from support.commands import CACHE, MPIEXEC, SCAN, STK_LAUNCH, TRAIN, cache_env, scan_env, summary_of, train_env
+from support.processes import descendant_pids, process_ended
 
 from stk.errors import ExitCode
 from stk.models import Family

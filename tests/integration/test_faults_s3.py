@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.helpers import cache_command, cache_env, scan_command, scan_env, summary_of, train_command, train_env
+from support.commands import cache_command, cache_env, scan_command, scan_env, summary_of, train_command, train_env
 from support.slurm_cluster import free_ports
 from support.weed_server import S3_ENV, WeedServer, s3_client
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.helpers import REPO, train_env
+from support.commands import REPO, train_env
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from support.alert_receiver import Receiver
 from support.alerts import HOUR, T0, ecc, report
-from support.helpers import Receiver
 
 from stk.health.alerts import Event, notify_report, plan_events, send
 from stk.health.report import Finding

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.alert_receiver import Receiver
 from support.health_cli import ECC_ON_3, HEALTH, HEALTHY, health, script
-from support.helpers import Receiver
 
 
 @pytest.mark.integration

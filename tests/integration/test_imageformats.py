@@ -9,7 +9,7 @@ import subprocess
 
 import pyarrow.parquet as pq
 import pytest
-from support.helpers import cache_command, cache_env, scan_command, scan_env
+from support.commands import cache_command, cache_env, scan_command, scan_env
 
 from stk.errors import ExitCode
 from stk.models import Family, build_tiny_model

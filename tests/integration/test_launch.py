@@ -7,7 +7,7 @@ import json
 import shlex
 
 import pytest
-from support.helpers import STK_LAUNCH, train_env
+from support.commands import STK_LAUNCH, train_env
 
 from stk.models import Family
 

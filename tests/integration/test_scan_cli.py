@@ -20,7 +20,8 @@ import PIL
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support.helpers import RunScan, scan_command, scan_env, summary_of, without_dac_override
+from support.bad_inputs import without_dac_override
+from support.commands import RunScan, scan_command, scan_env, summary_of
 
 from stk.datagen import generate_dataset, make_image
 from stk.imageinfo import is_image_name

@@ -18,7 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from support.helpers import RunScan, mpi_rank_pids, process_ended, scan_command, scan_env, summary_of
+from support.commands import RunScan, scan_command, scan_env, summary_of
+from support.processes import mpi_rank_pids, process_ended
 
 from stk.datagen import generate_dataset, make_image
 

@@ -12,7 +12,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from support.helpers import S3_ENV, RunScan, s3_client, summary_of
+from support.commands import RunScan, summary_of
+from support.weed_server import S3_ENV, s3_client
 
 from stk.datagen import generate_dataset, make_image
 

@@ -9,16 +9,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.helpers import (
-    cache_command,
-    cache_env,
-    kill_cache_ranks_when,
-    s3_client,
-    scan_command,
-    scan_env,
-    summary_of,
-)
+from support.commands import cache_command, cache_env, scan_command, scan_env, summary_of
+from support.processes import kill_cache_ranks_when
 from support.shard_records import staged
+from support.weed_server import s3_client
 
 from stk.datagen import make_image
 from stk.models import Family, build_tiny_model

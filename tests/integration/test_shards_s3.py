@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.helpers import S3_ENV, s3_client
 from support.shard_records import SHAPES, assert_same_latent, assert_same_text, make_latent, make_text, write
+from support.weed_server import S3_ENV, s3_client
 
 from stk import storage
 from stk.errors import InputError

@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.helpers import REPO, S3_ENV, Receiver, free_ports, gpu, s3_client, train_env, upload_cache
+from support.alert_receiver import Receiver
+from support.commands import REPO, train_env
+from support.gpu_readings import gpu
+from support.slurm_cluster import free_ports
 from support.slurm_nodes import SlurmNodes
-from support.weed_server import WeedServer
+from support.weed_server import S3_ENV, WeedServer, s3_client, upload_cache
 
 from stk.datagen import generate_dataset
 from stk.models import Family, build_tiny_model

@@ -20,27 +20,11 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
-from support.helpers import (
-    FAST,
-    MPIEXEC,
-    SAMPLING,
-    TRAIN,
-    Recorder,
-    board_images,
-    clean_env,
-    gpu,
-    metrics,
-    mpi_rank_pids,
-    run_train,
-    sample_pngs,
-    samples_match,
-    scan_env,
-    step_inputs,
-    summary_of,
-    train_command,
-    train_env,
-    wandb_history,
-)
+from support.commands import FAST, MPIEXEC, TRAIN, clean_env, run_train, scan_env, summary_of, train_command, train_env
+from support.gpu_readings import gpu
+from support.processes import mpi_rank_pids
+from support.tiny_batches import Recorder, step_inputs
+from support.train_outputs import SAMPLING, board_images, metrics, sample_pngs, samples_match, wandb_history
 
 from stk.cli.train import main as train_main
 from stk.errors import ExitCode
@@ -326,7 +310,7 @@ def test_vae_on_the_fly_trains_from_the_scan_and_images(setups, scan, tmp_path):
 
 
 def test_trains_from_an_s3_cache_through_a_local_shard_directory(setups, scan, tmp_path, s3_server):
-    from helpers import S3_ENV, s3_client, upload_cache
+    from support.weed_server import S3_ENV, s3_client, upload_cache
 
     model, cache = setups(Family.SD)
     url = upload_cache(s3_client(s3_server), cache)

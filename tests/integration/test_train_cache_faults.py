@@ -15,7 +15,9 @@ from typing import Any
 
 import h5py
 import pytest
-from support.helpers import FAST, LOUD, S3_ENV, cache_command, cache_env, metrics, run_train, s3_client, upload_cache
+from support.commands import FAST, LOUD, cache_command, cache_env, run_train
+from support.train_outputs import metrics
+from support.weed_server import S3_ENV, s3_client, upload_cache
 
 from stk.errors import ExitCode
 from stk.models import Family

@@ -12,7 +12,8 @@ import time
 
 import pytest
 from support.checkpoints import MODEL, OPTIM, record, resolve, step_dir
-from support.helpers import metrics, one_error, run_train, summary_of, train_command, train_env
+from support.commands import one_error, run_train, summary_of, train_command, train_env
+from support.train_outputs import metrics
 
 from stk.train.checkpoint import LATEST, Resume
 

@@ -24,7 +24,9 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from support.helpers import S3_ENV, cache_command, cache_env, loader_threads, s3_client, scan_command, summary_of
+from support.commands import cache_command, cache_env, scan_command, summary_of
+from support.processes import loader_threads
+from support.weed_server import S3_ENV, s3_client
 
 from stk import storage
 from stk.datagen import generate_dataset

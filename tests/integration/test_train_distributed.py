@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import EXTENSIONS_DIR
+from support.commands import EXTENSIONS_DIR
 
 from stk.errors import InfraError
 from stk.slurm import free_port

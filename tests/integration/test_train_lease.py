@@ -11,18 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import (
-    FAST,
-    LEASE_NAME,
-    board_scalars,
-    board_tags,
-    metrics,
-    mpi_rank_pids,
-    run_train,
-    summary_of,
-    train_command,
-    train_env,
-)
+from support.commands import FAST, LEASE_NAME, run_train, summary_of, train_command, train_env
+from support.processes import mpi_rank_pids
+from support.train_outputs import board_scalars, board_tags, metrics
 
 from stk.errors import ExitCode, InputError, PreflightFailed
 from stk.models import Family

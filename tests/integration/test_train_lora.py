@@ -8,7 +8,8 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
-from support.helpers import FAST, SAMPLING, metrics, run_train, sample_pngs, samples_match, summary_of
+from support.commands import FAST, run_train, summary_of
+from support.train_outputs import SAMPLING, metrics, sample_pngs, samples_match
 
 from stk.models import Family
 from stk.train.lora import LORA_WEIGHTS

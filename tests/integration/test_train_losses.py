@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from support.helpers import FAST, run_train
+from support.commands import FAST, run_train
 
 from stk.models import Family
 

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import EXTENSIONS_DIR, FAST, mpi_rank_pids, run_train, train_command, train_env
+from support.commands import EXTENSIONS_DIR, FAST, run_train, train_command, train_env
 from support.opbuilds import SHM_OP, STOPPED_EARLY, baton, building
+from support.processes import mpi_rank_pids
 
 from stk.errors import ExitCode
 from stk.models import Family

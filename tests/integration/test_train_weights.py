@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
-from support.helpers import MPIEXEC, train_env
+from support.commands import MPIEXEC, train_env
 
 PARTITIONED = textwrap.dedent(
     """

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.helpers import FAST, metrics, run_train, summary_of
+from support.commands import FAST, run_train, summary_of
+from support.train_outputs import metrics
 
 from stk.models import Family
 from stk.train.lora import LORA_WEIGHTS

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stk.health.devices import ScriptedBackend
-from support.helpers import gpu
+from support.gpu_readings import gpu
 
 FAST = 0.01
 

@@ -1,7 +1,7 @@
 """Shared fixtures: a generated dataset, a way to run stk-scan as users do, a real S3 server
 (SeaweedFS `weed mini`) for the session, a real one-node Slurm, an apprise receiver, and the
 scan, tiny models and caches that stk-train's tests share. tests/conftest.py brings them to every
-test directory; helpers that are not fixtures live in helpers.py."""
+test directory; helpers that are not fixtures live in the other modules of tests/support/."""
 
 from __future__ import annotations
 
@@ -22,15 +22,14 @@ from stk.datagen import (
     generate_format_samples,
 )
 from stk.models import Family, build_tiny_model
-from support.helpers import (
+from support.alert_receiver import Receiver
+from support.commands import (
     EXTENSIONS_DIR,
     FRESH_EXTENSIONS_DIR,
     LOUD,
-    PROMPTS,
     TRAIN,
     TRAIN_IMAGES,
     Mount,
-    Receiver,
     RunScan,
     cache_command,
     run_train,
@@ -38,6 +37,7 @@ from support.helpers import (
     scan_env,
 )
 from support.slurm_cluster import SlurmCluster
+from support.train_outputs import PROMPTS
 from support.weed_server import WeedServer
 
 SHARED_MEMORY = Path("/dev/shm")
@@ -56,7 +56,7 @@ def _no_shared_memory_left_behind() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _fresh_op_builds() -> Iterator[None]:
-    """The session's build directory for DeepSpeed's ops (helpers.EXTENSIONS_DIR) goes when the session ends."""
+    """The session's build directory for DeepSpeed's ops (commands.EXTENSIONS_DIR) goes when the session ends."""
     yield
     if FRESH_EXTENSIONS_DIR:
         shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)

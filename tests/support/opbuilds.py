@@ -10,7 +10,7 @@ from pathlib import Path
 from stk.train.opbuilds import (
     build_lock,
 )
-from support.helpers import EXTENSIONS_DIR
+from support.commands import EXTENSIONS_DIR
 
 SHM_OP = "deepspeed_shm_comm"  # what init_distributed builds on the CPU
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from support.helpers import EXTENSIONS_DIR, REPO
+from support.commands import EXTENSIONS_DIR, REPO
 from support.slurm_cluster import CONF_COMMON, SlurmClient, _stop, free_ports
 
 __all__ = ["SlurmNodes", "slurm_nodes", "start_nodes"]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 
 from support.slurm_cluster import free_ports
 
-__all__ = ["S3_ENV", "WeedServer", "s3_client"]
+__all__ = ["S3_ENV", "WeedServer", "s3_client", "upload_cache"]
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 30
@@ -165,3 +166,13 @@ class WeedServer:
 
     def _log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
+
+
+def upload_cache(client: Any, cache: Path) -> str:
+    """A copy of a local stk-cache directory in a new bucket of `client`'s server; its s3:// URL."""
+    bucket = f"cache-{uuid.uuid4().hex[:10]}"
+    client.create_bucket(Bucket=bucket)
+    for path in cache.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"cache/{path.relative_to(cache)}")
+    return f"s3://{bucket}/cache"

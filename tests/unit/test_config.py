@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
-from support.helpers import REPO, clean_env, scan_env
+from support.commands import REPO, clean_env, scan_env
 from support.slurm_cluster import free_ports
 
 from stk.cli.scan import main as scan_main

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from support.helpers import raising, unimplemented_dds
+from support.bad_inputs import raising, unimplemented_dds
 
 from stk import imageinfo
 from stk.datagen import FORMAT_SAMPLES, FORMATS, make_image, save

@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from support.helpers import LEASE_NAME
+from support.commands import LEASE_NAME
 
 from stk.errors import PreflightFailed
 from stk.lease import STALE_SECONDS, Holder, Lease

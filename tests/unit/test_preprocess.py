@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
-from support.helpers import raising, unimplemented_dds
+from support.bad_inputs import raising, unimplemented_dds
 
 from stk import preprocess as preprocess_module
 from stk.datagen import make_image, save

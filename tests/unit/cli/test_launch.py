@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.helpers import STK_LAUNCH, train_env
+from support.commands import STK_LAUNCH, train_env
 
 from stk.cli.launch import RANK_ENTRY
 from stk.errors import ExitCode

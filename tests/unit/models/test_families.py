@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import ModelMixin
-from support.helpers import REPO
+from support.commands import REPO
 
 from stk.errors import InputError
 from stk.models import Encoders

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.helpers import (
+from support.bad_inputs import without_dac_override
+from support.commands import (
     Mount,
     cache_command,
     cache_env,
@@ -27,7 +28,6 @@ from support.helpers import (
     summary_of,
     train_command,
     train_env,
-    without_dac_override,
 )
 
 from stk.datagen import make_image

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.helpers import loader_threads
+from support.processes import loader_threads
 
 from stk.errors import InputError
 from stk.train.batch import Batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.helpers import REPO
+from support.commands import REPO
 
 from stk.errors import InputError
 from stk.train.dsconfig import PRESETS, builds_own_optimizer, load_deepspeed_config, training_config, zero_stage

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, DiffusionPipeline, FluxPipeline, FluxTransformer2DModel
-from support.helpers import Recorder, step_inputs
+from support.tiny_batches import Recorder, step_inputs
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model

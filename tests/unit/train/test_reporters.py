@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from support.helpers import board_scalars, board_tags
+from support.train_outputs import board_scalars, board_tags
 
 from stk.errors import InputError
 from stk.train.metrics import MetricsLog

@@ -11,7 +11,8 @@ from unittest import mock
 
 import pytest
 import torch
-from support.helpers import CHANNELS, EXTENSIONS_DIR, TEXT
+from support.commands import EXTENSIONS_DIR
+from support.tiny_batches import CHANNELS, TEXT
 
 from stk.models import Family, build_tiny_model
 from stk.models.latents import LatentNorm

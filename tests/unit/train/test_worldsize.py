@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from support.helpers import FAST, run_train
+from support.commands import FAST, run_train
 
 from stk.errors import InputError
 from stk.models import Family

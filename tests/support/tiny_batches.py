@@ -1,0 +1,43 @@
+"""Training micro-batches shaped for the tiny models (stk.models.tiny), and a stand-in engine that records calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stk.models import Family
+from stk.train.batch import StepInputs
+
+# The tiny models' text embedding shapes per sample (stk.models.tiny) and latent channels.
+TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
+    Family.SD: {"prompt_embeds": (77, 32)},
+    Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
+    Family.FLUX: {"prompt_embeds": (16, 48), "pooled_prompt_embeds": (32,)},
+}
+CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16}
+
+
+def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, seed: int = 0) -> StepInputs:
+    """A random training micro-batch shaped for the tiny model of `family`."""
+    g = torch.Generator().manual_seed(seed)
+    return StepInputs(
+        latents=torch.randn(batch, CHANNELS[family], *size, generator=g),
+        text={name: torch.randn(batch, *shape, generator=g) for name, shape in TEXT[family].items()},
+        original_size=torch.tensor([[100, 120], [64, 80]])[:batch],
+        crop_top_left=torch.tensor([[3, 5], [0, 7]])[:batch],
+    )
+
+
+class Recorder(torch.nn.Module):
+    """Stands in for a DeepSpeed engine (the model as `.module`, no `.config` of its own) and records each call."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.module(*args, **kwargs)
+        self.calls.append((args, kwargs, output[0]))
+        return output
