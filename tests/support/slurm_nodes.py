@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import os
 import random
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from support.commands import EXTENSIONS_DIR, REPO
+from support.node_network import RUN_NETNS, Unavailable, free_subnet, is_mounted, make_network, remove_network
 from support.slurm_cluster import CONF_COMMON, SlurmClient, _stop, free_ports
 
 __all__ = ["SlurmNodes", "slurm_nodes", "start_nodes"]
@@ -48,7 +48,6 @@ BINARIES = ("slurmctld", "slurmd", "munged", "munge", "unmunge", "scontrol", "si
 NODES = 4
 GPUS_PER_NODE, CPUS_PER_NODE = 2, 4
 SHARED_MEMORY = Path("/dev/shm")
-RUN_NETNS = Path("/run/netns")
 VENV = Path(sys.prefix)  # the venv this session runs in (sys.executable's)
 
 # Run inside a fresh UTS + mount namespace (already in the node's network namespace): name the node,
@@ -69,10 +68,6 @@ shift
 mount --move "$stage" /tmp
 exec "$@"
 """
-
-
-class Unavailable(Exception):
-    """This machine cannot run the cluster (no namespaces, no bridge, no binaries): skip, or fail in CI."""
 
 
 @dataclass
@@ -158,79 +153,6 @@ def _missing_prerequisites() -> list[str]:
     if os.geteuid() != 0:
         missing.append("root (namespaces, the bridge, slurmd and mknod need it)")
     return missing
-
-
-def _ip(*args: str, stdin: str | None = None) -> None:
-    proc = subprocess.run(["ip", *args], input=stdin, capture_output=True, text=True, timeout=30)
-    if proc.returncode != 0:
-        raise Unavailable(f"ip {' '.join(args)} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()}")
-
-
-def _free_subnet() -> ipaddress.IPv4Network:
-    """A random 10.x.y.0/24 that overlaps no address or route this machine has."""
-    used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
-    for command in (["ip", "-j", "-4", "route", "show", "table", "all"], ["ip", "-j", "-4", "addr"]):
-        out = subprocess.run(command, capture_output=True, text=True, timeout=10).stdout or "[]"
-        for entry in json.loads(out):
-            prefixes = [entry.get("dst", "")] + [f"{a['local']}/{a['prefixlen']}" for a in entry.get("addr_info", [])]
-            for prefix in prefixes:
-                with contextlib.suppress(ValueError):
-                    used.append(ipaddress.ip_network(prefix if prefix != "default" else "0.0.0.0/32", strict=False))
-    for _ in range(100):
-        subnet = ipaddress.IPv4Network(f"10.{random.randrange(100, 255)}.{random.randrange(256)}.0/24")
-        if not any(subnet.overlaps(other) for other in used if other.prefixlen > 0):
-            return subnet
-    raise Unavailable("no free 10.x.y.0/24 for the bridge")
-
-
-def _make_network(tag: str, subnet: ipaddress.IPv4Network, netns: dict[str, str], bridge: str) -> list[str]:
-    """The bridge with the host at .1, a namespace per node with eth0 at .11, .12 ...; returns the
-    host-side veth names. Raises Unavailable (the caller removes whatever was made)."""
-    host = f"{subnet[1]}/{subnet.prefixlen}"
-    veths = [f"stk{tag}v{i}" for i in range(1, len(netns) + 1)]
-    lines = [f"link add {bridge} type bridge", f"addr add {host} dev {bridge}", f"link set {bridge} up"]
-    for veth, ns in zip(veths, netns.values(), strict=True):
-        lines += [f"netns add {ns}", f"link add {veth} type veth peer name eth0 netns {ns}",
-                  f"link set {veth} master {bridge}", f"link set {veth} up"]  # fmt: skip
-    _ip("-batch", "-", stdin="\n".join(lines) + "\n")
-    for i, ns in enumerate(netns.values(), start=11):
-        batch = f"link set lo up\naddr add {subnet[i]}/{subnet.prefixlen} dev eth0\nlink set eth0 up\n"
-        _ip("-n", ns, "-batch", "-", stdin=batch)
-    return veths
-
-
-def _mounted(path: Path) -> bool:
-    """Whether `path` is a mount point (mountinfo: a bind mount of a directory onto itself, as
-    `ip netns add` makes of /run/netns, has the device of its parent, so os.path.ismount misses it)."""
-    with open("/proc/self/mountinfo") as mounts:
-        return any(line.split()[4] == str(path) for line in mounts)
-
-
-def _remove_network(netns: dict[str, str], bridge: str, run_netns_before: tuple[bool, bool]) -> list[str]:
-    """Delete the namespaces (their veths go with them) and the bridge, and the /run/netns mount and
-    directory that `ip netns add` made if they were not there before and no namespace is left in
-    them; what could not be removed."""
-    existed, mounted = run_netns_before
-    left = []
-    for ns in netns.values():
-        if (RUN_NETNS / ns).exists():
-            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-                # A process of ours still in the node (a job step that outlived slurmd): end it.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), 9)
-            if subprocess.run(["ip", "netns", "del", ns], capture_output=True).returncode != 0:
-                left.append(f"netns {ns}")
-    if (
-        Path("/sys/class/net", bridge).exists()
-        and subprocess.run(["ip", "link", "del", bridge], capture_output=True).returncode
-    ):
-        left.append(f"bridge {bridge}")
-    if not mounted and _mounted(RUN_NETNS) and not any(RUN_NETNS.iterdir()):
-        subprocess.run(["umount", str(RUN_NETNS)], capture_output=True)
-    if not existed and not _mounted(RUN_NETNS):
-        with contextlib.suppress(OSError):
-            RUN_NETNS.rmdir()
-    return left
 
 
 def _mpich_segments() -> set[str]:
@@ -373,13 +295,13 @@ def start_nodes(partition: str = "debug") -> Iterator[SlurmNodes]:
     root.chmod(0o755)  # munged runs as user munge and must reach root/munge
     (root / "logs").mkdir()
     segments = _mpich_segments()
-    run_netns_before = (RUN_NETNS.exists(), _mounted(RUN_NETNS))
+    run_netns_before = (RUN_NETNS.exists(), is_mounted(RUN_NETNS))
     cluster: SlurmNodes | None = None
     munged: subprocess.Popen[bytes] | None = None
     try:
         try:
-            subnet = _free_subnet()
-            _make_network(tag, subnet, netns, bridge)
+            subnet = free_subnet()
+            make_network(tag, subnet, netns, bridge)
         except Unavailable as error:
             _unavailable(f"cannot make the nodes' namespaces and bridge: {error}")
         munged, munge_socket = _start_munged(root)
@@ -404,7 +326,7 @@ def start_nodes(partition: str = "debug") -> Iterator[SlurmNodes]:
                 _stop(proc)
         if munged is not None:
             _stop(munged)
-        left = _remove_network(netns, bridge, run_netns_before)
+        left = remove_network(netns, bridge, run_netns_before)
         _remove_node_segments(segments)
         shutil.rmtree(root, ignore_errors=True)
         if left:
