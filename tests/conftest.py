@@ -3,6 +3,7 @@ Where a test goes: tests/unit/<package>/test_<module>.py for stk/<package>/<modu
 for a top-level module), tests/integration/ for tests that start MPI ranks, servers or Slurm (marked integration),
 tests/support/ for what tests share."""
 
+from support.cache_builds import big_clean, big_scan, built, models, scanned  # noqa: F401  (stk-cache's end-to-end builds)
 from support.fixtures import (  # noqa: F401  (fixtures, found by name)
     _fresh_op_builds,
     _no_shared_memory_left_behind,

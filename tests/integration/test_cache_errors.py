@@ -1,0 +1,129 @@
+"""stk-cache's one-line errors: a missing scan, no model, an empty prompt file, a damaged scan table or shard, a wrong
+bucket or endpoint, each with its exit code and the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.cache_builds import Built, Scanned, error_lines, run_cache
+
+from stk.models import Family
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_missing_scan_a_directory_that_is_no_model_or_an_empty_prompt_file_is_one_line_and_exit_3(
+    models: dict[Family, str], scanned: Scanned, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-scan"
+    proc = run_cache([missing, "--model", models[Family.SD], "--out", tmp_path / "cache1"])
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = error_lines(proc)
+    assert len(lines) == 1 and str(missing) in lines[0], proc.stderr
+    assert not (tmp_path / "cache1").exists()
+
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    (not_a_model / "config.json").write_text("{}")
+    proc = run_cache([scanned.scan, "--model", not_a_model, "--out", tmp_path / "cache2"])
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "model_index.json" in lines[0] and str(not_a_model) in lines[0], proc.stderr
+    assert not (tmp_path / "cache2").exists()
+
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n \n")
+    proc = run_cache([scanned.scan, "--model", models[Family.SD], "--out", tmp_path / "cache3",
+                      "--validation-prompts", empty])  # fmt: skip
+    lines = error_lines(proc)
+    assert proc.returncode == 3 and len(lines) == 1 and f"{empty}: no prompts in it (one per line)" in lines[0]
+    assert not (tmp_path / "cache3").exists()
+
+
+def test_a_truncated_scan_table_a_missing_or_an_empty_shard_are_exit_6_naming_the_file_and_the_fix(
+    scanned: Scanned, built: Callable[[Family], Built], tmp_path: Path
+) -> None:
+    """Damage is exit 6 in one line naming the file and what rebuilds it; found before any model loads (the model
+    given here is no model)."""
+    scan = tmp_path / "scan"
+    shutil.copytree(scanned.scan, scan)
+    table = scan / "metadata.parquet"
+    table.write_bytes(table.read_bytes()[:200])
+    proc = run_cache([scan, "--model", tmp_path / "no-model", "--out", tmp_path / "out"])
+    assert proc.returncode == 6, proc.stderr
+    (line,) = error_lines(proc)
+    assert "Traceback" not in proc.stderr and f"{table} is damaged (not a readable parquet file" in line
+    assert f"`stk-scan {scanned.data} --out {scan}`" in line
+    assert not (tmp_path / "out").exists()
+    proc = run_cache(["verify", built(Family.SD).path, "--scan", scan])
+    assert proc.returncode == 6 and f"{table} is damaged" in error_lines(proc)[0], proc.stderr
+    proc = run_cache([tmp_path, "--model", tmp_path / "no-model", "--out", tmp_path / "out"])
+    assert proc.returncode == 3 and "not an stk-scan output directory" in error_lines(proc)[0], proc.stderr
+
+    for damage in ("missing", "empty"):
+        cache = tmp_path / f"cache-{damage}"
+        shutil.copytree(built(Family.SD).path, cache)
+        shard = sorted((cache / "shards").iterdir())[0]
+        shard.unlink() if damage == "missing" else shard.write_bytes(b"")
+        proc = run_cache(["info", cache])
+        assert proc.returncode == 6, proc.stderr
+        (line,) = error_lines(proc)
+        assert "Traceback" not in proc.stderr and f"shard {shard} is damaged" in line
+        assert f"`stk-cache verify {cache} --repair`" in line
+
+
+@contextlib.contextmanager
+def web_server() -> Iterator[str]:
+    """A plain HTTP server on 127.0.0.1 (HTML pages, 404 and 501 answers): not S3."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("endpoint", ["missing-bucket", "unresolvable-host", "not-s3"])
+def test_a_wrong_bucket_or_endpoint_is_one_line_and_exit_3_before_the_model_loads(
+    scanned: Scanned, s3_server: str, tmp_path: Path, endpoint: str
+) -> None:
+    """The model given is no model: the storage error comes first, so no model was loaded."""
+    bucket = f"stk-missing-{uuid.uuid4().hex[:10]}"
+    with contextlib.ExitStack() as stack:
+        url = {
+            "missing-bucket": s3_server,
+            "unresolvable-host": "http://no-such-host.invalid:8333",
+            "not-s3": stack.enter_context(web_server()) if endpoint == "not-s3" else "",
+        }[endpoint]
+        started = time.monotonic()
+        proc = run_cache([scanned.scan, "--model", tmp_path / "no-model", "--out", f"s3://{bucket}/cache",
+                          "--s3-endpoint-url", url])  # fmt: skip
+        seconds = time.monotonic() - started
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    (line,) = error_lines(proc)
+    assert url in line and "no-model" not in line, line
+    assert {
+        "missing-bucket": f"S3 bucket '{bucket}' does not exist",
+        "unresolvable-host": "the host name no-such-host.invalid does not resolve",
+        "not-s3": "does not answer as S3 (HTTP 404 to ListObjectsV2",
+    }[endpoint] in line, line
+    assert seconds < 60, "retried as an outage"
