@@ -22,6 +22,7 @@ from support.fixtures import (  # noqa: F401  (fixtures, found by name)
     slurm,
     trained,
 )
+from support.s3_outages import weed  # noqa: F401  (a test's own S3 server, to stop and kill)
 from support.scan_outputs import corpus  # noqa: F401  (a tree with every kind of bad file, for stk-scan)
 from support.slurm_cluster import slurm_cluster  # noqa: F401  (the real one-node Slurm)
 from support.slurm_nodes import slurm_nodes  # noqa: F401  (the real four-node Slurm)
