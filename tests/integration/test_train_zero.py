@@ -1,0 +1,166 @@
+"""stk-train end to end with ZeRO 1, 2 and 3 on each family: it trains, checkpoints and exports a model (or a LoRA
+its pipeline loads), with samples and metrics.
+
+Real DeepSpeed engines on the CPU under `mpiexec -n 2`, tiny random-weight pipelines and caches made by stk-cache
+(fixtures `scan` and `setups`)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+from support.commands import FAST, run_train, summary_of
+from support.tiny_batches import Recorder, step_inputs
+from support.train_checks import DENOISER, check_final, denoiser_weights, latest
+from support.train_outputs import SAMPLING, board_images, metrics, sample_pngs, wandb_history
+
+from stk.models import Family
+from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora
+from stk.train.objectives import objective_for
+
+pytestmark = pytest.mark.integration
+
+
+def check_samples(out: Path, steps: list[int], size: tuple[int, int] = (64, 64), board: bool = True) -> None:
+    """A round of PNGs (one per prompt, in order, and a grid of 2 x 2 cells) after each of `steps`, and in
+    TensorBoard (`board`); each round's time in metrics.jsonl."""
+    assert sorted(p.name for p in (out / "samples").iterdir()) == [f"step-{s:08d}" for s in steps]
+    for step in steps:
+        pngs = sample_pngs(out, step)
+        assert sorted(pngs) == ["0-a-red-square.png", "1-two-blue-circles.png", "2-x.png", "grid.png"]
+        for name, png in pngs.items():
+            image = Image.open(io.BytesIO(png))
+            assert image.format == "PNG" and image.size == (size if name != "grid.png" else (2 * size[0], 2 * size[1]))
+    assert [r["step"] for r in metrics(out) if "sample_seconds" in r] == steps
+    if board:
+        assert [s for s, _ in board_images(out / "tensorboard", "samples/grid")] == steps
+
+
+def check_wandb(out: Path, steps: list[int]) -> None:
+    """The samples, and an offline W&B log instead of TensorBoard: each step's loss as metrics.jsonl has it, the
+    grid at each round's step, its image file beside the log."""
+    check_samples(out, steps, board=False)
+    assert not (out / "tensorboard").exists()
+    history = wandb_history(out)
+    losses = {row["_step"]: row["train/loss"] for row in history if "train/loss" in row}
+    assert losses == {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
+    grids = [row for row in history if "samples/grid/path" in row]
+    assert [row["_step"] for row in grids] == steps
+    files = next(out.glob("wandb/offline-run-*/files"))
+    assert all((files / row["samples/grid/path"]).is_file() for row in grids)
+
+
+def prediction(denoiser: torch.nn.Module, family: Family, model: str) -> torch.Tensor:
+    """The denoiser's output on one fixed training sample (the same noise and timestep every call)."""
+    recorder = Recorder(denoiser)
+    with torch.no_grad():
+        objective_for(family, model).loss(recorder, step_inputs(family), torch.Generator().manual_seed(0))
+    return recorder.calls[-1][2]
+
+
+def trained_module(model: str, family: Family, settings: LoraSettings, checkpoint: Path) -> torch.nn.Module:
+    """The denoiser as training left it, rebuilt without stk's export: the base weights, the same adapter, and the
+    adapter's fp32 weights from the DeepSpeed checkpoint (DeepSpeed's own zero_to_fp32 reader)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    denoiser = objective_for(family, model).load_denoiser(torch.float32)
+    add_lora(denoiser, settings, family, seed=0)
+    saved = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), "the checkpoint holds frozen weights"
+    missing, unexpected = denoiser.load_state_dict(saved, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    return denoiser.eval()
+
+
+def check_lora(out: Path, model: str, family: Family, extra: list[str]) -> None:
+    """final/ holds the adapter alone, as each checkpoint's lora/ does; the family's pipeline loads it with
+    load_lora_weights and then gives what the trained module gives, not what the base gives."""
+    assert sorted(p.name for p in (out / "final").iterdir()) == [LORA_WEIGHTS]  # the adapter, not a 12B model
+    checkpoint = out / "checkpoints" / latest(out)
+    assert load_file(checkpoint / "lora" / LORA_WEIGHTS).keys() == load_file(out / "final" / LORA_WEIGHTS).keys()
+    rank = int(extra[extra.index("--lora-rank") + 1])
+    alpha = int(extra[extra.index("--lora-alpha") + 1]) if "--lora-alpha" in extra else rank
+    with safe_open(out / "final" / LORA_WEIGHTS, "pt") as f:  # alpha travels with the weights
+        assert json.loads(f.metadata()["lora_adapter_metadata"])[f"{DENOISER[family]}.lora_alpha"] == alpha
+
+    pipe = DiffusionPipeline.from_pretrained(model)
+    base = prediction(getattr(pipe, DENOISER[family]), family, model)
+    pipe.load_lora_weights(out / "final")
+    loaded = prediction(getattr(pipe, DENOISER[family]), family, model)
+    again = prediction(getattr(pipe, DENOISER[family]), family, model)
+    assert torch.equal(loaded, again), "the loaded LoRA is not deterministic (dropout left on?)"
+    trained = prediction(trained_module(model, family, LoraSettings(rank, alpha), checkpoint), family, model)
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"
+
+
+# Three cells train a LoRA (one per family, one per kind of ZeRO) and load it into the family's pipeline. Every
+# cell makes samples at step 0 and 3 (the end), but the last: its resolution cannot be allocated (a round that fails,
+# as one out of memory does), which must cost the samples only.
+MATRIX = [
+    ("zero2", Family.SD, ["--grad-accum", "2", "--lr-schedule", "cosine", "--warmup-steps", "1"]),
+    ("zero3", Family.SD, []),
+    ("zero1", Family.SDXL, ["--grad-accum", "2", "--lora-rank", "4", "--lora-dropout", "0.1"]),
+    ("zero2", Family.SDXL, ["--no-gradient-checkpointing"]),  # the other cells checkpoint (the default)
+    ("zero3", Family.SDXL, ["--optimizer", "lion", "--lr", "1e-4"]),
+    # the Flux cache holds the prompts (stk-cache --validation-prompts, support/fixtures.py): no text encoder loads; W&B
+    ("zero1", Family.FLUX, ["--caption-dropout", "0.5", "--report-to", "wandb"]),
+    ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
+    ("zero3", Family.FLUX, ["--grad-accum", "2", "--lora-rank", "4"]),
+    (
+        "zero2-offload",
+        Family.SD,
+        [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",  # DeepSpeed's CPU Adam: JIT-built once
+            "--validation-resolution",
+            "524288x524288",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("preset", "family", "extra"), MATRIX, ids=[f"{p}-{f.value}" for p, f, _ in MATRIX])
+def test_zero_stage_trains_checkpoints_and_exports(preset, family, extra, setups, scan, tmp_path):
+    model, cache = setups(family)
+    out = tmp_path / "run"
+    proc = run_train(
+        ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", out, "--deepspeed", preset,
+         "--max-steps", "3", *[a for a in FAST if a != "-q"], *SAMPLING, *extra],
+        env={"WANDB_MODE": "offline"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = summary_of(proc)
+    assert summary["outcome"] == "finished" and summary["steps"] == 3 and summary["final"] == str(out / "final")
+    rows = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["loss"] > 0 and r["step_time"] > 0 and r["data_wait"] >= 0 for r in rows)
+    if "--validation-resolution" in extra:
+        failed = [line for line in proc.stderr.splitlines() if "samples at step" in line]
+        assert len(failed) == 2 and all("out of memory" in line and "training goes on" in line for line in failed)
+        assert not (out / "samples").exists()
+    elif "wandb" in extra:
+        check_wandb(out, [0, 3])
+    else:
+        check_samples(out, [0, 3])
+    if family is Family.FLUX:
+        assert "text encoders" not in proc.stderr, "the prompts' embeddings are in the cache"
+    assert latest(out) == "step-00000003"
+    if "--lora-rank" in extra:
+        check_lora(out, model, family, extra)
+        return
+    trained = denoiser_weights(out / "final", family)
+    source = denoiser_weights(Path(model), family)
+    dtype = torch.bfloat16 if "bf16" in extra else torch.float32
+    assert trained.keys() == source.keys() and {t.dtype for t in trained.values()} == {dtype}
+    assert any(not torch.equal(trained[k].float(), source[k].to(dtype).float()) for k in trained), "nothing trained"
+    check_final(out / "final", family)
