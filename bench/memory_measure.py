@@ -1,0 +1,232 @@
+"""The measuring process of bench/memory.py (--child SPEC): one configuration, one fresh process, one JSON line on
+stdout: the RSS high-water mark, autograd's own count of the tensors it saves, a weight's gradient peak, step times."""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from memory_common import FLUX_DEV, LORA_RANK, SDXL_TEXT_TOKENS, SDXL_UNET
+
+from stk.models.published import build_published
+
+# the full AdamW step of part 2 on a UNet that fits in RAM: same widths, one transformer layer per attention block
+REDUCED_SDXL_UNET = {**SDXL_UNET, "transformer_layers_per_block": [1, 1, 1]}
+
+
+# the modules diffusers' enable_gradient_checkpointing checkpoints one by one, and what this script calls them
+BLOCK_KINDS = {"ResnetBlock2D": "resnet", "BasicTransformerBlock": "transformer",
+               "FluxTransformerBlock": "double", "FluxSingleTransformerBlock": "single"}  # fmt: skip
+
+
+def status_bytes(field: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class SavedBytes:
+    """What autograd keeps for the backward pass: each storage counted once, parameters left out (they are the
+    weights, not activations), by the kind of block that saved it, with the largest block instance and the largest
+    single storage. Blocks are the modules diffusers checkpoints; forward hooks on them (and the checkpoint function,
+    so that a checkpointed block's kept inputs count for it) say which one is running."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen: set[int] = set()
+        self.by_kind: dict[str, int] = defaultdict(int)
+        self.by_block: dict[int, int] = defaultdict(int)
+        self.largest = 0
+        self.block: tuple[str, int] = ("other", 0)
+        for module in model.modules():
+            if type(module).__name__ in BLOCK_KINDS:
+                module.register_forward_pre_hook(lambda m, _: setattr(self, "block", self._block_of(m)))
+                module.register_forward_hook(lambda *_: setattr(self, "block", ("other", 0)))
+
+    @staticmethod
+    def _block_of(module: torch.nn.Module) -> tuple[str, int]:
+        return BLOCK_KINDS[type(module).__name__], id(module)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            kind, block = self.block
+            self.by_kind[kind] += size
+            if block:
+                self.by_block[block] += size
+            self.largest = max(self.largest, size)
+        return tensor
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+            yield
+
+    def checkpoint(self, module: torch.nn.Module, *args: Any) -> Any:
+        """diffusers' own checkpoint call (non-reentrant), with the block set while the checkpoint keeps its inputs."""
+        previous, self.block = self.block, self._block_of(module)
+        try:
+            return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
+        finally:
+            self.block = previous
+
+
+def build_model(spec: dict[str, Any]) -> torch.nn.Module:
+    """The model with random weights created directly in bf16 (a float32 build would peak at twice the bytes)."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        if spec["model"] == "flux":
+            config = {**FLUX_DEV, "num_layers": spec["double"], "num_single_layers": spec["single"]}
+        else:
+            config = REDUCED_SDXL_UNET if spec["model"] == "sdxl-reduced" else SDXL_UNET
+        return build_published(config, "cpu")
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def make_inputs(spec: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+    """Random conditioning shaped as stk.train.objectives feeds each family, and a target for the MSE loss."""
+    g = torch.Generator().manual_seed(1)
+    side, res = spec["resolution"] // 8, spec["resolution"]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    if spec["model"] == "flux":
+        half, text = side // 2, spec["text_tokens"]
+        ids = torch.zeros(half, half, 3)
+        ids[..., 1], ids[..., 2] = torch.arange(half)[:, None], torch.arange(half)[None, :]
+        inputs: dict[str, Any] = {
+            "hidden_states": randn(1, half * half, FLUX_DEV["in_channels"]),
+            "encoder_hidden_states": randn(1, text, FLUX_DEV["joint_attention_dim"]),
+            "pooled_projections": randn(1, FLUX_DEV["pooled_projection_dim"]),
+            "timestep": torch.full((1,), 0.5, dtype=torch.bfloat16),
+            "guidance": torch.full((1,), 3.5, dtype=torch.bfloat16),
+            "txt_ids": torch.zeros(text, 3, dtype=torch.bfloat16),
+            "img_ids": ids.reshape(-1, 3).to(torch.bfloat16),
+        }
+        return inputs, randn(1, half * half, FLUX_DEV["in_channels"])
+    inputs = {
+        "sample": randn(1, 4, side, side),
+        "timestep": torch.full((1,), 500),
+        "encoder_hidden_states": randn(1, SDXL_TEXT_TOKENS, SDXL_UNET["cross_attention_dim"]),
+        "added_cond_kwargs": {
+            "text_embeds": randn(1, 1280),
+            "time_ids": torch.tensor([[res, res, 0, 0, res, res]], dtype=torch.bfloat16),
+        },
+    }
+    return inputs, randn(1, 4, side, side)
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+def weight_gradient_peak(spec: dict[str, Any]) -> dict[str, Any]:
+    """The backward of the SDXL UNet's largest layer alone, on a minimal input: the bytes a weight's gradient holds
+    while it is computed, the gradient memory a training step's peak can include when each is dropped as it lands."""
+    torch.set_num_threads(spec["threads"])
+    unet: Any = build_published(SDXL_UNET)
+    kinds = (torch.nn.Conv2d, torch.nn.Linear)
+    largest = max((m for m in unet.modules() if isinstance(m, kinds)), key=lambda m: m.weight.numel())
+    layer = largest.to(torch.bfloat16).to_empty(device="cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+            p.register_post_accumulate_grad_hook(_drop_grad)
+    shape = (1, layer.in_channels, 8, 8) if isinstance(layer, torch.nn.Conv2d) else (1, 8, layer.in_features)
+    loss = layer(torch.randn(*shape).to(torch.bfloat16)).float().sum()
+    before = status_bytes("VmRSS")
+    loss.backward()
+    return {"layer": repr(layer), "weight_bytes": layer.weight.nbytes, "peak": status_bytes("VmHWM") - before}
+
+
+def time_checkpointing(spec: dict[str, Any]) -> dict[str, Any]:
+    """Training step times with checkpointing off and on (diffusers' own checkpoint function), alternating in one
+    process so that whatever else runs on the machine slows both alike: medians of spec['steps'] rounds after a
+    warm-up round."""
+    torch.set_num_threads(spec["threads"])
+    model: Any = build_model(spec)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(_drop_grad)
+    inputs, target = make_inputs(spec)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(1 + spec["steps"]):
+        for ckpt in (False, True):
+            model.enable_gradient_checkpointing() if ckpt else model.disable_gradient_checkpointing()
+            started = time.perf_counter()
+            out = model(**inputs, return_dict=False)[0]
+            F.mse_loss(out.float(), target.float()).backward()
+            del out
+            if round_:
+                times[ckpt].append(time.perf_counter() - started)
+    return {"off": statistics.median(times[False]), "on": statistics.median(times[True]), "load": os.getloadavg()[0]}
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build, run one step (autograd's saved bytes counted), report its memory.
+
+    Modes: forward (no_grad), train (every parameter trainable, each gradient dropped as it lands), lora (the adapter
+    trainable, its gradients kept) and adamw (every parameter trainable, gradients kept); lora and adamw end with one
+    AdamW step and report the bytes of the gradients and of the optimizer state."""
+    torch.set_num_threads(spec["threads"])
+    model = build_model(spec)
+    layers = 0
+    if spec["mode"] == "lora":
+        from stk.models import Family
+        from stk.train.lora import LoraSettings, add_lora
+
+        layers = add_lora(model, LoraSettings(rank=LORA_RANK), Family(spec["model"]), seed=0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if spec["mode"] == "train":
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(_drop_grad)
+    saved = SavedBytes(model)
+    if spec["checkpointing"]:
+        model.enable_gradient_checkpointing(saved.checkpoint)  # type: ignore[operator]
+    inputs, target = make_inputs(spec)
+    gc.collect()
+    model_rss = status_bytes("VmRSS")
+    if spec["mode"] == "forward":
+        with torch.no_grad():
+            model(**inputs)
+    else:
+        with saved.recording():
+            out = model(**inputs, return_dict=False)[0]
+            F.mse_loss(out.float(), target.float()).backward()
+        del out
+    result: dict[str, Any] = {
+        "spec": spec,
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in trainable),
+        "trainable_dtype": str(trainable[0].dtype) if trainable else None,
+        "lora_layers": layers,
+        "largest_grad_bytes": max((p.numel() * p.element_size() for p in trainable), default=0),
+        "model_rss": model_rss,
+        "peak_rss": status_bytes("VmHWM"),
+        "saved": dict(saved.by_kind),
+        "largest_block": max(saved.by_block.values(), default=0),
+        "largest_tensor": saved.largest,
+    }
+    if spec["mode"] in ("lora", "adamw"):
+        result["grad_bytes"] = sum(p.grad.nbytes for p in trainable if p.grad is not None)
+        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+        optimizer.step()
+        result["adamw_state_bytes"] = sum(
+            t.nbytes for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+        )
+    return result

@@ -1,0 +1,218 @@
+"""Part 3 of bench/memory.py (--table): per-GPU memory of Flux.1-dev and the SDXL UNet at 1024 px on 32 GPUs for each
+preset, from the ZeRO paper's accounting of model states and activations extrapolated from measured sizes."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from memory_common import (
+    FLUX_DEV,
+    GB,
+    LORA_RANK,
+    SDXL_TEXT_TOKENS,
+    SDXL_UNET,
+    Runs,
+    activation_bytes,
+    gb,
+    run_child,
+    sdxl_spec,
+)
+
+from stk.models.published import build_published
+
+# --table: the reference run
+GPUS, BATCH, RESOLUTION = 32, 8, 1024
+FLUX_TEXT_TOKENS = 512  # stk.models.families.flux.T5_MAX_LENGTH
+GPU_BYTES, HEADROOM = 80e9, 0.10  # an H100's 80 GB, 10% kept for the CUDA context, NCCL and fragmentation
+# Presets from the least overhead to the most: ZeRO-2 adds a reduce-scatter per bucket, ZeRO-3 gathers every weight
+# twice a step (three with checkpointing's recompute), and offload runs the optimizer on the host's CPUs over PCIe.
+PRESETS = ("zero1", "zero2", "zero3", "zero2-offload")
+
+
+@dataclass(frozen=True)
+class Activations:
+    """One configuration's activation bytes on a GPU at the reference run's size, from the CPU measurements."""
+
+    saved: float  # per sample: autograd's saved tensors at full depth (checkpointing: the blocks' kept inputs)
+    recompute: float  # per sample: the largest block's saved tensors, held again while checkpointing recomputes it
+    working: float  # per sample: 3 x the largest saved tensor, the gradients in flight in the backward (assumed)
+    fixed: float  # per step: what the CPU step held beyond these and does not grow with the image
+
+    def at(self, batch: int) -> float:
+        return batch * (self.saved + self.recompute + self.working) + self.fixed
+
+
+@dataclass(frozen=True)
+class Model:
+    """A denoiser's parameter counts (from its config on the meta device) and its activations."""
+
+    name: str
+    params: int
+    lora: int  # the rank-16 adapter's parameters
+    largest: int  # the largest parameter's elements (ZeRO-3 gathers a module at a time)
+    small: int  # elements of the parameters ZeRO-3 keeps whole on every GPU (under its persistence threshold)
+    small_lora: int  # the same among the adapter's parameters
+    activations: dict[tuple[str, bool], Activations]  # (full | lora, checkpointing)
+
+
+def counts(name: str, config: dict[str, Any], threshold: int) -> tuple[int, int, int, int, int]:
+    """Parameters, LoRA rank-16 parameters, the largest parameter and the ZeRO-3-persistent ones (of the model, of
+    the adapter), counted on the meta device."""
+    from stk.models import Family
+    from stk.train.lora import LoraSettings, add_lora
+
+    model = build_published(config)
+    sizes = [p.numel() for p in model.parameters()]
+    add_lora(model, LoraSettings(rank=LORA_RANK), Family(name), seed=0)
+    adapter = [p.numel() for p in model.parameters() if p.requires_grad]
+    small = sum(n for n in sizes if n < threshold)
+    return sum(sizes), sum(adapter), max(sizes), small, sum(n for n in adapter if n < threshold)
+
+
+def extrapolate(points: list[tuple[float, float]], x: float) -> float:
+    """The line through two measurements, at x (activations grow linearly in tokens with a flash/efficient SDPA)."""
+    (x1, y1), (x2, y2) = points
+    return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
+
+
+def estimate(runs: Runs, mode: str, ckpt: bool, sizes: dict[int, float], target: float, depth: Any) -> Activations:
+    """Activations at `target` (latent pixels or tokens) from runs at two `sizes` (resolution -> pixels or tokens);
+    depth(saved by kind) gives the full model's saved bytes from the measured one's."""
+
+    def line(value: Any, ck: bool) -> float:
+        return extrapolate([(x, float(value(runs[(mode, ck, res)]))) for res, x in sizes.items()], target)
+
+    def rest(res: int) -> float:
+        r = runs[(mode, ckpt, res)]
+        recompute = runs[(mode, False, res)]["largest_block"] if ckpt else 0
+        return activation_bytes(r) - sum(r["saved"].values()) - recompute
+
+    return Activations(
+        saved=line(lambda r: depth(r["saved"]), ckpt),
+        recompute=line(lambda r: r["largest_block"], False) if ckpt else 0.0,
+        working=3 * line(lambda r: r["largest_tensor"], False),
+        fixed=max(0.0, *(rest(res) for res in sizes)),
+    )
+
+
+def flux_runs(args: argparse.Namespace) -> tuple[Runs, dict[int, float], list[str]]:
+    """One double and one single block at full width, at two sizes with 1024 px's 8:1 image:text token ratio."""
+    sizes = {256: 32, 128: 8} if args.quick else {512: 128, 256: 32}  # resolution -> text tokens
+    runs: Runs = {}
+    for res, text in sizes.items():
+        for mode in ("train", "lora"):
+            for ckpt in (False, True):
+                runs[(mode, ckpt, res)] = run_child(
+                    {"model": "flux", "mode": mode, "checkpointing": ckpt, "resolution": res, "text_tokens": text,
+                     "double": 1, "single": 1, "threads": args.threads})  # fmt: skip
+    tokens = {res: (res // 16) ** 2 + text for res, text in sizes.items()}
+    (big, small) = tokens
+    lines = []
+    for kind in ("double", "single"):
+        a, b = runs[("train", False, small)]["saved"][kind], runs[("train", False, big)]["saved"][kind]
+        lines.append(f"  a {kind} block saves {a / 1e6:.1f} MB at {tokens[small]} tokens, {b / 1e6:.1f} MB at "
+                     f"{tokens[big]}: x{b / a:.2f} for x{tokens[big] / tokens[small]:.2f} tokens")  # fmt: skip
+    return runs, {res: float(x) for res, x in tokens.items()}, lines
+
+
+def zero_states(m: Model, lora: bool, ds: dict[str, Any]) -> dict[str, float]:
+    """Per-GPU bytes of the model states under bf16 DeepSpeed (ZeRO paper, section 5: bf16 weights and gradients,
+    fp32 master weights, Adam m and v; offload moves the fp32 states and gradients to the host) and the preset's
+    gradient buckets (DeepSpeed 0.19 allocates reduce_bucket_size elements once, twice with overlap_comm below
+    stage 3, whatever the number of trainable parameters)."""
+    zero = ds["zero_optimization"]
+    stage, offload = zero["stage"], zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    params = m.params + (m.lora if lora else 0)
+    trainable = m.lora if lora else m.params
+    if stage == 3:  # partitioned, plus the small parameters kept whole and the gathered ones in flight
+        small = m.small + (m.small_lora if lora else 0)
+        weights = 2 * (params / GPUS + small + m.largest + zero["stage3_prefetch_bucket_size"])
+    else:
+        weights = 2 * params
+    grads = 0 if offload else 2 * trainable / (GPUS if stage >= 2 else 1)
+    optimizer = 0 if offload else 12 * trainable / GPUS
+    buffers = 2 * zero["reduce_bucket_size"] * (2 if zero.get("overlap_comm") and stage < 3 else 1)
+    return {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers}
+
+
+def sdpa_backward() -> str:
+    """Which SDPA kernel autograd records on this machine: a flash kernel saves q, k, v, the output and logsumexp
+    (memory linear in tokens); the math fallback would save the attention matrix (quadratic)."""
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, requires_grad=True)
+    return type(F.scaled_dot_product_attention(q, q, q).grad_fn).__name__
+
+
+def part_table(args: argparse.Namespace, sdxl: Runs) -> None:
+    """Part 3: the memory table of the reference run."""
+    from stk.train.dsconfig import load_deepspeed_config
+
+    presets = {name: load_deepspeed_config(name) for name in PRESETS}
+    threshold = presets["zero3"]["zero_optimization"]["stage3_param_persistence_threshold"]
+    res, half = args.resolution, args.resolution // 2
+    for size, ckpt in ((res, True), (half, False), (half, True)):
+        sdxl[("lora", ckpt, size)] = run_child(sdxl_spec("lora", ckpt, size, args))
+    flux, flux_tokens, flux_lines = flux_runs(args)
+    sdxl_pixels = {size: float((size // 8) ** 2) for size in (res, half)}
+    flux_depth = FLUX_DEV["num_layers"], FLUX_DEV["num_single_layers"]
+    configs = [(mode, ckpt) for mode in ("full", "lora") for ckpt in (False, True)]
+    models = [
+        Model("Flux.1-dev", *counts("flux", FLUX_DEV, threshold), {(mode, ckpt): estimate(
+            flux, "train" if mode == "full" else "lora", ckpt, flux_tokens, (RESOLUTION // 16) ** 2 + FLUX_TEXT_TOKENS,
+            lambda s: s.get("other", 0) + flux_depth[0] * s["double"] + flux_depth[1] * s["single"],
+        ) for mode, ckpt in configs}),
+        Model("SDXL UNet", *counts("sdxl", SDXL_UNET, threshold), {(mode, ckpt): estimate(
+            sdxl, "train" if mode == "full" else "lora", ckpt, sdxl_pixels, (RESOLUTION // 8) ** 2,
+            lambda s: sum(s.values()),
+        ) for mode, ckpt in configs}),
+    ]  # fmt: skip
+    budget = GPU_BYTES * (1 - HEADROOM)
+    print(f"\n## 3. Per-GPU memory at {RESOLUTION} px, batch {BATCH} per GPU, {GPUS} GPUs, bf16 DeepSpeed")
+    print(f"Flux: 1 double + 1 single block at full width, measured at {sorted(flux_tokens.values())} tokens "
+          f"(image + text, 8:1 as at {RESOLUTION} px), extrapolated to {(RESOLUTION // 16) ** 2} + {FLUX_TEXT_TOKENS} "
+          f"tokens and to {flux_depth[0]} double + {flux_depth[1]} single blocks; linearity:")  # fmt: skip
+    for line in flux_lines:
+        print(line)
+    saved = {size: gb(sum(sdxl[("train", False, size)]["saved"].values())) for size in (half, res)}
+    print(f"SDXL: the whole UNet at {half} and {res} px, extrapolated in latent pixels to {RESOLUTION // 8}x"
+          f"{RESOLUTION // 8}; saved at {half} px {saved[half]}, at {res} px {saved[res]} (x4 pixels, the "
+          f"{SDXL_TEXT_TOKENS} text tokens fixed)")  # fmt: skip
+    print(f"attention: the CPU's SDPA records {sdpa_backward()} (saves q, k, v, output, logsumexp: linear in tokens, "
+          "as flash/memory-efficient SDPA on a GPU)")  # fmt: skip
+    print("activations per GPU = batch x (saved + recompute + working) + fixed; per sample at 1024 px:")
+    for m in models:
+        for (mode, ckpt), a in m.activations.items():
+            print(f"  {m.name:<11}{mode:<5}ckpt {'on ' if ckpt else 'off'}: saved {gb(a.saved)}, recompute "
+                  f"{gb(a.recompute)}, working {gb(a.working)}; fixed {gb(a.fixed)} per step -> {gb(a.at(BATCH))} "
+                  f"at batch {BATCH}")  # fmt: skip
+    print(f"{models[0].name}: {models[0].params:,} parameters; {models[1].name}: {models[1].params:,}; LoRA rank "
+          f"{LORA_RANK}: {models[0].lora:,} and {models[1].lora:,}")  # fmt: skip
+    print(f"fits: total <= {budget / GB:.0f} GB ({GPU_BYTES / GB:.0f} GB less {HEADROOM * 100:.0f}% for the CUDA "
+          "context, NCCL and fragmentation). GB = 10^9 bytes.\n")  # fmt: skip
+    print("| model | mode | ckpt | preset | weights | grads | optimizer | buffers | activations | total | fits |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    best: dict[tuple[str, str, bool], str] = {}
+    for m in models:
+        for mode, ckpt in configs:
+            for preset in PRESETS:
+                states = zero_states(m, mode == "lora", presets[preset])
+                act = m.activations[(mode, ckpt)].at(BATCH)
+                total = sum(states.values()) + act
+                if total <= budget:
+                    best.setdefault((m.name, mode, ckpt), preset)
+                cells = " | ".join(f"{c / GB:.1f}" for c in [*states.values(), act, total])
+                fits = "yes" if total <= budget else "no"
+                print(f"| {m.name} | {mode} | {'on' if ckpt else 'off'} | {preset} | {cells} | {fits} |")
+    print("\nthe lowest-overhead preset that fits (in order: " + ", ".join(PRESETS) + "):")
+    for m in models:
+        for mode in ("full", "lora"):
+            print(f"  {m.name}, {mode}: " + "; ".join(
+                f"checkpointing {'on' if ck else 'off'}: {best.get((m.name, mode, ck), 'none fits')}"
+                for ck in (False, True)))  # fmt: skip
+    for m in models:
+        host = 16 * m.params / GPUS
+        print(f"zero2-offload's host memory for {m.name} full (fp32 master, m, v and gradient, 16 B per trainable "
+              f"parameter / {GPUS}): {gb(host)} per GPU, {gb(8 * host)} per 8-GPU node")  # fmt: skip
