@@ -13,6 +13,7 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from stk.models.components import TextEncoder, vae_config
 from stk.models.families.registry import Family
 from stk.models.latents import LatentNorm
+from stk.models.textmask import TEXT_MASK
 
 __all__ = ["Encoders", "TextEmbedding", "identity_differences"]
 
@@ -36,7 +37,7 @@ class Encoders(abc.ABC):
     its diffusers pipeline's encode_prompt, so stk-train conditions on exactly what the pipeline would."""
 
     family: ClassVar[Family]
-    text_outputs: ClassVar[tuple[str, ...]]  # names of the arrays in each TextEmbedding
+    text_outputs: ClassVar[tuple[str, ...]]  # names of the arrays in each TextEmbedding; TEXT_MASK: padding masked
 
     model: str  # local directory or hub id
     vae: AutoencoderKL = field(repr=False)
@@ -71,7 +72,8 @@ class Encoders(abc.ABC):
             return dist.mean.float().cpu().contiguous(), dist.logvar.float().cpu().contiguous()
 
     def encode_text(self, captions: list[str]) -> list[TextEmbedding]:
-        """One embedding per caption, in order; the captions are encoded as one batch."""
+        """One embedding per caption, in order; the captions are encoded as one batch. Where the pipeline masks
+        padding (TEXT_MASK), each caption keeps its real tokens only: the padding's values are never attended to."""
         if isinstance(captions, str):
             raise TypeError("captions must be a list of strings, not one string")
         if not captions:
@@ -79,8 +81,13 @@ class Encoders(abc.ABC):
         with torch.inference_mode():
             outputs, lengths = self._encode_text(captions)
             arrays = {name: outputs[name].float().cpu().numpy() for name in self.text_outputs}
-        counts = lengths.tolist()
-        return [TextEmbedding({n: a[i] for n, a in arrays.items()}, int(counts[i])) for i in range(len(captions))]
+        counts = [int(n) for n in lengths.tolist()]
+        if TEXT_MASK in self.text_outputs:
+            return [
+                TextEmbedding({n: a[i, :n_real] if a.ndim == 3 else a[i] for n, a in arrays.items()}, n_real)
+                for i, n_real in enumerate(counts)
+            ]
+        return [TextEmbedding({n: a[i] for n, a in arrays.items()}, counts[i]) for i in range(len(captions))]
 
     def config(self) -> dict[str, Any]:
         """JSON-able identity of the encoders: equal configs give interchangeable outputs. `vae` alone identifies

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["Batch", "StepInputs"]
+__all__ = ["Batch", "StepInputs", "collate_text", "stack_float32"]
 
 
 @dataclass
@@ -49,3 +51,31 @@ class StepInputs:
     text: dict[str, torch.Tensor]
     original_size: torch.Tensor  # (B, 2) (height, width) of the image before resize
     crop_top_left: torch.Tensor  # (B, 2) (top, left)
+
+
+def stack_float32(arrays: list[np.ndarray]) -> torch.Tensor:
+    """(B, ...) float32 from same-shaped arrays (float16 as stored), converted while copied."""
+    shapes = sorted({a.shape for a in arrays})
+    if len(shapes) != 1:
+        raise ValueError(f"a batch holds one latent shape (one bucket), got {shapes}")
+    out = np.empty((len(arrays), *shapes[0]), dtype=np.float32)
+    for i, array in enumerate(arrays):
+        out[i] = array
+    return torch.from_numpy(out)
+
+
+def collate_text(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Each caption's arrays batched as float32: sequences (L, D) zero-padded to the batch's longest (a
+    --trim-padding cache, and a family that masks padding, store only the real tokens), pooled vectors (D,) stacked."""
+    out: dict[str, torch.Tensor] = {}
+    for name, first in samples[0].items():
+        arrays = [s[name] for s in samples]
+        if first.ndim == 2:
+            widths = {a.shape[1] for a in arrays}
+            if len(widths) != 1:
+                raise ValueError(f"text array {name}: widths {sorted(widths)} differ within one batch")
+            # padded as stored (float16: half the bytes to copy), then converted once
+            out[name] = pad_sequence([torch.from_numpy(a) for a in arrays], batch_first=True).float()
+        else:
+            out[name] = stack_float32(arrays)
+    return out

@@ -19,7 +19,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
@@ -30,7 +29,7 @@ from stk.shards import CacheReader, Manifest, TextRecord
 from stk.shards.config import CacheConfig
 from stk.shards.jobs import ImageJob, jobs_for
 from stk.shards.keys import text_key
-from stk.train.batch import Batch
+from stk.train.batch import Batch, collate_text, stack_float32
 
 __all__ = ["BatchLoader", "CacheData", "ImageData", "TrainData"]
 
@@ -109,9 +108,9 @@ class CacheData:
             keys=list(keys),
             original_size=torch.tensor([s.original_size for s in records], dtype=torch.int64).reshape(-1, 2),
             crop_top_left=torch.tensor([s.crop_top_left for s in records], dtype=torch.int64).reshape(-1, 2),
-            mean=_stack_float32([s.mean for s in records]),
-            logvar=_stack_float32(logvars) if len(logvars) == len(records) else None,
-            text=_collate_text([texts[s.text_key].arrays for s in records]),
+            mean=stack_float32([s.mean for s in records]),
+            logvar=stack_float32(logvars) if len(logvars) == len(records) else None,
+            text=collate_text([texts[s.text_key].arrays for s in records]),
         )
 
     def caption_arrays(self, caption: str) -> dict[str, np.ndarray] | None:
@@ -139,34 +138,6 @@ class CacheData:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _stack_float32(arrays: list[np.ndarray]) -> torch.Tensor:
-    """(B, ...) float32 from same-shaped arrays (float16 as stored), converted while copied."""
-    shapes = sorted({a.shape for a in arrays})
-    if len(shapes) != 1:
-        raise ValueError(f"a batch holds one latent shape (one bucket), got {shapes}")
-    out = np.empty((len(arrays), *shapes[0]), dtype=np.float32)
-    for i, array in enumerate(arrays):
-        out[i] = array
-    return torch.from_numpy(out)
-
-
-def _collate_text(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """Each caption's arrays batched as float32: sequences (L, D) zero-padded to the batch's longest
-    (a --trim-padding cache stores only the real tokens), pooled vectors (D,) stacked."""
-    out: dict[str, torch.Tensor] = {}
-    for name, first in samples[0].items():
-        arrays = [s[name] for s in samples]
-        if first.ndim == 2:
-            widths = {a.shape[1] for a in arrays}
-            if len(widths) != 1:
-                raise ValueError(f"text array {name}: widths {sorted(widths)} differ within one batch")
-            # padded as stored (float16: half the bytes to copy), then converted once
-            out[name] = pad_sequence([torch.from_numpy(a) for a in arrays], batch_first=True).float()
-        else:
-            out[name] = _stack_float32(arrays)
-    return out
 
 
 # --------------------------------------------------------------------------------------- images

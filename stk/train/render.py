@@ -41,8 +41,8 @@ log = get_logger("train")
 
 SAMPLES_DIR = "samples"
 # the pipeline's components that turn text into embeddings or check images: not loaded, the embeddings are given
-_UNUSED = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "image_encoder", "feature_extractor",
-           "safety_checker")  # fmt: skip
+_UNUSED = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3",
+           "image_encoder", "feature_extractor", "safety_checker")  # fmt: skip
 
 
 @dataclass
@@ -62,8 +62,11 @@ class ValidationRenderer:
         self.plan, self.module, self.rank, self.world = plan, module, rank, world
         self.device, self.dtype = device, dtype
         self.pipeline = _pipeline(objective, module, device, dtype)
-        negative = objective.spec.sampling.negative_prompt
-        self.inputs = [self._conditioning(negative, embeddings, prompt) for prompt in plan.prompts]
+        spec = objective.spec
+        self.inputs = [
+            spec.sample_inputs(self._conditioning(spec.sampling.negative_prompt, embeddings, prompt))
+            for prompt in plan.prompts
+        ]
         zero3 = any(hasattr(p, "ds_tensor") for p in module.parameters())
         self.work = _share(len(plan.prompts), rank, world, zero3)
 

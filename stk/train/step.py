@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from stk.models.latents import LatentNorm
-from stk.train.batch import Batch, StepInputs
+from stk.train.batch import Batch, StepInputs, collate_text
 from stk.train.losses import drop_captions
 from stk.train.objectives import Objective
 
@@ -89,7 +88,7 @@ def step_inputs(batch: Batch, model: StepModel, generator: torch.Generator) -> S
         assert model.encoders is not None and batch.captions is not None
         mean, logvar = model.encoders.encode_images(batch.pixels)
         embeds = model.encoders.encode_text(batch.captions)
-        text = {name: torch.from_numpy(np.stack([e.arrays[name] for e in embeds])) for name in embeds[0].arrays}
+        text = collate_text([e.arrays for e in embeds])
     else:
         assert batch.mean is not None and batch.text is not None
         mean, logvar, text = batch.mean, batch.logvar, batch.text

@@ -7,9 +7,11 @@ from typing import Any
 import torch
 
 from stk.models import Family
+from stk.models.textmask import TEXT_MASK
 from stk.train.batch import StepInputs
 
-# The tiny models' text embedding shapes per sample (stk.models.tiny) and latent channels.
+# The tiny models' text embedding shapes per sample (stk.models.tiny) and latent channels. A TEXT_MASK of ones
+# (a family that masks padding) masks nothing.
 TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
     Family.SD: {"prompt_embeds": (77, 32)},
     Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
@@ -23,7 +25,10 @@ def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, 
     g = torch.Generator().manual_seed(seed)
     return StepInputs(
         latents=torch.randn(batch, CHANNELS[family], *size, generator=g),
-        text={name: torch.randn(batch, *shape, generator=g) for name, shape in TEXT[family].items()},
+        text={
+            name: torch.ones(batch, *shape) if name == TEXT_MASK else torch.randn(batch, *shape, generator=g)
+            for name, shape in TEXT[family].items()
+        },
         original_size=torch.tensor([[100, 120], [64, 80]])[:batch],
         crop_top_left=torch.tensor([[3, 5], [0, 7]])[:batch],
     )

@@ -14,7 +14,16 @@ if TYPE_CHECKING:
     from stk.models.families.registry import Family
     from stk.train.batch import StepInputs
 
-__all__ = ["Denoise", "DenoiseSettings", "FamilySpec", "Sampling", "TinyBuilder", "unpacked"]
+__all__ = [
+    "Denoise",
+    "DenoiseSettings",
+    "FamilySpec",
+    "SampleInputs",
+    "Sampling",
+    "TinyBuilder",
+    "as_given",
+    "unpacked",
+]
 
 
 class DenoiseSettings(Protocol):
@@ -35,6 +44,13 @@ Denoise = Callable[[DenoiseSettings, torch.nn.Module, torch.Tensor, torch.Tensor
 # (scratch folder for tokenizer files, a denoiser module or None, a VAE module or None) -> the pipeline's components,
 # tiny random-weight ones where None is given.
 TinyBuilder = Callable[[Path, Any, Any], dict[str, Any]]
+# One sample image's embeddings (batch 1; the negative prompt's prefixed `negative_`) -> the pipeline's call arguments.
+SampleInputs = Callable[[dict[str, torch.Tensor]], dict[str, Any]]
+
+
+def as_given(embeddings: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Pipelines that take the stored embeddings under their own names (prompt_embeds, pooled_prompt_embeds)."""
+    return embeddings
 
 
 def unpacked(latents: torch.Tensor) -> torch.Tensor:
@@ -68,6 +84,7 @@ class FamilySpec:
     tiny: TinyBuilder
     patch_size: int = 1  # latent patches per side that the denoiser takes as one token
     pack: Callable[[torch.Tensor], torch.Tensor] = unpacked  # a (B, C, h, w) target in the prediction's layout
+    sample_inputs: SampleInputs = as_given  # how the pipeline takes embeddings for the sample images
 
     def alignment(self, vae_scale_factor: int) -> int:
         """Pixels that an image's sides must be multiples of, for a VAE of `vae_scale_factor`."""

@@ -23,8 +23,13 @@ from stk.train.batch import StepInputs
 from stk.train.export import export_pipeline
 from stk.train.objectives import FlowObjective, Objective, objective_for
 
-# Text shapes per sample, from stk/models/tiny.py: SD CLIP 32; SDXL 32 + 64 and pooled 64; Flux T5 48, CLIP 32.
-VARIANTS = ["sd", "sd-v", "sdxl", "flux"]  # sd-v: the SD model with a v_prediction scheduler
+VARIANTS = [f.value for f in Family] + ["sd-v"]  # sd-v: the SD model with a v_prediction scheduler
+# what the exported pipeline returns for a 64 px image as output_type="latent"
+EXPORTED_LATENTS = {
+    Family.SD: (1, 4, 8, 8),
+    Family.SDXL: (1, 4, 8, 8),
+    Family.FLUX: (1, 16, 64),  # packed 2x2
+}
 
 
 def family_of(variant: str) -> Family:
@@ -265,7 +270,7 @@ def test_export_pipeline(models: dict[str, str], family: Family, tmp_path: Path)
     latents = pipe(
         prompt="a photo of a cat", num_inference_steps=1, height=64, width=64, output_type="latent", generator=seeded(0)
     ).images
-    assert latents.shape == ((1, 16, 64) if family is Family.FLUX else (1, 4, 8, 8))  # Flux returns them packed
+    assert latents.shape == EXPORTED_LATENTS[family]
     assert torch.isfinite(latents).all()
 
 

@@ -1,0 +1,23 @@
+"""The text mask of a family whose pipeline masks padded tokens (Chroma, Z-Image): the one home of its convention.
+
+Such a family lists TEXT_MASK among its text outputs: a (L, 1) sequence of ones over the real tokens, stored with
+them (stk.models.base.Encoders keeps only those). Batched, it is zero-padded like the embeddings are (the cache's
+collate, caption dropout, a sample image's negative prompt), so it stays the attention mask of whatever it is batched
+with, and nothing outside the family has to know it is there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TEXT_MASK", "text_mask"]
+
+TEXT_MASK = "text_mask"
+
+
+def text_mask(text: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, L) bool attention mask of a batch's text sequences, from its TEXT_MASK."""
+    return text[TEXT_MASK][..., 0] > 0.5
