@@ -25,6 +25,8 @@ __all__ = [
     "check_batches",
     "effective_batch_size",
     "make_buckets",
+    "nearest_aligned",
+    "nearest_multiples",
 ]
 
 
@@ -63,6 +65,18 @@ class BucketSpec:
             raise InputError(
                 f"resolution {self.resolution} ({self.resolution_type.value}) is below the alignment {self.alignment}"
             )
+
+
+def nearest_multiples(value: int, alignment: int) -> tuple[int, int]:
+    """The multiples of `alignment` just below and just above `value` (at least `alignment`)."""
+    return max(alignment, value // alignment * alignment), max(alignment, -(-value // alignment) * alignment)
+
+
+def nearest_aligned(width: int, height: int, alignment: int) -> str:
+    """The sizes nearest width x height whose sides are multiples of `alignment`, for an error message:
+    "992x992 or 1008x1008" (each side rounded down, then up)."""
+    (w_down, w_up), (h_down, h_up) = nearest_multiples(width, alignment), nearest_multiples(height, alignment)
+    return " or ".join(f"{w}x{h}" for w, h in dict.fromkeys([(w_down, h_down), (w_up, h_up)]))
 
 
 def _align(value: float, alignment: int) -> int:

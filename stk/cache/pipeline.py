@@ -20,7 +20,8 @@ from stk.errors import InputError, check_max_errors, parse_max_errors
 from stk.lease import leased
 from stk.log import get_logger
 from stk.metadata import to_json_lines
-from stk.models import Encoders, Family, load_encoders
+from stk.models import Encoders, Family, detect_family, load_encoders
+from stk.models.alignment import check_aligned, model_alignment
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION, read_prompts
 from stk.scan.reader import ScanTable, read_buckets, read_scan
@@ -164,12 +165,20 @@ def _check_errors(opts: CacheOptions, errors: list[dict[str, Any]], images: int,
     )
 
 
+def _check_alignment(opts: CacheOptions, buckets: dict[str, Any]) -> None:
+    """The scan's buckets with images are sizes the model's family trains on (read from its configs only)."""
+    family = opts.family or detect_family(opts.model)
+    sizes = [(b["width"], b["height"]) for b in buckets.get("buckets", []) if b.get("count", 1)]
+    fix = f"scan again with stk-scan --family {family.value}"
+    check_aligned(sizes, model_alignment(opts.model, family), family, f"{opts.scan_dir}: bucket", fix)
+
+
 def _check_inputs(opts: CacheOptions) -> ScanTable:
     """What needs no model, checked before one loads (minutes with FLUX): the scan table and its
     buckets readable, the cache location writable (on S3: the bucket there, the endpoint S3), its
     manifest readable. Returns the scan table."""
     scan = read_scan(opts.scan_dir)
-    read_buckets(opts.scan_dir)
+    _check_alignment(opts, read_buckets(opts.scan_dir))
     storage.check_writable(opts.cache)
     Manifest.load(opts.cache)
     return scan

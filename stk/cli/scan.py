@@ -21,6 +21,7 @@ from stk.cli.common import (
     run_process,
 )
 from stk.imageformats import FORMAT_NAMES, accepted_formats
+from stk.models.families import Family, family_names
 from stk.scan import ScanOptions, run_scan
 from stk.scan.gpus import training_gpus
 from stk.scan.probe import ProbeOptions
@@ -127,11 +128,19 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
     show_envvar=True,
 )
 @click.option(
+    "--family",
+    type=click.Choice(family_names()),
+    default=None,
+    show_envvar=True,
+    help="The model family the buckets are for: --alignment defaults to the sides it trains on (16 px for the "
+    "flow transformers, 8 for SD and SDXL), and refuses others.",
+)
+@click.option(
     "--alignment",
-    default=default_of(BucketSpec, "alignment"),
+    default=None,
     type=click.IntRange(1),
     show_envvar=True,
-    help="Bucket sides are multiples of this (16 for Flux).",
+    help=f"Bucket sides are multiples of this [default: the --family's, else {default_of(BucketSpec, 'alignment')}].",
 )
 @click.option(
     "--min-aspect",
@@ -219,10 +228,13 @@ def main(
         accepted = accepted_formats(formats)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--formats") from None
-    spec = options_from(BucketSpec, params, resolution_type=ResolutionType(params["resolution_type"]))
+    family = Family(params["family"]) if params["family"] else None
     probe = ProbeOptions(params["max_pixels"], MissingCaption(params["missing_caption"]), accepted)
 
     def body(world: World) -> int:
+        alignment = _alignment(params["alignment"], family)
+        spec = options_from(BucketSpec, params, resolution_type=ResolutionType(params["resolution_type"]),
+                            alignment=alignment)  # fmt: skip
         spec.validate()
         training, training_from = training_gpus(params["gpus"])
         opts = options_from(
@@ -245,6 +257,14 @@ def main(
         return 0
 
     run_command("stk-scan", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
+
+
+def _alignment(given: int | None, family: Family | None) -> int:
+    if family is None:  # no model library to import
+        return default_of(BucketSpec, "alignment") if given is None else given
+    from stk.models.alignment import scan_alignment
+
+    return scan_alignment(given, family)
 
 
 def entry() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from stk.errors import InputError
 from stk.models.families.registry import family_hint
 
-__all__ = ["read_model_json", "vae_scale_factor"]
+__all__ = ["read_model_json", "scale_factor_of", "vae_scale_factor"]
 
 
 def read_model_json(model: str, filename: str) -> dict[str, Any]:
@@ -39,6 +39,11 @@ def read_model_json(model: str, filename: str) -> dict[str, Any]:
     return data
 
 
-def vae_scale_factor(model: str) -> int:
+def scale_factor_of(vae_config: dict[str, Any]) -> int:
     """Pixels per latent along each side: 2 ** (VAE blocks - 1), as diffusers pipelines compute it."""
-    return int(2 ** (len(read_model_json(model, "vae/config.json")["block_out_channels"]) - 1))
+    return int(2 ** (len(vae_config["block_out_channels"]) - 1))
+
+
+def vae_scale_factor(model: str) -> int:
+    """The scale factor of `model`'s VAE (a local pipeline directory or a hub id)."""
+    return scale_factor_of(read_model_json(model, "vae/config.json"))

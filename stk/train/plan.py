@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from stk.buckets import effective_batch_size
 from stk.errors import InputError
 from stk.models import Family, detect_family
+from stk.models.alignment import check_aligned
+from stk.models.families import spec_for
 from stk.models.latents import LatentNorm
 from stk.models.model_json import read_model_json, vae_scale_factor
 from stk.shards.jobs import expected_jobs
@@ -16,6 +18,8 @@ from stk.train.options import TrainOptions
 from stk.train.preflight import check_buckets, check_coverage, scan_repeats
 
 __all__ = ["TrainPlan", "plan_training"]
+
+_RESCAN = "scan again with stk-scan --family {family} and cache again"
 
 BucketShape = tuple[int, int]
 
@@ -40,6 +44,8 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
     try:
         if not any(buckets.values()):
             raise InputError("nothing to train on: the cache (or scan) holds no samples")
+        sizes = ((w * factor, h * factor) for (h, w), keys in buckets.items() if keys)
+        check_aligned(sizes, spec_for(family).alignment(factor), family, "bucket", _RESCAN.format(family=family.value))
         ids, repeats = _repeats(opts, buckets, factor)
         effective = effective_batch_size(opts.batch_size, world_size, opts.grad_accum)
         repeats = check_buckets(buckets, repeats, effective, factor, opts.allow_oversubscription, ids)

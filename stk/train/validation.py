@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stk.errors import InputError
+from stk.models.alignment import check_aligned
 from stk.models.families import Family, spec_for
 from stk.prompts import read_prompts
 
@@ -82,11 +83,7 @@ def plan_validation(
         latent_h, latent_w = max(buckets, key=lambda hw: (buckets[hw], hw))
         width, height = latent_w * vae_scale_factor, latent_h * vae_scale_factor
     alignment = spec.alignment(vae_scale_factor)
-    if width % alignment or height % alignment:
-        raise InputError(
-            f"--validation-resolution {width}x{height}: {family.value} makes images whose sides are multiples of "
-            f"{alignment}"
-        )
+    check_aligned([(width, height)], alignment, family, "--validation-resolution", "give one of those")
     return ValidationPlan(
         prompts=tuple(prompts),
         every=settings.every,

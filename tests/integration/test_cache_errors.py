@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import shutil
 import threading
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.cache_builds import Built, Scanned, error_lines, run_cache
+from support.cache_builds import Built, Scanned, error_lines, run_cache, run_scan
 
 from stk.models import Family
 
@@ -127,3 +128,18 @@ def test_a_wrong_bucket_or_endpoint_is_one_line_and_exit_3_before_the_model_load
         "not-s3": "does not answer as S3 (HTTP 404 to ListObjectsV2",
     }[endpoint] in line, line
     assert seconds < 60, "retried as an outage"
+
+
+def test_buckets_the_family_cannot_train_are_refused_before_the_model_loads_naming_the_nearest_sizes(
+    models: dict[Family, str], scanned: Scanned, tmp_path: Path
+) -> None:
+    scan = tmp_path / "scan"
+    run_scan([scanned.data, "--out", scan, "--resolution", "64", "--alignment", "8"])
+    buckets = json.loads((scan / "buckets.json").read_text())["buckets"]
+    assert any(b["count"] and b["width"] % 16 for b in buckets), "the scan must use a bucket Flux cannot train"
+    proc = run_cache([scan, "--model", models[Family.FLUX], "--out", tmp_path / "cache"])
+    lines = error_lines(proc)
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert "Flux needs sides that are multiples of 16, nearest" in lines[0], lines
+    assert "scan again with stk-scan --family flux" in lines[0] and str(scan) in lines[0], lines
+    assert not (tmp_path / "cache").exists()

@@ -125,3 +125,20 @@ def test_environment_variable_sets_an_option(dataset: tuple[Path, Any], run_scan
     proc = run_scan([root, "--out", out, "--gpus", "1", "--batch-size", "1"], env={"STK_SCAN_BATCH_SIZE": "4"})
     assert proc.returncode == 0, proc.stderr
     assert _buckets(out)["batch_size"] == 1
+
+
+def test_family_sets_the_alignment_default_and_refuses_one_it_cannot_train(
+    dataset: tuple[Path, Any], run_scan: RunScan, tmp_path: Path
+):
+    root, _ = dataset
+    common = [root, "--resolution", "64", "--batch-size", "1", "--family", "flux"]
+    proc = run_scan([*common, "--out", tmp_path / "family"])
+    assert proc.returncode == 0, proc.stderr
+    doc = _buckets(tmp_path / "family")
+    assert doc["alignment"] == 16 and all(b["width"] % 16 == 0 == b["height"] % 16 for b in doc["buckets"])
+
+    refused = run_scan([*common, "--alignment", "24", "--out", tmp_path / "refused"])
+    assert refused.returncode == 3, refused.stderr
+    _no_traceback(refused)
+    assert "--alignment 24: Flux needs bucket sides that are multiples of 16; use 16 or 32" in refused.stderr
+    assert not (tmp_path / "refused").exists()

@@ -73,7 +73,8 @@ BAD_SETUPS = {
                              ["--lora-targets attn3: no such layer in the sd denoiser", "to_out.0, to_q, to_v"]),
     "prompt-file-empty": (["--validation-prompts", "EMPTY"], ExitCode.INPUT, ["no prompts in it (one per line)"]),
     "sample-size-unaligned": (["--validation-prompt", "a", "--validation-resolution", "100x64"], ExitCode.INPUT,
-                              ["--validation-resolution 100x64: sd makes images whose sides are multiples of 8"]),
+                              ["--validation-resolution 100x64: SD needs sides that are multiples of 8",
+                               "nearest 96x64 or 104x64"]),
 }  # fmt: skip
 
 

@@ -17,6 +17,8 @@ from stk.buckets import (
     check_batches,
     effective_batch_size,
     make_buckets,
+    nearest_aligned,
+    nearest_multiples,
 )
 from stk.errors import InputError
 
@@ -312,3 +314,18 @@ def test_batch_check_ok_property() -> None:
     bucket = Bucket(0, 64, 64)
     assert BatchCheck(8, 1).ok
     assert not BatchCheck(8, 1, [ShortBucket(bucket, 1, 1, 8)]).ok
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "alignment", "expected"),
+    [
+        (1000, 1000, 16, "992x992 or 1008x1008"),
+        (1000, 1024, 16, "992x1024 or 1008x1024"),
+        (8, 100, 16, "16x96 or 16x112"),
+    ],
+)
+def test_nearest_aligned_names_the_sizes_below_and_above(
+    width: int, height: int, alignment: int, expected: str
+) -> None:
+    assert nearest_aligned(width, height, alignment) == expected
+    assert nearest_multiples(24, 16) == (16, 32) and nearest_multiples(32, 16) == (32, 32)

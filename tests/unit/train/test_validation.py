@@ -99,9 +99,13 @@ def test_the_caches_prompts_serve_unless_the_run_gives_its_own_or_none(tmp_path:
 def test_a_size_the_family_cannot_make_is_refused() -> None:
     fits_sd = ValidationSettings(prompts=("a",), resolution=(1000, 1024))  # 1000 = 125 x 8, not a multiple of 16
     assert plan_validation(fits_sd, Family.SD, [], BUCKETS, 8) is not None
-    with pytest.raises(InputError, match="flux makes images whose sides are multiples of 16"):
+    with pytest.raises(
+        InputError,
+        match=r"1000x1024: Flux needs sides that are multiples of 16, nearest 992x1024 or "
+        r"1008x1024; give one of those",
+    ):
         plan_validation(fits_sd, Family.FLUX, [], BUCKETS, 8)
-    with pytest.raises(InputError, match="multiples of 8"):
+    with pytest.raises(InputError, match="multiples of 8, nearest 96x64 or 104x64"):
         plan_validation(ValidationSettings(prompts=("a",), resolution=(100, 64)), Family.SDXL, [], BUCKETS, 8)
 
 
