@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from support.commands import FAST, run_train, summary_of
 from support.tiny_batches import Recorder, step_inputs
-from support.train_checks import DENOISER, check_final, denoiser_weights, latest
+from support.train_checks import check_final, denoiser_folder, denoiser_weights, latest
 from support.train_outputs import SAMPLING, board_images, metrics, sample_pngs, wandb_history
 
 from stk.models import Family
@@ -88,13 +88,13 @@ def check_lora(out: Path, model: str, family: Family, extra: list[str]) -> None:
     rank = int(extra[extra.index("--lora-rank") + 1])
     alpha = int(extra[extra.index("--lora-alpha") + 1]) if "--lora-alpha" in extra else rank
     with safe_open(out / "final" / LORA_WEIGHTS, "pt") as f:  # alpha travels with the weights
-        assert json.loads(f.metadata()["lora_adapter_metadata"])[f"{DENOISER[family]}.lora_alpha"] == alpha
+        assert json.loads(f.metadata()["lora_adapter_metadata"])[f"{denoiser_folder(family)}.lora_alpha"] == alpha
 
     pipe = DiffusionPipeline.from_pretrained(model)
-    base = prediction(getattr(pipe, DENOISER[family]), family, model)
+    base = prediction(getattr(pipe, denoiser_folder(family)), family, model)
     pipe.load_lora_weights(out / "final")
-    loaded = prediction(getattr(pipe, DENOISER[family]), family, model)
-    again = prediction(getattr(pipe, DENOISER[family]), family, model)
+    loaded = prediction(getattr(pipe, denoiser_folder(family)), family, model)
+    again = prediction(getattr(pipe, denoiser_folder(family)), family, model)
     assert torch.equal(loaded, again), "the loaded LoRA is not deterministic (dropout left on?)"
     trained = prediction(trained_module(model, family, LoraSettings(rank, alpha), checkpoint), family, model)
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)

@@ -9,10 +9,14 @@ from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
 from stk.models import Family
+from stk.models.families import spec_for
 from stk.train.objectives import objective_for
 from support.tiny_batches import step_inputs
 
-DENOISER = {Family.SD: "unet", Family.SDXL: "unet", Family.FLUX: "transformer"}
+
+def denoiser_folder(family: Family) -> str:
+    """The pipeline's attribute and subfolder of the family's denoiser ("unet", "transformer")."""
+    return spec_for(family).denoiser_subfolder
 
 
 def latest(out: Path) -> str:
@@ -20,13 +24,13 @@ def latest(out: Path) -> str:
 
 
 def denoiser_weights(model_dir: Path, family: Family) -> dict[str, torch.Tensor]:
-    return load_file(str(model_dir / DENOISER[family] / "diffusion_pytorch_model.safetensors"))
+    return load_file(str(model_dir / denoiser_folder(family) / "diffusion_pytorch_model.safetensors"))
 
 
 def check_final(final: Path, family: Family, trained: dict[str, torch.Tensor] | None = None) -> None:
     """The final model loads with from_pretrained and its denoiser runs a training-shaped step."""
     pipeline = DiffusionPipeline.from_pretrained(str(final))
-    denoiser = getattr(pipeline, DENOISER[family])
+    denoiser = getattr(pipeline, denoiser_folder(family))
     objective = objective_for(family, str(final))
     with torch.no_grad():
         loss = objective.loss(denoiser, step_inputs(family), torch.Generator().manual_seed(0))
