@@ -175,9 +175,13 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+PROMPTS_CACHED = frozenset(Family) - {Family.SD, Family.SDXL}
+
+
 @pytest.fixture(scope="session")  # tests copy a model or cache before changing it
 def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], tuple[str, Path]]:
-    """setups(family) -> (model dir, cache dir), built on first use. The Flux cache holds PROMPTS' embeddings."""
+    """setups(family) -> (model dir, cache dir), built on first use. The caches of PROMPTS_CACHED hold PROMPTS'
+    embeddings: a run on them loads no text encoder; one on SD's or SDXL's encodes the prompts itself."""
     done: dict[Family, tuple[str, Path]] = {}
 
     def get(family: Family) -> tuple[str, Path]:
@@ -186,7 +190,7 @@ def setups(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Fa
             model = build_tiny_model(family, str(root / "model"))
             cache = root / "cache"
             args = [scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"]
-            if family is Family.FLUX:  # the Flux cache holds the sample prompts (what stk-cache --validation-prompts
+            if family in PROMPTS_CACHED:  # the cache holds the sample prompts (what stk-cache --validation-prompts
                 prompts = root / "prompts.txt"  # does); a run on it samples them unless told otherwise
                 prompts.write_text("\n".join(PROMPTS) + "\n")
                 args += ["--validation-prompts", prompts]
