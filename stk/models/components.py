@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -13,6 +12,7 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL  # deep i
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stk.errors import InputError
+from stk.shards.keys import digest
 
 __all__ = [
     "TextEncoder",
@@ -34,14 +34,9 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "archit
 M = TypeVar("M", bound=torch.nn.Module)
 
 
-def _digest(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def config_digest(config: dict[str, Any]) -> str:
     """Digest of a model config without what depends on where, how and by which version it was saved or loaded."""
-    return _digest({k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS})
+    return digest({k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS})
 
 
 def weights_digest(modules: Iterable[torch.nn.Module]) -> str:
@@ -116,7 +111,7 @@ class TextEncoder:
             "tokenizer": {
                 "subfolder": self.tokenizer_subfolder,
                 "class": type(self.tokenizer).__name__,
-                "vocab_sha256": _digest(vocab),
+                "vocab_sha256": digest(vocab),
                 "max_length": self.max_length,
             },
         }

@@ -24,16 +24,10 @@ from stk.train.data import BatchLoader, CacheData, TrainData
 integration = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def built(train_data_built: Built) -> Built:
-    """The session's three-shard cache (support.train_caches), by the name these tests give it."""
-    return train_data_built
-
-
 @integration
-def test_cache_data_buckets_and_batches_are_the_cached_arrays_as_float32(built: Built) -> None:
-    jobs = jobs_for(read_scan(str(built.scan)), *_recipes(built.cache))
-    with CacheData(str(built.cache)) as data, CacheReader(str(built.cache)) as reader:
+def test_cache_data_buckets_and_batches_are_the_cached_arrays_as_float32(train_data_built: Built) -> None:
+    jobs = jobs_for(read_scan(str(train_data_built.scan)), *_recipes(train_data_built.cache))
+    with CacheData(str(train_data_built.cache)) as data, CacheReader(str(train_data_built.cache)) as reader:
         assert data.config.family == "sdxl" and data.manifest.config["family"] == "sdxl"
         assert data.config.norm.scaling_factor == pytest.approx(0.13025) and data.config.norm.shift_factor is None
         buckets = data.buckets()
@@ -70,9 +64,9 @@ def _recipes(cache: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @integration
-def test_a_trim_padding_cache_is_zero_padded_to_the_longest_caption_of_the_batch(built: Built) -> None:
-    with CacheData(str(built.trimmed)) as data, CacheReader(str(built.trimmed)) as reader:
-        with CacheData(str(built.cache)) as untrimmed:  # latent keys do not depend on the text settings
+def test_a_trim_padding_cache_is_zero_padded_to_the_longest_caption_of_the_batch(train_data_built: Built) -> None:
+    with CacheData(str(train_data_built.trimmed)) as data, CacheReader(str(train_data_built.trimmed)) as reader:
+        with CacheData(str(train_data_built.cache)) as untrimmed:  # latent keys do not depend on the text settings
             assert data.buckets() == untrimmed.buckets()
         varied = 0
         for keys in data.buckets().values():  # a batch is one bucket
@@ -113,8 +107,8 @@ class Slow:
 
 
 @integration
-def test_loader_yields_the_batches_in_order_equal_to_direct_loads(built: Built) -> None:
-    with CacheData(str(built.cache)) as data:
+def test_loader_yields_the_batches_in_order_equal_to_direct_loads(train_data_built: Built) -> None:
+    with CacheData(str(train_data_built.cache)) as data:
         batches = sampler_batches(data)
         assert len(batches) >= 10
         with BatchLoader(data, iter(batches), threads=3, prefetch=4, shard_lookahead=6) as loader:
@@ -126,8 +120,8 @@ def test_loader_yields_the_batches_in_order_equal_to_direct_loads(built: Built) 
 
 
 @integration
-def test_wait_grows_with_slow_loads_and_stays_small_with_fast_ones(built: Built) -> None:
-    with CacheData(str(built.cache)) as data:
+def test_wait_grows_with_slow_loads_and_stays_small_with_fast_ones(train_data_built: Built) -> None:
+    with CacheData(str(train_data_built.cache)) as data:
         batches = sampler_batches(data)[:8]
         slow = BatchLoader(Slow(data, 0.1), batches, threads=1, prefetch=2)
         for _ in slow:  # a step that takes no time: every load is waited for

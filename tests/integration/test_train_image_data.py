@@ -23,24 +23,18 @@ from stk.train.data import CacheData, ImageData
 integration = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def built(train_data_built: Built) -> Built:
-    """The session's three-shard cache (support.train_caches), by the name these tests give it."""
-    return train_data_built
-
-
 @integration
-def test_image_data_gives_the_pixels_of_preprocess_which_encode_to_the_cached_latents(built: Built) -> None:
-    scan = read_scan(str(built.scan))
+def test_image_data_gives_the_pixels_of_preprocess_which_encode_to_the_cached_latents(train_data_built: Built) -> None:
+    scan = read_scan(str(train_data_built.scan))
     rows = {row["path"]: row for row in scan.rows}
-    data = ImageData(str(built.scan), 8)
-    with CacheData(str(built.cache)) as cached:
+    data = ImageData(str(train_data_built.scan), 8)
+    with CacheData(str(train_data_built.cache)) as cached:
         reader = cached.reader
         # the same buckets, keyed by path instead of cache key
         by_path = {hw: sorted(reader.latent(k).path for k in keys) for hw, keys in cached.buckets().items()}
         assert data.buckets() == by_path
         latents = {reader.latent(k).path: reader.latent(k) for k in reader.latent_keys()}
-    encoders = load_encoders(built.model, device="cpu")
+    encoders = load_encoders(train_data_built.model, device="cpu")
     cropped = 0
     for (h, w), paths in data.buckets().items():
         batch = data.load(paths)
@@ -48,7 +42,7 @@ def test_image_data_gives_the_pixels_of_preprocess_which_encode_to_the_cached_la
         assert batch.pixels.shape == (len(paths), 3, 8 * h, 8 * w) and batch.mean is None and batch.text is None
         assert batch.captions == [rows[p]["caption"] or "" for p in paths]
         for i, path in enumerate(paths):
-            with open(built.data / path, "rb") as f:
+            with open(train_data_built.data / path, "rb") as f:
                 expected = preprocess(f, 8 * w, 8 * h, CropMode.CENTER, "any seed: center crops ignore it")
             assert np.array_equal(batch.pixels[i].numpy(), expected.pixels), path
             assert tuple(batch.original_size[i].tolist()) == expected.original_size == latents[path].original_size
@@ -61,13 +55,13 @@ def test_image_data_gives_the_pixels_of_preprocess_which_encode_to_the_cached_la
 
 
 @integration
-def test_image_data_errors_name_the_scan_or_the_image(built: Built, tmp_path: Path) -> None:
+def test_image_data_errors_name_the_scan_or_the_image(train_data_built: Built, tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"metadata\.parquet"):
         ImageData(str(tmp_path), 8)
     # a copy of the scan over a copy of the images, one of them no longer an image
     data, scan = tmp_path / "data", tmp_path / "scan"
-    shutil.copytree(built.data, data)
-    shutil.copytree(built.scan, scan)
+    shutil.copytree(train_data_built.data, data)
+    shutil.copytree(train_data_built.scan, scan)
     summary = json.loads((scan / "summary.json").read_text())
     (scan / "summary.json").write_text(json.dumps({**summary, "root": str(data)}))
     images = ImageData(str(scan), 8)
