@@ -1,0 +1,28 @@
+"""SD's training step against diffusers' examples/text_to_image/train_text_to_image.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from support.reference_steps import assert_matches_reference, tiny_objective
+
+from stk.models import Family
+from stk.train.batch import StepInputs
+
+
+def test_one_step_is_train_text_to_image(tmp_path) -> None:
+    objective, unet = tiny_objective(Family.SD, str(tmp_path / "sd"))
+    scheduler = objective.scheduler
+
+    def reference(unet: torch.nn.Module, batch: StepInputs, noise: torch.Tensor, timesteps: torch.Tensor):
+        latents = batch.latents
+        noisy_latents = scheduler.add_noise(latents, noise, timesteps)
+        encoder_hidden_states = batch.text["prompt_embeds"]
+        if scheduler.config.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = scheduler.get_velocity(latents, noise, timesteps)
+        model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+        return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+
+    assert_matches_reference(objective, unet, reference)
