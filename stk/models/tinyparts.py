@@ -13,7 +13,7 @@ from diffusers import UNet2DConditionModel
 
 # Deep import where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import Unigram
 from tokenizers.pre_tokenizers import ByteLevel, Metaspace
 from tokenizers.processors import TemplateProcessing
@@ -24,14 +24,35 @@ from transformers import (
     CLIPTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    Qwen2Tokenizer,
     T5Tokenizer,
 )
 
-__all__ = ["CLIP_LENGTH", "WORDS", "checked", "clip", "clip_tokenizer", "t5_tokenizer", "unet", "vae"]
+__all__ = [
+    "CLIP_LENGTH",
+    "WORDS",
+    "checked",
+    "clip",
+    "clip_tokenizer",
+    "qwen_tokenizer",
+    "t5_tokenizer",
+    "unet",
+    "vae",
+]
 
 # Words that become single tokens, so captions tokenize into something like real subwords.
 WORDS = ("a", "an", "the", "photo", "of", "cat", "dog", "on", "in", "with", "and", "red", "blue", "painting", "man")
 CLIP_LENGTH = 77
+# Qwen3's chat template as it renders plain messages: each one between <|im_start|>ROLE and <|im_end|>, then the
+# assistant's turn; with enable_thinking=False an empty thinking block follows (what Qwen3's own template does).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
 
 
 def checked(tokenizer: PreTrainedTokenizerBase, expected: int) -> PreTrainedTokenizerBase:
@@ -59,6 +80,26 @@ def clip_tokenizer(folder: Path, pad_token: str = "<|endoftext|>") -> PreTrained
     (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     tokenizer = CLIPTokenizer.from_pretrained(folder, pad_token=pad_token, model_max_length=CLIP_LENGTH)
     return checked(tokenizer, len(vocab))
+
+
+def qwen_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """Qwen2's byte-level BPE (Qwen3's tokenizer class) from a hand-written vocabulary: every byte, merges that join
+    each of WORDS and then put the space ('Ġ') in front, the chat tokens, and QWEN3_CHAT_TEMPLATE."""
+    merges: dict[tuple[str, str], None] = {}
+    for word in WORDS:
+        parts = list(word)
+        while len(parts) > 1:
+            merges[(parts[0], parts[1])] = None
+            parts = [parts[0] + parts[1], *parts[2:]]
+        merges[("Ġ", word)] = None
+    tokens = [*sorted(ByteLevel.alphabet()), *(a + b for a, b in merges), "<|endoftext|>"]
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
+    chat = ["<|im_start|>", "<|im_end|>"]
+    built = Qwen2Tokenizer(vocab=vocab, merges=list(merges), model_max_length=131072)  # Qwen3's limit
+    built.add_tokens([AddedToken(token, special=True) for token in chat], special_tokens=True)
+    built.chat_template = QWEN3_CHAT_TEMPLATE
+    built.save_pretrained(folder)
+    return checked(Qwen2Tokenizer.from_pretrained(folder), len(vocab) + len(chat))
 
 
 def t5_tokenizer(folder: Path, max_length: int) -> PreTrainedTokenizerBase:

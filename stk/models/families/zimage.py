@@ -1,0 +1,162 @@
+"""Z-Image (Tongyi-MAI): a single-stream flow transformer conditioned on Qwen3's second-to-last hidden state, trained
+as diffusers' examples/dreambooth/train_dreambooth_lora_z_image.py trains it.
+
+- Text (ZImagePipeline._encode_prompt): each caption in Qwen3's chat template (a user turn, then the assistant's,
+  thinking enabled), padded to 512 tokens, `hidden_states[-2]` under the attention mask; the pipeline hands the
+  transformer each caption's real tokens only, so the cache stores those and a TEXT_MASK.
+- Latents: the FLUX.1 VAE's, shifted and scaled (the example's `(x - shift_factor) * scaling_factor`).
+- Loss: noisy = (1 - sigma) x + sigma n; the transformer takes a list of (C, 1, h, w) latents, the timestep
+  1 - sigma (the example's `(1000 - t) / 1000`, t = 1000 sigma) and a list of per-caption embeddings; its output is
+  negated; target noise - latents. The example's default weighting ("none") weighs every sample alike, and its
+  per-sample mean then mean is the plain mean here (one bucket: equal sizes). No packing: the transformer patchifies
+  2x2 itself.
+- Sigmas: the scheduler's static shift (Tongyi-MAI/Z-Image ships shift 6, no dynamic shifting).
+- Samples: the base model's card, 50 steps and classifier-free guidance 4 with the empty caption as the negative
+  prompt (the distilled Z-Image-Turbo samples in 8-9 steps at guidance 0: pass --validation-steps and
+  --validation-guidance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+# Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
+from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
+from diffusers.pipelines.z_image.pipeline_z_image import ZImagePipeline
+from torch.nn.utils.rnn import pad_sequence
+from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
+
+from stk.models import tinyparts as tiny
+from stk.models.base import Encoders
+from stk.models.components import load_text_encoder, load_vae
+from stk.models.families.registry import Family
+from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.textmask import TEXT_MASK, text_mask
+
+if TYPE_CHECKING:
+    from stk.train.batch import StepInputs
+
+__all__ = ["MAX_SEQUENCE_LENGTH", "SPEC", "ZImageEncoders"]
+
+MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline's default max_sequence_length
+TRAIN_TIMESTEPS = 1000  # the pipeline's timestep scale: t = 1000 sigma, given to the transformer as (1000 - t) / 1000
+PATCH = 2  # the transformer's all_patch_size: 2x2 latent patches per token
+LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")  # the example's default target_modules (no --lora_layers)
+
+
+class ZImageEncoders(Encoders):
+    family = Family.ZIMAGE
+    text_outputs = ("prompt_embeds", TEXT_MASK)
+
+    @classmethod
+    def load(cls, model: str, device: torch.device, dtype: torch.dtype) -> ZImageEncoders:
+        qwen = load_text_encoder(model, "", Qwen2Tokenizer, Qwen3Model, device, dtype, max_length=MAX_SEQUENCE_LENGTH)
+        return cls(model, load_vae(model, device, dtype), (qwen,))
+
+    def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        (qwen,) = self.text
+        chats = [
+            qwen.tokenizer.apply_chat_template(
+                [{"role": "user", "content": caption}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+            )
+            for caption in captions
+        ]
+        ids, mask = qwen.tokenize(chats)
+        mask = mask.bool()
+        hidden = qwen.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
+        # each caption's real tokens, wherever the tokenizer put its padding, first and then zeros
+        embeds = pad_sequence([h[m] for h, m in zip(hidden, mask, strict=True)], batch_first=True)
+        lengths = mask.sum(dim=1)
+        real = torch.arange(embeds.shape[1], device=embeds.device)[None] < lengths[:, None]
+        return {"prompt_embeds": embeds, TEXT_MASK: real[..., None].to(embeds.dtype)}, lengths
+
+
+def _captions(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """(B, L, D) zero-padded embeddings and their (B, L) bool mask -> each caption's (L_i, D) real tokens, the list
+    ZImagePipeline gives the transformer."""
+    return [e[m] for e, m in zip(embeds, mask, strict=True)]
+
+
+def _denoise(
+    objective: DenoiseSettings, denoiser: torch.nn.Module, noisy: torch.Tensor, sigmas: torch.Tensor, inputs: StepInputs
+) -> torch.Tensor:
+    """The (B, C, h, w) prediction of noise - latents: the transformer's own output negated, as the example does."""
+    timesteps = sigmas.float() * TRAIN_TIMESTEPS
+    output: list[torch.Tensor] = denoiser(
+        list(noisy.unsqueeze(2).unbind(dim=0)),  # (C, 1, h, w) each: one frame
+        (TRAIN_TIMESTEPS - timesteps) / TRAIN_TIMESTEPS,
+        _captions(inputs.text["prompt_embeds"], text_mask(inputs.text)),
+        return_dict=False,
+    )[0]
+    return -torch.stack(output, dim=0).squeeze(2)
+
+
+def _sample_inputs(embeddings: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """ZImagePipeline takes prompt_embeds and negative_prompt_embeds as lists of each prompt's real tokens."""
+    out: dict[str, Any] = {}
+    for prefix in ("", "negative_"):
+        if f"{prefix}prompt_embeds" in embeddings:
+            mask = text_mask({TEXT_MASK: embeddings[f"{prefix}{TEXT_MASK}"]})
+            out[f"{prefix}prompt_embeds"] = _captions(embeddings[f"{prefix}prompt_embeds"], mask)
+    return out
+
+
+def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
+    tokenizer = tiny.qwen_tokenizer(scratch / "tokenizer")
+    width = transformer.config.cap_feat_dim if transformer is not None else 32
+    qwen = Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=width,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=MAX_SEQUENCE_LENGTH,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    transformer = transformer or ZImageTransformer2DModel(
+        all_patch_size=(PATCH,),
+        all_f_patch_size=(1,),
+        in_channels=16,
+        dim=32,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=width,
+        axes_dims=[4, 6, 6],  # sums to the head width, 16
+        axes_lens=[1536, 512, 512],
+    )
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=TRAIN_TIMESTEPS, shift=6.0),  # Z-Image's
+        vae=vae or tiny.vae(16, 0.3611, shift_factor=0.1159),
+        text_encoder=qwen,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
+SPEC = FamilySpec(
+    name=Family.ZIMAGE,
+    title="Z-Image",
+    pipelines=("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline"),
+    pipeline_class=ZImagePipeline,
+    encoders=ZImageEncoders,
+    denoiser_subfolder="transformer",
+    denoiser_class=ZImageTransformer2DModel,
+    flow=True,
+    denoise=_denoise,
+    lora_targets=LORA_TARGETS,
+    sampling=Sampling(steps=50, guidance=4.0, negative_prompt=True),  # Tongyi-MAI/Z-Image's card
+    published=("zimage",),  # Tongyi-MAI/Z-Image
+    tiny=_tiny,
+    patch_size=PATCH,
+    sample_inputs=_sample_inputs,
+)
