@@ -15,29 +15,38 @@ import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKL, DiffusionPipeline
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer
 
 from stk.errors import InputError
 from stk.models import Encoders, Family, build_tiny_model, detect_family, load_encoders
+from stk.models.families import spec_for
+from stk.models.textmask import TEXT_MASK
 
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting!", "the " * 100 + "cat"]  # the last overflows CLIP's 77
-LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16}
-# name -> shape per caption; widths follow tiny.py (SDXL 32 + 64, Flux T5 48 and CLIP 32)
+LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.ZIMAGE: 16}
+# name -> shape per caption; widths follow tiny.py (SDXL 32 + 64, Flux T5 48 and CLIP 32, Z-Image Qwen3 32); with a
+# TEXT_MASK the sequences hold the real tokens only
 TEXT_SHAPES = {
     Family.SD: {"prompt_embeds": (77, 32)},
     Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
     Family.FLUX: {"prompt_embeds": (512, 48), "pooled_prompt_embeds": (32,)},
+    Family.ZIMAGE: {"prompt_embeds": (512, 32), TEXT_MASK: (512, 1)},
 }
 # the tokenizers whose attention masks count the real tokens of the longest sequence
 SEQUENCE_TOKENIZERS = {
     Family.SD: ["tokenizer"],
     Family.SDXL: ["tokenizer", "tokenizer_2"],
     Family.FLUX: ["tokenizer_2"],
+    Family.ZIMAGE: ["tokenizer"],  # the caption in the tokenizer's chat template
 }
+# the tokens of CAPTIONS[2]: CLIP stops at 77, T5 does not, Z-Image's chat template adds 18
+LONG_CAPTION_TOKENS = {Family.SD: 77, Family.SDXL: 77, Family.FLUX: 102, Family.ZIMAGE: 119}
 DENOISERS = {
     Family.SD: "UNet2DConditionModel",
     Family.SDXL: "UNet2DConditionModel",
     Family.FLUX: "FluxTransformer2DModel",
+    Family.ZIMAGE: "ZImageTransformer2DModel",
 }
 
 families = pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)
@@ -81,7 +90,7 @@ def test_loads_frozen_on_cpu(family: Family, encoders: Callable[[Family], Encode
     assert enc.device == torch.device("cpu") and enc.dtype == torch.float32
     assert enc.latent_channels == LATENT_CHANNELS[family]
     assert enc.text_outputs == tuple(TEXT_SHAPES[family])
-    assert (enc.norm.shift_factor is not None) == (family is Family.FLUX)
+    assert (enc.norm.shift_factor is not None) == (enc.latent_channels == 16)  # FLUX.1's VAE shifts, SD's does not
     assert not any(p.requires_grad for p in enc.vae.parameters())
 
 
@@ -109,16 +118,22 @@ def test_encode_text_shapes_and_lengths(
 
     assert len(embeddings) == len(CAPTIONS)
     for caption, embedding in zip(CAPTIONS, embeddings, strict=True):
-        assert {k: v.shape for k, v in embedding.arrays.items()} == TEXT_SHAPES[family]
+        shapes = TEXT_SHAPES[family]
+        if TEXT_MASK in shapes:
+            shapes = {k: (embedding.length, *shape[1:]) if len(shape) == 2 else shape for k, shape in shapes.items()}
+        assert {k: v.shape for k, v in embedding.arrays.items()} == shapes
         assert all(v.dtype == np.float32 for v in embedding.arrays.values())
         masks = []
         for subfolder in SEQUENCE_TOKENIZERS[family]:
             tokenizer = AutoTokenizer.from_pretrained(tiny(family), subfolder=subfolder)
             sequence = TEXT_SHAPES[family]["prompt_embeds"][0]
-            masks.append(sum(tokenizer(caption, max_length=sequence, truncation=True)["attention_mask"]))
+            text = caption
+            if tokenizer.chat_template:
+                chat = [{"role": "user", "content": caption}]
+                text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            masks.append(sum(tokenizer(text, max_length=sequence, truncation=True)["attention_mask"]))
         assert embedding.length == max(masks)
-    # CLIP stops at 77 tokens, T5 does not: Flux's length is T5's
-    assert embeddings[2].length == (102 if family is Family.FLUX else 77)
+    assert embeddings[2].length == LONG_CAPTION_TOKENS[family]
     assert enc.encode_text([]) == []
 
 
@@ -141,11 +156,15 @@ def test_matches_the_diffusers_pipeline(
 ) -> None:
     """The tiny model loads as a whole pipeline, denoiser included, and our embeddings are its encode_prompt's."""
     pipeline = DiffusionPipeline.from_pretrained(tiny(family))
-    denoiser = pipeline.transformer if family is Family.FLUX else pipeline.unet
+    denoiser = getattr(pipeline, spec_for(family).denoiser_subfolder)
     assert type(denoiser).__name__ == DENOISERS[family]
 
     embeddings = encoders(family).encode_text(CAPTIONS)
-    ours = {k: torch.from_numpy(np.stack([e.arrays[k] for e in embeddings])) for k in TEXT_SHAPES[family]}
+    # zero-padded to the longest where only the real tokens are stored (TEXT_MASK)
+    ours = {
+        k: pad_sequence([torch.from_numpy(e.arrays[k]) for e in embeddings], batch_first=True)
+        for k in TEXT_SHAPES[family]
+    }
     with torch.no_grad():
         if family is Family.SD:
             prompt_embeds, _ = pipeline.encode_prompt(CAPTIONS, "cpu", 1, False)
@@ -155,9 +174,14 @@ def test_matches_the_diffusers_pipeline(
                 CAPTIONS, device="cpu", do_classifier_free_guidance=False
             )
             expected = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
-        else:
+        elif family is Family.FLUX:
             prompt_embeds, pooled, _ = pipeline.encode_prompt(CAPTIONS, CAPTIONS, device="cpu")
             expected = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+        elif family is Family.ZIMAGE:  # a list of each caption's real tokens
+            prompt_embeds, _ = pipeline.encode_prompt(list(CAPTIONS), "cpu", do_classifier_free_guidance=False)
+            lengths = torch.tensor([len(e) for e in prompt_embeds])
+            real = torch.arange(int(lengths.max()))[None, :, None] < lengths[:, None, None]
+            expected = {"prompt_embeds": pad_sequence(prompt_embeds, batch_first=True), TEXT_MASK: real.float()}
     for name, tensor in expected.items():
         torch.testing.assert_close(ours[name], tensor, atol=1e-4, rtol=1e-4)
 

@@ -12,6 +12,8 @@ COUNTS = {
     "sd15": (859_520_964, 83_653_863),
     "sdxl": (2_567_463_684, 83_653_863),
     "flux-dev": (11_901_408_320, 83_819_683),
+    # the card says 6B; the transformer's safetensors index totals 24,619,634,944 bytes of float32; FLUX.1's VAE
+    "zimage": (6_154_908_736, 83_819_683),
 }
 
 

@@ -1,0 +1,173 @@
+"""stk.models.families.zimage on the tiny Z-Image pipeline, fp32 on the CPU: one step's loss and gradients are those of
+diffusers' examples/dreambooth/train_dreambooth_lora_z_image.py, the tokenizer renders Qwen3's chat template, a trained
+LoRA loads with ZImagePipeline.load_lora_weights, and sample images from cached embeddings are the pipeline's own.
+(The embeddings against ZImagePipeline.encode_prompt: tests/unit/models/test_load.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import ZImagePipeline
+from diffusers.training_utils import compute_loss_weighting_for_sd3
+from diffusers.utils.torch_utils import randn_tensor
+from peft.utils import get_peft_model_state_dict
+from PIL import Image
+
+from stk.models import Family, build_tiny_model
+from stk.models.families import spec_for
+from stk.prompts import EMPTY_CAPTION
+from stk.train.batch import StepInputs, collate_text
+from stk.train.embeddings import embed_captions
+from stk.train.lora import LoraSettings, add_lora, save_lora
+from stk.train.losses import sample_u
+from stk.train.objectives import FlowObjective, objective_for
+from stk.train.render import ValidationRenderer
+from stk.train.validation import ValidationPlan
+
+SPEC = spec_for(Family.ZIMAGE)
+CAPTIONS = ["a photo of a cat", "A red dog, on the painting with a blue man!"]  # two lengths: the mask matters
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(Family.ZIMAGE, str(tmp_path_factory.mktemp("zimage")))
+
+
+def example_loss(
+    transformer: torch.nn.Module,
+    model_input: torch.Tensor,
+    prompt_embeds: list[torch.Tensor],
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+) -> torch.Tensor:
+    """The example's loss lines (weighting_scheme "none", no prior preservation), its timesteps being 1000 sigma."""
+    timesteps = sigmas * 1000
+    sigmas = sigmas.view(-1, 1, 1, 1)
+    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+    timestep_normalized = (1000 - timesteps) / 1000
+    noisy_model_input_5d = noisy_model_input.unsqueeze(2)
+    noisy_model_input_list = list(noisy_model_input_5d.unbind(dim=0))
+    model_pred_list = transformer(noisy_model_input_list, timestep_normalized, prompt_embeds, return_dict=False)[0]
+    model_pred = torch.stack(model_pred_list, dim=0)
+    model_pred = model_pred.squeeze(2)
+    model_pred = -model_pred
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
+    target = noise - model_input
+    loss = torch.mean(
+        (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
+        1,
+    )
+    return loss.mean()
+
+
+def test_loss_and_gradients_are_the_training_examples(model: str) -> None:
+    pipe = ZImagePipeline.from_pretrained(model)
+    encoders = SPEC.encoders.load(model, CPU, torch.float32)
+    pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        prompt_embeds, _ = pipe.encode_prompt(list(CAPTIONS), CPU, do_classifier_free_guidance=False)
+        mode = pipe.vae.encode(pixels).latent_dist.mode()
+    model_input = (mode - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    mean, _ = encoders.encode_images(pixels)
+    inputs = StepInputs(
+        latents=encoders.norm.normalize(mean),
+        text=collate_text([e.arrays for e in encoders.encode_text(CAPTIONS)]),
+        original_size=torch.tensor([[64, 48]] * 2),
+        crop_top_left=torch.zeros(2, 2, dtype=torch.long),
+    )
+    torch.testing.assert_close(inputs.latents, model_input)
+    assert [len(e) for e in prompt_embeds] == inputs.text["text_mask"].sum(dim=(1, 2)).int().tolist()
+    assert len(prompt_embeds[0]) != len(prompt_embeds[1])
+
+    objective = objective_for(Family.ZIMAGE, model)
+    assert isinstance(objective, FlowObjective)
+    denoiser = objective.load_denoiser(torch.float32)
+    reference = copy.deepcopy(denoiser)
+    g = torch.Generator().manual_seed(7)  # drawn in the order FlowObjective draws: noise, then sigmas
+    noise = randn_tensor(model_input.shape, generator=g)
+    sigmas = objective.sigmas(2, (8 // 2) * (6 // 2), g)
+    expected = example_loss(reference, model_input, prompt_embeds, noise, sigmas)
+    expected.backward()
+
+    loss = objective.loss(denoiser, inputs, torch.Generator().manual_seed(7))
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    grads = dict(reference.named_parameters())
+    for name, p in denoiser.named_parameters():
+        assert p.grad is not None and grads[name].grad is not None, name
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_sigmas_are_shifted_as_the_schedulers_static_shift(model: str) -> None:
+    """Tongyi-MAI/Z-Image's scheduler: shift 6 at every resolution (no dynamic shifting)."""
+    objective = objective_for(Family.ZIMAGE, model)
+    u = sample_u(objective.settings, 64, torch.Generator().manual_seed(3))
+    for image_tokens in (16, 4096):
+        drawn = objective.sigmas(64, image_tokens, torch.Generator().manual_seed(3))
+        torch.testing.assert_close(drawn, 6 * u / (1 + 5 * u))
+
+
+def test_the_tokenizer_renders_qwen3s_chat_template(model: str) -> None:
+    tokenizer = ZImagePipeline.from_pretrained(model).tokenizer
+    chat = [{"role": "user", "content": "a cat"}]
+    thinking = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert thinking == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n"
+    plain = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert plain == thinking + "<think>\n\n</think>\n\n"
+    assert tokenizer.convert_ids_to_tokens(tokenizer("<|im_start|> cat")["input_ids"]) == ["<|im_start|>", "Ġcat"]
+
+
+def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
+    objective = objective_for(Family.ZIMAGE, model)
+    denoiser = objective.load_denoiser(torch.float32)
+    settings = LoraSettings(rank=4, alpha=8)
+    assert add_lora(denoiser, settings, Family.ZIMAGE, seed=0) > 0
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # as if trained: lora_B starts at zero
+        for name, p in denoiser.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    save_lora(
+        ZImagePipeline, "transformer", settings.config(Family.ZIMAGE), get_peft_model_state_dict(denoiser), str(tmp_path)
+    )
+
+    pipe = ZImagePipeline.from_pretrained(model)
+    x = [torch.randn(16, 1, 8, 6, generator=g)]
+    caption = [torch.randn(5, 32, generator=g)]
+    t = torch.tensor([0.3])
+    with torch.no_grad():
+        base = pipe.transformer(x, t, caption, return_dict=False)[0][0]
+        pipe.load_lora_weights(tmp_path)
+        loaded = pipe.transformer(x, t, caption, return_dict=False)[0][0]
+        trained = denoiser.eval()(x, t, caption, return_dict=False)[0][0]
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"
+
+
+def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> None:
+    """The renderer's path (each prompt and the empty caption's stored real tokens, padded alike, then
+    `sample_inputs`) gives the image that ZImagePipeline makes from the prompt's text."""
+    assert SPEC.sampling.negative_prompt and SPEC.sampling.guidance > 0
+    prompt = CAPTIONS[1]
+    encoders = SPEC.encoders.load(model, CPU, torch.float32)
+    embeddings = embed_captions([prompt, EMPTY_CAPTION], lambda caption: None, lambda: encoders)
+    objective = objective_for(Family.ZIMAGE, model)
+    plan = ValidationPlan(prompts=(prompt,), every=0, steps=2, guidance=4.0, width=64, height=48, seed=5)
+    renderer = ValidationRenderer(plan, objective, objective.load_denoiser(torch.float32), embeddings, CPU,
+                                  torch.float32, 0, 1)  # fmt: skip
+    (sample,) = renderer.render(contextlib.nullcontext()).pngs.values()
+    image = np.asarray(Image.open(io.BytesIO(sample)), dtype=np.int16)
+
+    pipe = ZImagePipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    own = pipe(prompt, negative_prompt="", num_inference_steps=2, guidance_scale=4.0, width=64, height=48,
+               generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
+    assert image.shape == (48, 64, 3) and image.std() > 0
+    assert np.abs(image - np.asarray(own, dtype=np.int16)).max() <= 1
