@@ -95,7 +95,8 @@ def qwen_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     tokens = [*sorted(ByteLevel.alphabet()), *(a + b for a, b in merges), "<|endoftext|>"]
     vocab = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
     chat = ["<|im_start|>", "<|im_end|>"]
-    built = Qwen2Tokenizer(vocab=vocab, merges=list(merges), model_max_length=131072)  # Qwen3's limit
+    pairs: Any = list(merges)  # the tokenizers library takes pairs; transformers annotates strings
+    built = Qwen2Tokenizer(vocab=vocab, merges=pairs, model_max_length=131072)  # Qwen3's limit
     built.add_tokens([AddedToken(token, special=True) for token in chat], special_tokens=True)
     built.chat_template = QWEN3_CHAT_TEMPLATE
     built.save_pretrained(folder)

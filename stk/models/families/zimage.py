@@ -60,8 +60,13 @@ class ZImageEncoders(Encoders):
     def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         (qwen,) = self.text
         chats = [
-            qwen.tokenizer.apply_chat_template(
-                [{"role": "user", "content": caption}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+            str(
+                qwen.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": caption}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    enable_thinking=True,
+                )
             )
             for caption in captions
         ]

@@ -135,7 +135,11 @@ def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> N
             if "lora_B" in name:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     save_lora(
-        ZImagePipeline, "transformer", settings.config(Family.ZIMAGE), get_peft_model_state_dict(denoiser), str(tmp_path)
+        ZImagePipeline,
+        "transformer",
+        settings.config(Family.ZIMAGE),
+        get_peft_model_state_dict(denoiser),
+        str(tmp_path),
     )
 
     pipe = ZImagePipeline.from_pretrained(model)
