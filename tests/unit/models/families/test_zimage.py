@@ -6,7 +6,6 @@ LoRA loads with ZImagePipeline.load_lora_weights, and sample images from cached 
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 from pathlib import Path
 
@@ -15,9 +14,9 @@ import pytest
 import torch
 from diffusers import ZImagePipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
-from diffusers.utils.torch_utils import randn_tensor
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
+from support.reference_steps import assert_matches_reference
 
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
@@ -26,7 +25,7 @@ from stk.train.batch import StepInputs, collate_text
 from stk.train.embeddings import embed_captions
 from stk.train.lora import LoraSettings, add_lora, save_lora
 from stk.train.losses import sample_u
-from stk.train.objectives import FlowObjective, objective_for
+from stk.train.objectives import objective_for
 from stk.train.render import ValidationRenderer
 from stk.train.validation import ValidationPlan
 
@@ -40,41 +39,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(Family.ZIMAGE, str(tmp_path_factory.mktemp("zimage")))
 
 
-def example_loss(
-    transformer: torch.nn.Module,
-    model_input: torch.Tensor,
-    prompt_embeds: list[torch.Tensor],
-    noise: torch.Tensor,
-    sigmas: torch.Tensor,
-) -> torch.Tensor:
-    """The example's loss lines (weighting_scheme "none", no prior preservation), its timesteps being 1000 sigma."""
-    timesteps = sigmas * 1000
-    sigmas = sigmas.view(-1, 1, 1, 1)
-    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-    timestep_normalized = (1000 - timesteps) / 1000
-    noisy_model_input_5d = noisy_model_input.unsqueeze(2)
-    noisy_model_input_list = list(noisy_model_input_5d.unbind(dim=0))
-    model_pred_list = transformer(noisy_model_input_list, timestep_normalized, prompt_embeds, return_dict=False)[0]
-    model_pred = torch.stack(model_pred_list, dim=0)
-    model_pred = model_pred.squeeze(2)
-    model_pred = -model_pred
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
-    target = noise - model_input
-    loss = torch.mean(
-        (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
-        1,
-    )
-    return loss.mean()
-
-
-def test_loss_and_gradients_are_the_training_examples(model: str) -> None:
+def test_one_step_is_train_dreambooth_lora_z_image(model: str) -> None:
+    """On encoded images and captions of two lengths: the latents are the example's, and so are the loss and
+    gradients, its transformer given the pipeline's own per-caption embeddings."""
     pipe = ZImagePipeline.from_pretrained(model)
     encoders = SPEC.encoders.load(model, CPU, torch.float32)
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         prompt_embeds, _ = pipe.encode_prompt(list(CAPTIONS), CPU, do_classifier_free_guidance=False)
         mode = pipe.vae.encode(pixels).latent_dist.mode()
-    model_input = (mode - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
     mean, _ = encoders.encode_images(pixels)
     inputs = StepInputs(
         latents=encoders.norm.normalize(mean),
@@ -82,27 +55,31 @@ def test_loss_and_gradients_are_the_training_examples(model: str) -> None:
         original_size=torch.tensor([[64, 48]] * 2),
         crop_top_left=torch.zeros(2, 2, dtype=torch.long),
     )
-    torch.testing.assert_close(inputs.latents, model_input)
-    assert [len(e) for e in prompt_embeds] == inputs.text["text_mask"].sum(dim=(1, 2)).int().tolist()
+    torch.testing.assert_close(inputs.latents, (mode - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor)
     assert len(prompt_embeds[0]) != len(prompt_embeds[1])
 
-    objective = objective_for(Family.ZIMAGE, model)
-    assert isinstance(objective, FlowObjective)
-    denoiser = objective.load_denoiser(torch.float32)
-    reference = copy.deepcopy(denoiser)
-    g = torch.Generator().manual_seed(7)  # drawn in the order FlowObjective draws: noise, then sigmas
-    noise = randn_tensor(model_input.shape, generator=g)
-    sigmas = objective.sigmas(2, (8 // 2) * (6 // 2), g)
-    expected = example_loss(reference, model_input, prompt_embeds, noise, sigmas)
-    expected.backward()
+    def reference(transformer: torch.nn.Module, batch: StepInputs, noise: torch.Tensor, sigmas: torch.Tensor):
+        model_input = batch.latents
+        timesteps = sigmas * 1000  # the example indexes the scheduler's timesteps; stk draws them continuously
+        sigmas = sigmas.view(-1, 1, 1, 1)
+        noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+        timestep_normalized = (1000 - timesteps) / 1000
+        noisy_model_input_5d = noisy_model_input.unsqueeze(2)
+        noisy_model_input_list = list(noisy_model_input_5d.unbind(dim=0))
+        model_pred_list = transformer(noisy_model_input_list, timestep_normalized, prompt_embeds, return_dict=False)[0]
+        model_pred = torch.stack(model_pred_list, dim=0)
+        model_pred = model_pred.squeeze(2)
+        model_pred = -model_pred
+        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
+        target = noise - model_input
+        loss = torch.mean(
+            (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
+            1,
+        )
+        return loss.mean()
 
-    loss = objective.loss(denoiser, inputs, torch.Generator().manual_seed(7))
-    loss.backward()
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
-    grads = dict(reference.named_parameters())
-    for name, p in denoiser.named_parameters():
-        assert p.grad is not None and grads[name].grad is not None, name
-        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-8, msg=name)
+    objective = objective_for(Family.ZIMAGE, model)
+    assert_matches_reference(objective, objective.load_denoiser(torch.float32), reference, inputs)
 
 
 def test_sigmas_are_shifted_as_the_schedulers_static_shift(model: str) -> None:
