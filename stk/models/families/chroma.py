@@ -37,7 +37,7 @@ from transformers import T5EncoderModel, T5Tokenizer
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families.flux import LORA_TARGETS, PATCH, T5_MAX_LENGTH, pack_latents, position_ids
+from stk.models.families.flux import LORA_TARGETS, PATCH, T5_MAX_LENGTH, TINY_BLOCKS, pack_latents, position_ids
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 from stk.models.textmask import TEXT_MASK, text_mask
@@ -133,14 +133,8 @@ def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, 
     tokenizer = tiny.t5_tokenizer(scratch / "tokenizer", T5_MAX_LENGTH)
     t5 = tiny.t5(tokenizer, transformer.config.joint_attention_dim if transformer is not None else 48)
     transformer = transformer or ChromaTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * 16,  # 16 latent channels packed 2x2
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **TINY_BLOCKS,
         joint_attention_dim=t5.config.d_model,
-        axes_dims_rope=(4, 6, 6),
         approximator_num_channels=16,
         approximator_hidden_dim=32,
         approximator_layers=1,

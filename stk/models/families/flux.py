@@ -25,7 +25,16 @@ from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
 
-__all__ = ["LORA_TARGETS", "PATCH", "SPEC", "T5_MAX_LENGTH", "FluxEncoders", "pack_latents", "position_ids"]
+__all__ = [
+    "LORA_TARGETS",
+    "PATCH",
+    "SPEC",
+    "T5_MAX_LENGTH",
+    "TINY_BLOCKS",
+    "FluxEncoders",
+    "pack_latents",
+    "position_ids",
+]
 
 T5_MAX_LENGTH = 512  # FluxPipeline's default max_sequence_length (dev); capped by the tokenizer's own limit
 PATCH = 2  # FluxPipeline._pack_latents packs 2x2 latent patches into one token
@@ -38,6 +47,12 @@ LORA_TARGETS = (
     *(f"attn.{name}" for name in ATTENTION_TARGETS),
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+)  # fmt: skip
+
+# the tiny transformer's blocks and widths (16 latent channels packed 2x2); Chroma's are Flux's
+TINY_BLOCKS: dict[str, Any] = dict(
+    patch_size=1, in_channels=4 * 16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    axes_dims_rope=(4, 6, 6),
 )  # fmt: skip
 
 
@@ -80,9 +95,9 @@ def _denoise(
     objective: DenoiseSettings, denoiser: torch.nn.Module, noisy: torch.Tensor, sigmas: torch.Tensor, inputs: StepInputs
 ) -> torch.Tensor:
     """The packed prediction, with the ids and guidance FluxPipeline gives the transformer."""
-    b = noisy.shape[0]
+    b, device = noisy.shape[0], noisy.device
     module: Any = getattr(denoiser, "module", denoiser)  # a DeepSpeed engine holds the model as .module
-    guidance = torch.full((b,), objective.guidance_scale, device=noisy.device) if module.config.guidance_embeds else None
+    guidance = torch.full((b,), objective.guidance_scale, device=device) if module.config.guidance_embeds else None
     prompt_embeds = inputs.text["prompt_embeds"]
     txt_ids, img_ids = position_ids(prompt_embeds, noisy)
     prediction: torch.Tensor = denoiser(
@@ -103,16 +118,10 @@ def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, 
     tokenizer_2 = tiny.t5_tokenizer(scratch / "tokenizer_2", T5_MAX_LENGTH)
     t5 = tiny.t5(tokenizer_2, transformer.config.joint_attention_dim if transformer is not None else 48)
     transformer = transformer or FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * 16,  # 16 latent channels packed 2x2
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **TINY_BLOCKS,
         joint_attention_dim=t5.config.d_model,
         pooled_projection_dim=32,  # CLIP width
         guidance_embeds=True,  # like FLUX.1-dev
-        axes_dims_rope=(4, 6, 6),
     )
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),

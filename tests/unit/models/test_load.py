@@ -115,7 +115,9 @@ def test_encode_text_shapes_and_lengths(
     assert len(embeddings) == len(CAPTIONS)
     for caption, embedding in zip(CAPTIONS, embeddings, strict=True):
         masked = TEXT_MASK in TEXT_SHAPES[family]
-        shapes = {k: (embedding.length, *s[1:]) if masked and len(s) == 2 else s for k, s in TEXT_SHAPES[family].items()}
+        shapes = {
+            k: (embedding.length, *s[1:]) if masked and len(s) == 2 else s for k, s in TEXT_SHAPES[family].items()
+        }
         assert {k: v.shape for k, v in embedding.arrays.items()} == shapes
         assert all(v.dtype == np.float32 for v in embedding.arrays.values())
         masks = []

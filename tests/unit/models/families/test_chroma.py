@@ -148,8 +148,15 @@ def test_checkpointed_diffusers_forward_drops_the_mask_that_stk_hands_on(
     hidden = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(1))
     mask = torch.cat([inputs.text[TEXT_MASK][..., 0] > 0.5, torch.ones(2, 12, dtype=torch.bool)], dim=1)
     length = inputs.text["prompt_embeds"].shape[1]
-    call = dict(hidden_states=hidden, encoder_hidden_states=inputs.text["prompt_embeds"], timestep=torch.rand(2),
-                txt_ids=torch.zeros(length, 3), img_ids=torch.zeros(12, 3), attention_mask=mask, return_dict=False)  # fmt: skip
+    call = dict(
+        hidden_states=hidden,
+        encoder_hidden_states=inputs.text["prompt_embeds"],
+        timestep=torch.rand(2),
+        txt_ids=torch.zeros(length, 3),
+        img_ids=torch.zeros(12, 3),
+        attention_mask=mask,
+        return_dict=False,
+    )
     plain = denoiser(**call)[0]
     denoiser.enable_gradient_checkpointing()
     assert not torch.allclose(denoiser(**call)[0], plain, atol=1e-5)
@@ -158,7 +165,9 @@ def test_checkpointed_diffusers_forward_drops_the_mask_that_stk_hands_on(
 # --- text -----------------------------------------------------------------------------------------------------------
 
 
-def test_encode_text_is_the_pipelines_encode_prompt(pipeline: ChromaPipeline, cached: list[dict[str, np.ndarray]]) -> None:
+def test_encode_text_is_the_pipelines_encode_prompt(
+    pipeline: ChromaPipeline, cached: list[dict[str, np.ndarray]]
+) -> None:
     """The real tokens and the one padding token the pipeline's mask keeps: its embeddings there, its mask's length."""
     with torch.no_grad():
         embeds, _, mask, *_ = pipeline.encode_prompt(CAPTIONS, device="cpu", do_classifier_free_guidance=False)
@@ -194,12 +203,20 @@ def test_lora_loads_in_the_pipeline_and_gives_the_trained_modules_output(model: 
             if "lora_B" in name:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
     state = get_peft_model_state_dict(trained)
-    save_lora(SPEC.pipeline_class, SPEC.denoiser_subfolder, settings.config(Family.CHROMA), state, str(tmp_path / "lora"))
+    save_lora(
+        SPEC.pipeline_class, SPEC.denoiser_subfolder, settings.config(Family.CHROMA), state, str(tmp_path / "lora")
+    )
 
     pipe = ChromaPipeline.from_pretrained(model)
     g = torch.Generator().manual_seed(2)
-    call = dict(hidden_states=torch.randn(1, 12, 64, generator=g), encoder_hidden_states=torch.randn(1, 5, 48, generator=g),
-                timestep=torch.tensor([0.4]), txt_ids=torch.zeros(5, 3), img_ids=torch.zeros(12, 3), return_dict=False)  # fmt: skip
+    call = dict(
+        hidden_states=torch.randn(1, 12, 64, generator=g),
+        encoder_hidden_states=torch.randn(1, 5, 48, generator=g),
+        timestep=torch.tensor([0.4]),
+        txt_ids=torch.zeros(5, 3),
+        img_ids=torch.zeros(12, 3),
+        return_dict=False,
+    )
     with torch.no_grad():
         base = pipe.transformer(**call)[0]
         pipe.load_lora_weights(tmp_path / "lora")
@@ -221,13 +238,29 @@ def test_samples_from_cached_embeddings_with_the_empty_caption_as_negative(
     prompt, negative = (collate_text([cached[i]]) for i in (0, 2))
     padded = collate_text([cached[0], cached[2]])
     images = []
-    for cond, neg in ((prompt, negative), ({k: v[:1] for k, v in padded.items()}, {k: v[1:] for k, v in padded.items()})):
+    for cond, neg in (
+        (prompt, negative),
+        ({k: v[:1] for k, v in padded.items()}, {k: v[1:] for k, v in padded.items()}),
+    ):
         embeddings = {**cond, **{f"negative_{name}": value for name, value in neg.items()}}
         arguments = SPEC.sample_inputs(embeddings)
         assert arguments["prompt_attention_mask"].dtype == torch.bool
-        assert set(arguments) == {"prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds",
-                                  "negative_prompt_attention_mask"}  # fmt: skip
-        images.append(pipeline(**arguments, num_inference_steps=2, guidance_scale=SPEC.sampling.guidance, height=64,
-                               width=64, output_type="latent", generator=torch.Generator().manual_seed(0)).images)  # fmt: skip
+        assert set(arguments) == {
+            "prompt_embeds",
+            "prompt_attention_mask",
+            "negative_prompt_embeds",
+            "negative_prompt_attention_mask",
+        }
+        images.append(
+            pipeline(
+                **arguments,
+                num_inference_steps=2,
+                guidance_scale=SPEC.sampling.guidance,
+                height=64,
+                width=64,
+                output_type="latent",
+                generator=torch.Generator().manual_seed(0),
+            ).images
+        )
     assert images[0].shape == (1, 16, 64) and torch.isfinite(images[0]).all()
     torch.testing.assert_close(images[1], images[0], rtol=1e-5, atol=1e-6)
