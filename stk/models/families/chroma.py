@@ -15,7 +15,10 @@ stores exactly those (TEXT_MASK, stk.models.textmask). Two choices where diffuse
 training code (lodestone-rock/flow), both needed only when captions of different lengths share a batch:
 - the mask is boolean. The pipeline's own is float 0/1, which attention adds to the scores instead of masking
   (diffusers issues 12116, 13619). A cached caption holds no padding but the one kept token, so for one caption both
-  readings agree; the zeros that pad shorter captions in a batch are masked only by a boolean mask.
+  readings agree; the zeros that pad shorter captions in a batch are masked only by a boolean mask. Their rows are
+  then fully masked: no NaN forward or backward on the CPU (torch 2.13) nor on an H200 (torch 2.11, bf16, each of
+  SDPA's efficient, cuDNN and math kernels), and a padded caption's image tokens match its unpadded ones within bf16
+  rounding (measured).
 - under gradient checkpointing ChromaTransformer2DModel gives its single-stream blocks no mask (the checkpointed call
   drops it); `_MaskedCheckpoint` hands it on, so a checkpointed step is the same step as one without.
 """
