@@ -40,9 +40,12 @@ def drawn(objective: Objective, inputs: StepInputs) -> tuple[torch.Tensor, torch
     return noise, torch.randint(0, steps, (len(latents),), generator=g)
 
 
-def assert_matches_reference(objective: Objective, denoiser: torch.nn.Module, reference: Reference) -> None:
-    """stk's loss and gradients equal the transcription's, and the step is not trivial (a nonzero gradient)."""
-    inputs = step_inputs(objective.family)
+def assert_matches_reference(
+    objective: Objective, denoiser: torch.nn.Module, reference: Reference, inputs: StepInputs | None = None
+) -> None:
+    """stk's loss and gradients equal the transcription's, and the step is not trivial (a nonzero gradient), on
+    `inputs` or else a random batch of the family's shapes."""
+    inputs = inputs or step_inputs(objective.family)
     theirs_model = copy.deepcopy(denoiser)
     noise, steps = drawn(objective, inputs)
     ours = objective.loss(denoiser, inputs, torch.Generator().manual_seed(SEED))

@@ -5,7 +5,6 @@ embeddings."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,8 @@ import pytest
 import torch
 from diffusers import ChromaPipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
-from diffusers.utils.torch_utils import randn_tensor
 from peft.utils import get_peft_model_state_dict
+from support.reference_steps import Reference, assert_matches_reference
 
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
@@ -23,7 +22,7 @@ from stk.models.families.flux import LORA_TARGETS as FLUX_TARGETS
 from stk.models.textmask import TEXT_MASK
 from stk.train.batch import StepInputs, collate_text
 from stk.train.lora import LoraSettings, add_lora, save_lora
-from stk.train.objectives import FlowObjective, objective_for
+from stk.train.objectives import objective_for
 
 SPEC = spec_for(Family.CHROMA)
 # of different lengths, so a batch of them is zero-padded and its mask masks something; "" is the negative prompt
@@ -56,86 +55,62 @@ def batch(cached: list[dict[str, np.ndarray]]) -> StepInputs:
 # --- the loss -----------------------------------------------------------------------------------------------------
 
 
-def reference_loss(
-    pipeline: ChromaPipeline, transformer: Any, inputs: StepInputs, noise: torch.Tensor, sigmas: torch.Tensor
-) -> torch.Tensor:
+def reference_step(pipeline: ChromaPipeline, vae_scale_factor: int) -> Reference:
     """diffusers' examples/dreambooth/train_dreambooth_lora_flux.py's loss lines (weighting_scheme "none", no prior
     preservation), the transformer called as ChromaPipeline.__call__ calls it: no guidance, no pooled projections,
-    and the attention mask of its _prepare_attention_mask."""
-    model_input = inputs.latents
-    prompt_embeds = inputs.text["prompt_embeds"]
-    prompt_attention_mask = inputs.text[TEXT_MASK][..., 0] > 0.5
-    vae_scale_factor = pipeline.vae_scale_factor
-    timesteps = sigmas * 1000
-    sigmas = sigmas.view(-1, 1, 1, 1)
-    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-    packed_noisy_model_input = ChromaPipeline._pack_latents(
-        noisy_model_input,
-        batch_size=model_input.shape[0],
-        num_channels_latents=model_input.shape[1],
-        height=model_input.shape[2],
-        width=model_input.shape[3],
-    )
-    text_ids = torch.zeros(prompt_embeds.shape[1], 3)
-    latent_image_ids = ChromaPipeline._prepare_latent_image_ids(
-        model_input.shape[0], model_input.shape[2] // 2, model_input.shape[3] // 2, "cpu", torch.float32
-    )
-    attention_mask = pipeline._prepare_attention_mask(
-        batch_size=model_input.shape[0],
-        sequence_length=packed_noisy_model_input.shape[1],
-        dtype=model_input.dtype,
-        attention_mask=prompt_attention_mask,
-    )
-    model_pred = transformer(
-        hidden_states=packed_noisy_model_input,
-        timestep=timesteps / 1000,
-        encoder_hidden_states=prompt_embeds,
-        txt_ids=text_ids,
-        img_ids=latent_image_ids,
-        attention_mask=attention_mask,
-        return_dict=False,
-    )[0]
-    model_pred = ChromaPipeline._unpack_latents(
-        model_pred,
-        height=model_input.shape[2] * vae_scale_factor,
-        width=model_input.shape[3] * vae_scale_factor,
-        vae_scale_factor=vae_scale_factor,
-    )
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
-    target = noise - model_input
-    loss = torch.mean(
-        (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
-        1,
-    )
-    return loss.mean()
+    the attention mask of its _prepare_attention_mask; diffusers' plain forward, not checkpointed."""
+
+    def reference(transformer: Any, batch: StepInputs, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        transformer.disable_gradient_checkpointing()
+        model_input = batch.latents
+        bsz, channels, height, width = model_input.shape
+        latent_image_ids = ChromaPipeline._prepare_latent_image_ids(bsz, height // 2, width // 2, "cpu", torch.float32)
+        timesteps = sigmas * 1000  # the example indexes the scheduler's timesteps; stk draws them continuously
+        sigmas = sigmas.view(-1, 1, 1, 1)
+        noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+        packed_noisy_model_input = ChromaPipeline._pack_latents(noisy_model_input, bsz, channels, height, width)
+        prompt_embeds = batch.text["prompt_embeds"]
+        text_ids = torch.zeros(prompt_embeds.shape[1], 3)
+        attention_mask = pipeline._prepare_attention_mask(
+            batch_size=bsz,
+            sequence_length=packed_noisy_model_input.shape[1],
+            dtype=model_input.dtype,
+            attention_mask=batch.text[TEXT_MASK][..., 0] > 0.5,  # what the cache stored, as the pipeline takes it
+        )
+        model_pred = transformer(
+            hidden_states=packed_noisy_model_input,
+            timestep=timesteps / 1000,
+            encoder_hidden_states=prompt_embeds,
+            txt_ids=text_ids,
+            img_ids=latent_image_ids,
+            attention_mask=attention_mask,
+            return_dict=False,
+        )[0]
+        model_pred = ChromaPipeline._unpack_latents(
+            model_pred, height=height * vae_scale_factor, width=width * vae_scale_factor,
+            vae_scale_factor=vae_scale_factor,
+        )  # fmt: skip
+        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
+        target = noise - model_input
+        loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(bsz, -1), 1)
+        return loss.mean()
+
+    return reference
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_loss_and_gradients_are_the_flux_examples_with_chromas_call(
+def test_one_step_is_the_flux_examples_with_chromas_call(
     model: str, pipeline: ChromaPipeline, cached: list[dict[str, np.ndarray]], checkpointing: bool
 ) -> None:
+    """On a batch of two cached captions of different lengths, so the mask masks the shorter one's padding; stk
+    trains checkpointed by default."""
     objective = objective_for(Family.CHROMA, model)
-    assert isinstance(objective, FlowObjective)
-    ours = objective.load_denoiser(torch.float32)
-    reference = copy.deepcopy(ours)
-    if checkpointing:  # stk trains checkpointed by default; the reference runs diffusers' plain forward
-        ours.enable_gradient_checkpointing()
+    denoiser = objective.load_denoiser(torch.float32)
+    if checkpointing:
+        denoiser.enable_gradient_checkpointing()
     inputs = batch(cached)
     assert not (inputs.text[TEXT_MASK] > 0.5).all(), "the batch must pad one caption"
-
-    loss = objective.loss(ours, inputs, torch.Generator().manual_seed(5))
-    loss.backward()
-    g = torch.Generator().manual_seed(5)  # the draws in FlowObjective.loss's order
-    noise = randn_tensor(inputs.latents.shape, generator=g)
-    b, _, h, w = inputs.latents.shape
-    sigmas = objective.sigmas(b, (h // 2) * (w // 2), g)
-    expected = reference_loss(pipeline, reference, inputs, noise, sigmas)
-    expected.backward()
-
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
-    for (name, p), (_, q) in zip(ours.named_parameters(), reference.named_parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    assert_matches_reference(objective, denoiser, reference_step(pipeline, objective.vae_scale_factor), inputs)
 
 
 def test_checkpointed_diffusers_forward_drops_the_mask_that_stk_hands_on(
