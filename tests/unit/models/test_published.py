@@ -12,16 +12,20 @@ COUNTS = {
     "sd15": (859_520_964, 83_653_863),
     "sdxl": (2_567_463_684, 83_653_863),
     "flux-dev": (11_901_408_320, 83_819_683),
+    "chroma1": (8_900_000_000, 83_819_683),  # the card's "8.9 billion"; the VAE is FLUX.1's
     # the card says 6B; the transformer's safetensors index totals 24,619,634,944 bytes of float32; FLUX.1's VAE
     "zimage": (6_154_908_736, 83_819_683),
 }
+# counts a model card gives rounded (not the hub's exact number): how far the built count may be from it
+CARD_ROUNDING = {("chroma1", "denoiser"): 50_000_000}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_each_published_config_builds_the_published_parameter_count(name):
     for component, expected in zip(("denoiser", "vae"), COUNTS[name], strict=True):
         model = build_published(published_config(name, component))
-        assert sum(p.numel() for p in model.parameters()) == expected, (name, component)
+        count = sum(p.numel() for p in model.parameters())
+        assert abs(count - expected) <= CARD_ROUNDING.get((name, component), 0), (name, component, count)
         assert all(p.device.type == "meta" for p in model.parameters())
 
 
