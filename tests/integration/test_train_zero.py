@@ -102,7 +102,7 @@ def check_lora(out: Path, model: str, family: Family, extra: list[str]) -> None:
     assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"
 
 
-# Three cells train a LoRA (one per family, one per kind of ZeRO) and load it into the family's pipeline. Every
+# Cells that train a LoRA load it into the family's pipeline. Every
 # cell makes samples at step 0 and 3 (the end), but the last: its resolution cannot be allocated (a round that fails,
 # as one out of memory does), which must cost the samples only.
 MATRIX = [
@@ -115,6 +115,10 @@ MATRIX = [
     ("zero1", Family.FLUX, ["--caption-dropout", "0.5", "--report-to", "wandb"]),
     ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
     ("zero3", Family.FLUX, ["--grad-accum", "2", "--lora-rank", "4"]),
+    # one cell per newer family, each on another stage: a LoRA in ChromaPipeline under ZeRO-3 with captions of unequal
+    # length padded together (dropout to the empty caption); Z-Image's list-in transformer fully trained with an EMA
+    ("zero3", Family.CHROMA, ["--lora-rank", "4", "--caption-dropout", "0.5"]),
+    ("zero2", Family.ZIMAGE, ["--ema-decay", "0.9"]),
     (
         "zero2-offload",
         Family.SD,
