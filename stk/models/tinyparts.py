@@ -24,10 +24,12 @@ from transformers import (
     CLIPTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    T5Config,
+    T5EncoderModel,
     T5Tokenizer,
 )
 
-__all__ = ["CLIP_LENGTH", "WORDS", "checked", "clip", "clip_tokenizer", "t5_tokenizer", "unet", "vae"]
+__all__ = ["CLIP_LENGTH", "WORDS", "checked", "clip", "clip_tokenizer", "t5", "t5_tokenizer", "unet", "vae"]
 
 # Words that become single tokens, so captions tokenize into something like real subwords.
 WORDS = ("a", "an", "the", "photo", "of", "cat", "dog", "on", "in", "with", "and", "red", "blue", "painting", "man")
@@ -90,6 +92,24 @@ def clip(tokenizer: PreTrainedTokenizerBase, hidden: int, projection: bool = Fal
         pad_token_id=tokenizer.pad_token_id,
     )
     return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def t5(tokenizer: PreTrainedTokenizerBase, width: int) -> PreTrainedModel:
+    """A two-layer T5 encoder of `width` (the denoiser's text width), gated-GELU like T5 v1.1."""
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=width,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
 
 
 def vae(latent_channels: int, scaling_factor: float, shift_factor: float | None = None) -> AutoencoderKL:

@@ -29,7 +29,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
-from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
@@ -106,20 +106,7 @@ def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, 
         tiny.clip_tokenizer(scratch / "tokenizer_2", "!"),
     )
     tokenizer_3 = tiny.t5_tokenizer(scratch / "tokenizer_3", T5_MAX_LENGTH)
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_3),
-            d_model=transformer.config.joint_attention_dim if transformer is not None else 160,  # wider than CLIPs'
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer_3.pad_token_id,
-            eos_token_id=tokenizer_3.eos_token_id,
-        )
-    )
+    t5 = tiny.t5(tokenizer_3, transformer.config.joint_attention_dim if transformer is not None else 160)  # > CLIPs'
     transformer = transformer or SD3Transformer2DModel(
         sample_size=8,
         patch_size=PATCH,
