@@ -4,7 +4,6 @@ encode_prompt, a trained LoRA loads with load_lora_weights, and the pipeline sam
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +11,14 @@ import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
-from diffusers.utils.torch_utils import randn_tensor
 from peft.utils import get_peft_model_state_dict
+from support.reference_steps import assert_matches_reference
 from support.tiny_batches import step_inputs
 from transformers import AutoTokenizer
 
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
-from stk.models.latents import LatentNorm
+from stk.train.batch import StepInputs
 from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
 from stk.train.losses import flow_shift
 from stk.train.objectives import FlowObjective, objective_for
@@ -37,51 +36,32 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def example_loss(transformer: torch.nn.Module, vae_config: dict, raw: torch.Tensor, text: dict, noise, sigmas):
-    """diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py, its defaults (--weighting_scheme logit_normal,
-    --precondition_outputs 1), lines transcribed; the timesteps it indexes from the scheduler are sigmas * 1000."""
-    model_input = (raw - vae_config["shift_factor"]) * vae_config["scaling_factor"]
-    timesteps = sigmas * 1000
-    sigmas = sigmas.view(-1, 1, 1, 1)  # get_sigmas(timesteps, n_dim=model_input.ndim)
-    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-    model_pred = transformer(
-        hidden_states=noisy_model_input,
-        timestep=timesteps,
-        encoder_hidden_states=text["prompt_embeds"],
-        pooled_projections=text["pooled_prompt_embeds"],
-        return_dict=False,
-    )[0]
-    model_pred = model_pred * (-sigmas) + noisy_model_input
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme="logit_normal", sigmas=sigmas)
-    target = model_input
-    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1), 1)
-    return loss.mean()
-
-
-def test_loss_and_gradients_are_the_diffusers_examples(model: str) -> None:
+def test_one_step_is_train_dreambooth_lora_sd3(model: str) -> None:
+    """Its defaults: --weighting_scheme logit_normal, --precondition_outputs 1."""
     objective = objective_for(Family.SD3, model)
-    assert isinstance(objective, FlowObjective)
-    denoiser = objective.load_denoiser(torch.float32)
-    reference = copy.deepcopy(denoiser)
-    pipeline = StableDiffusion3Pipeline.from_pretrained(model, text_encoder_3=None, tokenizer_3=None)
-    vae_config = dict(pipeline.vae.config)
-    inputs = step_inputs(Family.SD3, size=(8, 6))  # 64 x 48 px: height and width must not swap
-    raw = inputs.latents
-    inputs.latents = LatentNorm.from_vae_config(vae_config).normalize(raw)  # what stk-train's step does
+    transformer = objective.load_denoiser(torch.float32)
 
-    loss = objective.loss(denoiser, inputs, seeded(4))
-    loss.backward()
+    def reference(transformer: torch.nn.Module, batch: StepInputs, noise: torch.Tensor, sigmas: torch.Tensor):
+        model_input = batch.latents  # (vae sample - shift_factor) * scaling_factor: stk-train's step normalises
+        timesteps = sigmas * 1000  # the example indexes the scheduler's timesteps; stk draws them continuously
+        sigmas = sigmas.view(-1, 1, 1, 1)
+        noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+        model_pred = transformer(
+            hidden_states=noisy_model_input,
+            timestep=timesteps,
+            encoder_hidden_states=batch.text["prompt_embeds"],
+            pooled_projections=batch.text["pooled_prompt_embeds"],
+            return_dict=False,
+        )[0]
+        model_pred = model_pred * (-sigmas) + noisy_model_input
+        weighting = compute_loss_weighting_for_sd3(weighting_scheme="logit_normal", sigmas=sigmas)
+        target = model_input
+        loss = torch.mean(
+            (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1), 1
+        )
+        return loss.mean()
 
-    g = seeded(4)  # the draws in FlowObjective's order: noise, then the sigmas of 4 x 3 patches
-    noise = randn_tensor(inputs.latents.shape, generator=g)
-    sigmas = objective.sigmas(2, 4 * 3, g)
-    expected = example_loss(reference, vae_config, raw, inputs.text, noise, sigmas)
-    expected.backward()
-
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
-    grads = dict(reference.named_parameters())
-    for name, param in denoiser.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert_matches_reference(objective, transformer, reference)
 
 
 def test_sigmas_are_shifted_as_the_examples_scheduler_shifts(model: str) -> None:
