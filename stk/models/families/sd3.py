@@ -5,16 +5,18 @@ train_dreambooth_lora_sd3.py train it, conditioned as StableDiffusion3Pipeline.e
 Text: CLIP-L's and CLIP-G's penultimate hidden states side by side, zero-padded to T5's width, then T5's last hidden
 state (256 tokens) after them on the sequence axis; the pooled vector is both CLIPs' projected text embeddings side by
 side. The pipeline masks nothing, so the stored length (what --trim-padding keeps) is all 77 CLIP positions plus T5's
-real tokens: trimming drops T5's padding only, never a CLIP position.
+real tokens: trimming drops T5's padding only, never a CLIP position (the transformer attends to that padding, so
+trimming is not exact, as for every family that does not mask).
 
 Training, as the examples' defaults: latents (sample - shift) * scale; sigmas logit-normal, shifted by the scheduler's
 static shift (3.0); the transformer gets timestep = sigma * 1000; weighting `logit_normal` (ones); and
 `--precondition_outputs 1`: the prediction becomes noisy - sigma * prediction and the target the clean latents (the
 velocity MSE weighted by sigma^2).
 
-Sample images: 28 steps and guidance 3.5 with the empty caption as the negative prompt, SD3.5 Large's model card. The
-pipeline's own defaults (28, 7.0) are SD3 Medium's, which oversaturate 3.5; SD3.5 Medium's card asks 40 and 4.5
-(`--validation-steps`, `--validation-guidance`).
+Sample images: 28 steps and guidance 3.5 with the empty caption as the negative prompt, as SD3.5 Large's model card
+runs it. The pipeline's own defaults (28, 7.0) are those of SD3 Medium, the 2024 model; SD3.5 Medium's card asks 40
+steps and 4.5 (`--validation-steps`, `--validation-guidance`). One family, one default: the larger model's, and the
+fewer steps.
 """
 
 from __future__ import annotations
