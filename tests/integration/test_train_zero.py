@@ -74,7 +74,8 @@ def trained_module(model: str, family: Family, settings: LoraSettings, checkpoin
     denoiser = objective_for(family, model).load_denoiser(torch.float32)
     add_lora(denoiser, settings, family, seed=0)
     saved = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
-    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), "the checkpoint holds frozen weights"
+    buffers = dict(denoiser.named_buffers())  # DeepSpeed keeps the module's buffers (SD3's position table)
+    assert saved and all(".lora_A." in k or ".lora_B." in k or k in buffers for k in saved), "frozen weights saved"
     missing, unexpected = denoiser.load_state_dict(saved, strict=False)
     assert not unexpected and not [k for k in missing if "lora_" in k]
     return denoiser.eval()
