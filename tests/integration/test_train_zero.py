@@ -116,8 +116,10 @@ MATRIX = [
     ("zero1", Family.FLUX, ["--caption-dropout", "0.5", "--report-to", "wandb"]),
     ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
     ("zero3", Family.FLUX, ["--grad-accum", "2", "--lora-rank", "4"]),
-    # one cell per newer family, each on another stage: a LoRA in ChromaPipeline under ZeRO-3 with captions of unequal
-    # length padded together (dropout to the empty caption); Z-Image's list-in transformer fully trained with an EMA
+    # one cell per newer family, each on another stage: SD3.5's LoRA (the position table a buffer beside it) under
+    # ZeRO-1 with accumulation; a LoRA in ChromaPipeline under ZeRO-3 with captions of unequal length padded together
+    # (dropout to the empty caption); Z-Image's list-in transformer fully trained with an EMA under ZeRO-2
+    ("zero1", Family.SD3, ["--lora-rank", "4", "--grad-accum", "2"]),
     ("zero3", Family.CHROMA, ["--lora-rank", "4", "--caption-dropout", "0.5"]),
     ("zero2", Family.ZIMAGE, ["--ema-decay", "0.9"]),
     (
