@@ -22,7 +22,7 @@ from stk.models import Family
 pytestmark = pytest.mark.integration
 
 
-def test_a_missing_scan_a_directory_that_is_no_model_or_an_empty_prompt_file_is_one_line_and_exit_3(
+def test_a_missing_scan_a_directory_that_is_no_model_or_of_no_known_family_or_an_empty_prompt_file_is_exit_3(
     models: dict[Family, str], scanned: Scanned, tmp_path: Path
 ) -> None:
     missing = tmp_path / "no-such-scan"
@@ -41,6 +41,13 @@ def test_a_missing_scan_a_directory_that_is_no_model_or_an_empty_prompt_file_is_
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     lines = error_lines(proc)
     assert len(lines) == 1 and "model_index.json" in lines[0] and str(not_a_model) in lines[0], proc.stderr
+    assert not (tmp_path / "cache2").exists()
+
+    (not_a_model / "model_index.json").write_text('{"_class_name": "WanPipeline"}')  # a family stk does not know
+    proc = run_cache([scanned.scan, "--model", not_a_model, "--out", tmp_path / "cache2"])
+    lines = error_lines(proc)
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert "pipeline 'WanPipeline' is not one stk knows" in lines[0] and "--family sd|sdxl|flux|sd3" in lines[0]
     assert not (tmp_path / "cache2").exists()
 
     empty = tmp_path / "prompts.txt"

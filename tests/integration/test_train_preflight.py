@@ -6,6 +6,7 @@ Real DeepSpeed engines on the CPU under `mpiexec -n 2`, tiny random-weight pipel
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -39,8 +40,6 @@ def test_nodes_with_different_gpu_counts_are_refused(tmp_path):
 @pytest.fixture(scope="module")
 def wider_scan(scan: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The training images (copied with their mtimes, so their cache keys hold) plus two new ones, scanned."""
-    import shutil
-
     from stk.datagen import make_image
 
     summary = json.loads((scan / "summary.json").read_text())
@@ -62,6 +61,9 @@ BAD_SETUPS = {
     "no-cache": (["--no-cache"], ExitCode.INPUT, ["give --cache"]),
     "on-the-fly-without-scan": (["--no-cache", "--no-scan", "--vae-on-the-fly"], ExitCode.INPUT, ["give --scan"]),
     "family-mismatch": (["--other-model"], ExitCode.INPUT, ["was made for a sd model", "is sdxl"]),
+    "family-unknown": (["--unknown-model"], ExitCode.INPUT,
+                       ["pipeline 'WanPipeline' is not one stk knows", "StableDiffusion3Pipeline",
+                        "pass --family sd|sdxl|flux|sd3|chroma|zimage"]),
     "deepspeed-not-json": (["--deepspeed", "BAD_JSON"], ExitCode.INPUT, ["not valid JSON"]),
     "deepspeed-missing": (["--deepspeed", "/nonexistent/ds.json"], ExitCode.INPUT, ["No such file", "zero2-offload"]),
     "deepspeed-fp16": (["--deepspeed", "FP16"], ExitCode.INPUT, ["fp16 is not supported"]),
@@ -97,6 +99,10 @@ def test_bad_setup_gives_its_message_and_code(case, setups, scan, wider_scan, tm
             args, extra = args[: at - 1] + args[at + 1 :], [e for e in extra if e != flag]
     if "--other-model" in extra:
         args[args.index(model)], extra = setups(Family.SDXL)[0], []
+    if "--unknown-model" in extra:  # a pipeline of no family stk knows
+        unknown = shutil.copytree(model, tmp_path / "unknown")
+        (unknown / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+        args[args.index(model)], extra = str(unknown), []
     if "--wider-scan" in extra:
         args[args.index(scan)], extra = wider_scan, []
     extra = [substitutions.get(e, e) for e in extra]
