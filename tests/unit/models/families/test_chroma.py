@@ -13,7 +13,7 @@ import pytest
 import torch
 from diffusers import ChromaPipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
-from peft.utils import get_peft_model_state_dict
+from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import Reference, assert_matches_reference
 
 from stk.models import Family, build_tiny_model
@@ -21,7 +21,7 @@ from stk.models.families import spec_for
 from stk.models.families.flux import LORA_TARGETS as FLUX_TARGETS
 from stk.models.textmask import TEXT_MASK
 from stk.train.batch import StepInputs, collate_text
-from stk.train.lora import LoraSettings, add_lora, save_lora
+from stk.train.lora import LoraSettings, add_lora
 from stk.train.objectives import objective_for
 
 SPEC = spec_for(Family.CHROMA)
@@ -170,35 +170,13 @@ def test_lora_targets_are_fluxs_and_name_layers_of_chromas_blocks(model: str) ->
 
 
 def test_lora_loads_in_the_pipeline_and_gives_the_trained_modules_output(model: str, tmp_path: Path) -> None:
-    settings = LoraSettings(rank=4, alpha=8)
-    trained = objective_for(Family.CHROMA, model).load_denoiser(torch.float32)
-    add_lora(trained, settings, Family.CHROMA, seed=0)
-    with torch.no_grad():  # as if trained: B starts at zero
-        for name, p in trained.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-    state = get_peft_model_state_dict(trained)
-    save_lora(
-        SPEC.pipeline_class, SPEC.denoiser_subfolder, settings.config(Family.CHROMA), state, str(tmp_path / "lora")
-    )
-
-    pipe = ChromaPipeline.from_pretrained(model)
+    trained = saved_lora(Family.CHROMA, model, tmp_path)
     g = torch.Generator().manual_seed(2)
-    call = dict(
-        hidden_states=torch.randn(1, 12, 64, generator=g),
-        encoder_hidden_states=torch.randn(1, 5, 48, generator=g),
-        timestep=torch.tensor([0.4]),
-        txt_ids=torch.zeros(5, 3),
-        img_ids=torch.zeros(12, 3),
-        return_dict=False,
-    )
-    with torch.no_grad():
-        base = pipe.transformer(**call)[0]
-        pipe.load_lora_weights(tmp_path / "lora")
-        loaded = pipe.transformer(**call)[0]
-        expected = trained.eval()(**call)[0]
-    torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(loaded, base, atol=1e-4), "the LoRA changed nothing"
+    assert_pipeline_loads_it(
+        Family.CHROMA, model, tmp_path, trained, hidden_states=torch.randn(1, 12, 64, generator=g),
+        encoder_hidden_states=torch.randn(1, 5, 48, generator=g), timestep=torch.tensor([0.4]),
+        txt_ids=torch.zeros(5, 3), img_ids=torch.zeros(12, 3),
+    )  # fmt: skip
 
 
 # --- sample images --------------------------------------------------------------------------------------------------

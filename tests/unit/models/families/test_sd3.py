@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
-from peft.utils import get_peft_model_state_dict
+from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
 from support.tiny_batches import step_inputs
 from transformers import AutoTokenizer
@@ -19,7 +19,6 @@ from transformers import AutoTokenizer
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
 from stk.train.batch import StepInputs
-from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
 from stk.train.losses import flow_shift
 from stk.train.objectives import FlowObjective, objective_for
 
@@ -107,34 +106,13 @@ def test_a_trained_lora_loads_with_the_pipelines_load_lora_weights(model: str, t
     example = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                "attn.to_out.0", "attn.to_q", "attn.to_v"]  # fmt: skip
     assert sorted(SPEC.lora_targets) == sorted(example)
-    settings = LoraSettings(rank=4, alpha=8)
-    denoiser = objective_for(Family.SD3, model).load_denoiser(torch.float32)
-    assert add_lora(denoiser, settings, Family.SD3, seed=0) > 0
-    assert not hasattr(denoiser.transformer_blocks[0].attn2.to_q, "lora_A")  # Medium's second attention: as there
-    with torch.no_grad():  # B starts at zero: give the adapter something to carry
-        for name, param in denoiser.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=seeded(len(name))))
-    save_lora(SPEC.pipeline_class, "transformer", settings.config(Family.SD3), get_peft_model_state_dict(denoiser),
-              str(tmp_path / "lora"))  # fmt: skip
-    assert (tmp_path / "lora" / LORA_WEIGHTS).is_file()
-
-    pipeline = StableDiffusion3Pipeline.from_pretrained(model)
+    trained = saved_lora(Family.SD3, model, tmp_path)
+    assert not hasattr(trained.transformer_blocks[0].attn2.to_q, "lora_A")  # Medium's second attention: as there
     inputs = step_inputs(Family.SD3)
-    call = dict(
-        hidden_states=inputs.latents,
-        timestep=torch.tensor([500.0, 250.0]),
-        encoder_hidden_states=inputs.text["prompt_embeds"],
-        pooled_projections=inputs.text["pooled_prompt_embeds"],
-        return_dict=False,
-    )
-    with torch.no_grad():
-        base = pipeline.transformer(**call)[0]
-        pipeline.load_lora_weights(tmp_path / "lora")
-        loaded = pipeline.transformer(**call)[0]
-        trained = denoiser.eval()(**call)[0]
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"
+    assert_pipeline_loads_it(
+        Family.SD3, model, tmp_path, trained, hidden_states=inputs.latents, timestep=torch.tensor([500.0, 250.0]),
+        encoder_hidden_states=inputs.text["prompt_embeds"], pooled_projections=inputs.text["pooled_prompt_embeds"],
+    )  # fmt: skip
 
 
 def test_samples_come_from_cached_embeddings_with_the_empty_caption_as_negative(model: str) -> None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from diffusers import ZImagePipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
-from peft.utils import get_peft_model_state_dict
 from PIL import Image
+from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
 
 from stk.models import Family, build_tiny_model
@@ -23,7 +23,6 @@ from stk.models.families import spec_for
 from stk.prompts import EMPTY_CAPTION
 from stk.train.batch import StepInputs, collate_text
 from stk.train.embeddings import embed_captions
-from stk.train.lora import LoraSettings, add_lora, save_lora
 from stk.train.losses import sample_u
 from stk.train.objectives import objective_for
 from stk.train.render import ValidationRenderer
@@ -102,34 +101,10 @@ def test_the_tokenizer_renders_qwen3s_chat_template(model: str) -> None:
 
 
 def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
-    objective = objective_for(Family.ZIMAGE, model)
-    denoiser = objective.load_denoiser(torch.float32)
-    settings = LoraSettings(rank=4, alpha=8)
-    assert add_lora(denoiser, settings, Family.ZIMAGE, seed=0) > 0
+    trained = saved_lora(Family.ZIMAGE, model, tmp_path)
     g = torch.Generator().manual_seed(2)
-    with torch.no_grad():  # as if trained: lora_B starts at zero
-        for name, p in denoiser.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    save_lora(
-        ZImagePipeline,
-        "transformer",
-        settings.config(Family.ZIMAGE),
-        get_peft_model_state_dict(denoiser),
-        str(tmp_path),
-    )
-
-    pipe = ZImagePipeline.from_pretrained(model)
-    x = [torch.randn(16, 1, 8, 6, generator=g)]
-    caption = [torch.randn(5, 32, generator=g)]
-    t = torch.tensor([0.3])
-    with torch.no_grad():
-        base = pipe.transformer(x, t, caption, return_dict=False)[0][0]
-        pipe.load_lora_weights(tmp_path)
-        loaded = pipe.transformer(x, t, caption, return_dict=False)[0][0]
-        trained = denoiser.eval()(x, t, caption, return_dict=False)[0][0]
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"
+    x, caption = [torch.randn(16, 1, 8, 6, generator=g)], [torch.randn(5, 32, generator=g)]
+    assert_pipeline_loads_it(Family.ZIMAGE, model, tmp_path, trained, x=x, t=torch.tensor([0.3]), cap_feats=caption)
 
 
 def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> None:

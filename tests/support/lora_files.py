@@ -1,0 +1,52 @@
+"""A LoRA as stk-train saves one, and the family's pipeline loading it with its own load_lora_weights: what each
+family's tests check of its adapter format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft.utils import get_peft_model_state_dict
+
+from stk.models import Family
+from stk.models.families import spec_for
+from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
+from stk.train.objectives import objective_for
+
+
+def saved_lora(family: Family, model: str, out: Path) -> torch.nn.Module:
+    """The family's denoiser with a rank-4 adapter on its default targets whose B weights are random (as if
+    trained; they start at zero), saved to `out` as stk saves one; the adapted module, in eval mode."""
+    spec, settings = spec_for(family), LoraSettings(rank=4, alpha=8)
+    denoiser = objective_for(family, model).load_denoiser(torch.float32)
+    assert add_lora(denoiser, settings, family, seed=0) > 0
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in denoiser.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    state = get_peft_model_state_dict(denoiser)
+    save_lora(spec.pipeline_class, spec.denoiser_subfolder, settings.config(family), state, str(out))
+    assert (out / LORA_WEIGHTS).is_file()
+    return denoiser.eval()
+
+
+def _output(module: torch.nn.Module, call: dict[str, Any]) -> torch.Tensor:
+    """The denoiser's prediction, flattened (Z-Image's transformer returns a list of tensors)."""
+    with torch.no_grad():
+        out = module(**call, return_dict=False)[0]
+    return torch.cat([t.flatten() for t in out]) if isinstance(out, list) else out.flatten()
+
+
+def assert_pipeline_loads_it(family: Family, model: str, lora: Path, trained: torch.nn.Module, **call: Any) -> None:
+    """The family's pipeline, given the saved adapter with load_lora_weights, predicts what the trained module does
+    on `call` (the denoiser's arguments), and not what the base does."""
+    spec = spec_for(family)
+    pipeline = spec.pipeline_class.from_pretrained(model)
+    denoiser = getattr(pipeline, spec.denoiser_subfolder)
+    base = _output(denoiser, call)
+    pipeline.load_lora_weights(lora)
+    loaded = _output(denoiser, call)
+    torch.testing.assert_close(loaded, _output(trained, call), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"
