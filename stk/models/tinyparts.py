@@ -25,6 +25,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Tokenizer,
+    T5Config,
+    T5EncoderModel,
     T5Tokenizer,
 )
 
@@ -35,6 +37,7 @@ __all__ = [
     "clip",
     "clip_tokenizer",
     "qwen_tokenizer",
+    "t5",
     "t5_tokenizer",
     "unet",
     "vae",
@@ -132,6 +135,24 @@ def clip(tokenizer: PreTrainedTokenizerBase, hidden: int, projection: bool = Fal
         pad_token_id=tokenizer.pad_token_id,
     )
     return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def t5(tokenizer: PreTrainedTokenizerBase, width: int) -> PreTrainedModel:
+    """A two-layer T5 encoder of `width` (the denoiser's text width), gated-GELU like T5 v1.1."""
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=width,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
 
 
 def vae(latent_channels: int, scaling_factor: float, shift_factor: float | None = None) -> AutoencoderKL:

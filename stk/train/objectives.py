@@ -184,6 +184,8 @@ class FlowObjective(Objective):
         sigma = sigmas.view(b, 1, 1, 1)
         noisy = (1 - sigma) * latents + sigma * noise
         prediction = self.spec.denoise(self, denoiser, noisy, sigmas, inputs)
+        if self.spec.precondition_outputs:  # the clean latents, predicted from the velocity, as their target
+            return F.mse_loss((prediction * (-sigma) + noisy).float(), latents.float())
         target = self.spec.pack(noise - latents)
         return F.mse_loss(prediction.float(), target.float())
 

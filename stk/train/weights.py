@@ -7,8 +7,9 @@ without weights (on the meta device, or under DeepSpeed's zero.Init so that each
 every parameter) and filled tensor by tensor, each cast as it is read. The file's mapping is dropped every
 READ_WINDOW bytes so that the pages already copied leave the process too.
 
-Under ZeRO-3 only rank 0 reads: each layer is gathered in turn (deepspeed.zero.GatheredParameters), rank 0 copies
-its tensors in, and DeepSpeed partitions it again across the ranks.
+Under ZeRO-3 only rank 0 reads the parameters: each layer is gathered in turn (deepspeed.zero.GatheredParameters),
+rank 0 copies its tensors in, and DeepSpeed partitions it again across the ranks. Persistent buffers (SD3's position
+table) are not partitioned: every rank reads its own.
 """
 
 from __future__ import annotations
@@ -81,9 +82,21 @@ def _release_freed_memory() -> None:
         trim(0)
 
 
+def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint holds beside the parameters (SD3's position table), by their names there."""
+    return {
+        f"{prefix}.{name}" if prefix else name: buffer
+        for prefix, layer in module.named_modules()
+        for name, buffer in layer.named_buffers(recurse=False)
+        if name not in layer._non_persistent_buffers_set
+    }
+
+
 def _check_names(module: torch.nn.Module, reader: _Reader) -> None:
-    """InputError unless the files hold exactly the module's tensors, each in its shape."""
-    expected = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()}
+    """InputError unless the files hold exactly the module's tensors (parameters and persistent buffers), each in its
+    shape."""
+    tensors = {**dict(module.named_parameters()), **_persistent_buffers(module)}
+    expected = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in tensors.items()}
     missing, unexpected = sorted(expected.keys() - reader.shapes.keys()), sorted(reader.shapes.keys() - expected.keys())
     reshaped = sorted(k for k in expected.keys() & reader.shapes.keys() if expected[k] != reader.shapes[k])
     if missing or unexpected or reshaped:
@@ -115,7 +128,8 @@ def load_weights_partitioned(
     deepspeed_config: dict[str, Any],
 ) -> Any:
     """load_weights for ZeRO-3: built under zero.Init with the run's DeepSpeed config, so each rank allocates only
-    its shard of each parameter, in the config's precision; only rank 0 reads. Collective: every rank calls it."""
+    its shard of each parameter, in the config's precision; only rank 0 reads parameters. Collective: every rank
+    calls it."""
     import deepspeed
 
     # The dtype follows the config's bf16 section (DeepSpeed 0.19 ignores its dtype argument where the accelerator
@@ -140,4 +154,9 @@ def load_weights_partitioned(
                 for name, param in params:
                     param.data.copy_(reader.get(f"{prefix}.{name}" if prefix else name))
         _release_freed_memory()
+    buffers = _persistent_buffers(module)
+    if buffers:  # not partitioned: every rank reads its own copy (the files' pages are shared on a node)
+        own = reader or _Reader(files)
+        for name, buffer in buffers.items():
+            buffer.data.copy_(own.get(name))
     return module

@@ -37,7 +37,7 @@ from stk.shards.keys import text_key
 pytestmark = pytest.mark.integration
 
 
-LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.ZIMAGE: 16}
+LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16}
 families = pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)
 
 

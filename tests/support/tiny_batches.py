@@ -16,9 +16,11 @@ TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
     Family.SD: {"prompt_embeds": (77, 32)},
     Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
     Family.FLUX: {"prompt_embeds": (16, 48), "pooled_prompt_embeds": (32,)},
+    Family.SD3: {"prompt_embeds": (77 + 16, 160), "pooled_prompt_embeds": (128,)},
+    Family.CHROMA: {"prompt_embeds": (16, 48), TEXT_MASK: (16, 1)},
     Family.ZIMAGE: {"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)},
 }
-CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.ZIMAGE: 16}
+CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16}
 
 
 def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, seed: int = 0) -> StepInputs:

@@ -13,7 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-from transformers import CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
@@ -25,7 +25,16 @@ from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
 
-__all__ = ["SPEC", "T5_MAX_LENGTH", "FluxEncoders"]
+__all__ = [
+    "LORA_TARGETS",
+    "PATCH",
+    "SPEC",
+    "T5_MAX_LENGTH",
+    "TINY_BLOCKS",
+    "FluxEncoders",
+    "pack_latents",
+    "position_ids",
+]
 
 T5_MAX_LENGTH = 512  # FluxPipeline's default max_sequence_length (dev); capped by the tokenizer's own limit
 PATCH = 2  # FluxPipeline._pack_latents packs 2x2 latent patches into one token
@@ -38,6 +47,12 @@ LORA_TARGETS = (
     *(f"attn.{name}" for name in ATTENTION_TARGETS),
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+)  # fmt: skip
+
+# the tiny transformer's blocks and widths (16 latent channels packed 2x2); Chroma's are Flux's
+TINY_BLOCKS: dict[str, Any] = dict(
+    patch_size=1, in_channels=4 * 16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    axes_dims_rope=(4, 6, 6),
 )  # fmt: skip
 
 
@@ -60,30 +75,39 @@ class FluxEncoders(Encoders):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}, mask_2.sum(dim=1)
 
 
-def _pack(latents: torch.Tensor) -> torch.Tensor:
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) -> (B, h/2 * w/2, 4C), FluxPipeline's token layout."""
     b, c, h, w = latents.shape
     packed: torch.Tensor = FluxPipeline._pack_latents(latents, b, c, h, w)
     return packed
 
 
+def position_ids(prompt_embeds: torch.Tensor, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(txt_ids, img_ids) of FluxPipeline for a text sequence and (B, C, h, w) latents: zeros for the text, each
+    packed patch's row and column for the image."""
+    b, _, h, w = latents.shape
+    device, dtype = latents.device, latents.dtype
+    txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype)
+    return txt_ids, FluxPipeline._prepare_latent_image_ids(b, h // PATCH, w // PATCH, device, dtype)
+
+
 def _denoise(
     objective: DenoiseSettings, denoiser: torch.nn.Module, noisy: torch.Tensor, sigmas: torch.Tensor, inputs: StepInputs
 ) -> torch.Tensor:
     """The packed prediction, with the ids and guidance FluxPipeline gives the transformer."""
-    b, _, h, w = noisy.shape
-    device, dtype = noisy.device, noisy.dtype
+    b, device = noisy.shape[0], noisy.device
     module: Any = getattr(denoiser, "module", denoiser)  # a DeepSpeed engine holds the model as .module
     guidance = torch.full((b,), objective.guidance_scale, device=device) if module.config.guidance_embeds else None
     prompt_embeds = inputs.text["prompt_embeds"]
+    txt_ids, img_ids = position_ids(prompt_embeds, noisy)
     prediction: torch.Tensor = denoiser(
-        hidden_states=_pack(noisy),
+        hidden_states=pack_latents(noisy),
         timestep=sigmas,  # FluxPipeline passes timestep / 1000 with timestep = sigma * 1000
         guidance=guidance,
         pooled_projections=inputs.text["pooled_prompt_embeds"],
         encoder_hidden_states=prompt_embeds,
-        txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
-        img_ids=FluxPipeline._prepare_latent_image_ids(b, h // PATCH, w // PATCH, device, dtype),
+        txt_ids=txt_ids,
+        img_ids=img_ids,
         return_dict=False,
     )[0]
     return prediction
@@ -92,31 +116,12 @@ def _denoise(
 def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
     tokenizer = tiny.clip_tokenizer(scratch / "tokenizer")
     tokenizer_2 = tiny.t5_tokenizer(scratch / "tokenizer_2", T5_MAX_LENGTH)
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=transformer.config.joint_attention_dim if transformer is not None else 48,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-        )
-    )
+    t5 = tiny.t5(tokenizer_2, transformer.config.joint_attention_dim if transformer is not None else 48)
     transformer = transformer or FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * 16,  # 16 latent channels packed 2x2
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **TINY_BLOCKS,
         joint_attention_dim=t5.config.d_model,
         pooled_projection_dim=32,  # CLIP width
         guidance_embeds=True,  # like FLUX.1-dev
-        axes_dims_rope=(4, 6, 6),
     )
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
@@ -145,5 +150,5 @@ SPEC = FamilySpec(
     published=("flux-dev",),  # black-forest-labs/FLUX.1-dev
     tiny=_tiny,
     patch_size=PATCH,
-    pack=_pack,
+    pack=pack_latents,
 )

@@ -14,6 +14,8 @@ class Family(str, enum.Enum):
     SD = "sd"  # Stable Diffusion 1.x and 2.x
     SDXL = "sdxl"
     FLUX = "flux"  # FLUX.1
+    SD3 = "sd3"  # Stable Diffusion 3.5 Large and Medium
+    CHROMA = "chroma"  # Chroma1 (lodestones)
     ZIMAGE = "zimage"  # Z-Image
 
 

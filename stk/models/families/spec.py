@@ -85,6 +85,9 @@ class FamilySpec:
     patch_size: int = 1  # latent patches per side that the denoiser takes as one token
     pack: Callable[[torch.Tensor], torch.Tensor] = unpacked  # a (B, C, h, w) target in the prediction's layout
     sample_inputs: SampleInputs = as_given  # how the pipeline takes embeddings for the sample images
+    # flow families: the loss compares noisy - sigma * prediction with the clean latents (EDM's preconditioning, the
+    # velocity MSE weighted by sigma^2), as diffusers' SD3 examples do by default (--precondition_outputs 1)
+    precondition_outputs: bool = False
 
     def alignment(self, vae_scale_factor: int) -> int:
         """Pixels that an image's sides must be multiples of, for a VAE of `vae_scale_factor`."""

@@ -24,13 +24,15 @@ from stk.models.families import spec_for
 from stk.models.textmask import TEXT_MASK
 
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting!", "the " * 100 + "cat"]  # the last overflows CLIP's 77
-LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.ZIMAGE: 16}
-# name -> shape per caption; widths follow tiny.py (SDXL 32 + 64, Flux T5 48 and CLIP 32, Z-Image Qwen3 32); with a
-# TEXT_MASK the sequences hold the real tokens only
+LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16}
+# name -> shape per caption; widths follow tiny.py (SDXL 32 + 64, Flux T5 48 and CLIP 32, SD3.5 160 = T5's width,
+# Z-Image Qwen3 32); with a TEXT_MASK the sequences hold each caption's kept tokens only
 TEXT_SHAPES = {
     Family.SD: {"prompt_embeds": (77, 32)},
     Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
     Family.FLUX: {"prompt_embeds": (512, 48), "pooled_prompt_embeds": (32,)},
+    Family.SD3: {"prompt_embeds": (77 + 256, 160), "pooled_prompt_embeds": (128,)},  # CLIPs' 77, then T5's 256
+    Family.CHROMA: {"prompt_embeds": (512, 48), TEXT_MASK: (512, 1)},
     Family.ZIMAGE: {"prompt_embeds": (512, 32), TEXT_MASK: (512, 1)},
 }
 # the tokenizers whose attention masks count the real tokens of the longest sequence
@@ -38,14 +40,22 @@ SEQUENCE_TOKENIZERS = {
     Family.SD: ["tokenizer"],
     Family.SDXL: ["tokenizer", "tokenizer_2"],
     Family.FLUX: ["tokenizer_2"],
+    Family.SD3: ["tokenizer_3"],
+    Family.CHROMA: ["tokenizer"],
     Family.ZIMAGE: ["tokenizer"],  # the caption in the tokenizer's chat template
 }
-# the tokens of CAPTIONS[2]: CLIP stops at 77, T5 does not, Z-Image's chat template adds 18
-LONG_CAPTION_TOKENS = {Family.SD: 77, Family.SDXL: 77, Family.FLUX: 102, Family.ZIMAGE: 119}
+# positions kept beside the counted tokens: SD3's 77 CLIP positions before T5's, Chroma's one padding token after
+KEPT = {Family.SD3: 77, Family.CHROMA: 1}
+# the tokens of CAPTIONS[2]: CLIP stops at 77, T5 does not (SD3.5 keeps CLIP's 77 before, Chroma one padding token
+# after), Z-Image's chat template adds 18
+LONG_CAPTION_TOKENS = {Family.SD: 77, Family.SDXL: 77, Family.FLUX: 102, Family.SD3: 77 + 102, Family.CHROMA: 103,
+                       Family.ZIMAGE: 119}  # fmt: skip
 DENOISERS = {
     Family.SD: "UNet2DConditionModel",
     Family.SDXL: "UNet2DConditionModel",
     Family.FLUX: "FluxTransformer2DModel",
+    Family.SD3: "SD3Transformer2DModel",
+    Family.CHROMA: "ChromaTransformer2DModel",
     Family.ZIMAGE: "ZImageTransformer2DModel",
 }
 
@@ -132,7 +142,7 @@ def test_encode_text_shapes_and_lengths(
                 chat = [{"role": "user", "content": caption}]
                 text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             masks.append(sum(tokenizer(text, max_length=sequence, truncation=True)["attention_mask"]))
-        assert embedding.length == max(masks)
+        assert embedding.length == max(masks) + KEPT.get(family, 0)
     assert embeddings[2].length == LONG_CAPTION_TOKENS[family]
     assert enc.encode_text([]) == []
 
@@ -182,6 +192,8 @@ def test_matches_the_diffusers_pipeline(
             lengths = torch.tensor([len(e) for e in prompt_embeds])
             real = torch.arange(int(lengths.max()))[None, :, None] < lengths[:, None, None]
             expected = {"prompt_embeds": pad_sequence(prompt_embeds, batch_first=True), TEXT_MASK: real.float()}
+        else:
+            pytest.skip(f"compared in tests/unit/models/families/test_{family.value}.py")
     for name, tensor in expected.items():
         torch.testing.assert_close(ours[name], tensor, atol=1e-4, rtol=1e-4)
 

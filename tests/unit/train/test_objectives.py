@@ -29,6 +29,8 @@ EXPORTED_LATENTS = {
     Family.SD: (1, 4, 8, 8),
     Family.SDXL: (1, 4, 8, 8),
     Family.FLUX: (1, 16, 64),  # packed 2x2
+    Family.SD3: (1, 16, 8, 8),
+    Family.CHROMA: (1, 16, 64),  # packed 2x2
     Family.ZIMAGE: (1, 16, 8, 8),
 }
 

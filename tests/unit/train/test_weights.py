@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model
@@ -39,6 +39,21 @@ def test_sharded_weights_load_from_their_index(tmp_path):
     files = weight_files(tmp_path / "sharded")
     assert files is not None and len(files) > 1
     assert same_weights(load_weights(FluxTransformer2DModel, dict(whole.config), files, torch.float32), whole)
+
+
+def test_a_persistent_buffer_loads_from_the_file(tmp_path):
+    """SD3's position table is stored beside the parameters: read from the file (not recomputed from the config), in
+    the training dtype, as from_pretrained reads it."""
+    model = Path(build_tiny_model(Family.SD3, str(tmp_path / "sd3")))
+    stored = SD3Transformer2DModel.from_pretrained(model, subfolder="transformer")
+    stored.pos_embed.pos_embed.mul_(2)
+    stored.save_pretrained(tmp_path / "transformer")
+    files = weight_files(tmp_path / "transformer")
+    assert files is not None
+    loaded = load_weights(SD3Transformer2DModel, dict(stored.config), files, torch.bfloat16)
+    expected = SD3Transformer2DModel.from_pretrained(tmp_path / "transformer", torch_dtype=torch.bfloat16)
+    assert same_weights(loaded, expected)
+    assert torch.equal(loaded.pos_embed.pos_embed, stored.pos_embed.pos_embed.bfloat16())
 
 
 def test_a_folder_without_safetensors_has_no_weight_files(tmp_path):
