@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from stk.models.families import spec_for
+from stk.models.families import flux, sd3, spec_for
 from stk.models.published import PUBLISHED, published_config
 from stk.models.textmask import TEXT_MASK
 from stk.train.batch import StepInputs
@@ -32,23 +32,32 @@ class Denoiser:
     text_tokens: int  # text tokens per sample at 1024 px
     sequences: dict[str, str | int]  # each (tokens, width) text output -> its width: a config key or a number
     pooled: dict[str, str | int] = field(default_factory=dict)  # each (width,) text output -> its width
-    # blocks per key in a reduced model: SD3's last block differs from the others (context_pre_only), so two
+    # the fewest blocks per key that hold one block of each kind: SD3's last block differs from the others
+    # (context_pre_only: no LoRA target to_add_out, say), so two
     measured_blocks: int = 1
 
 
+FLUX_BLOCKS = {"num_layers": "transformer_blocks", "num_single_layers": "single_transformer_blocks"}
 DENOISERS: dict[str, Denoiser] = {
     "sdxl": Denoiser({}, 77, {"prompt_embeds": "cross_attention_dim"}, {"pooled_prompt_embeds": 1280}),
     "flux": Denoiser(
-        {"num_layers": "transformer_blocks", "num_single_layers": "single_transformer_blocks"},
-        512,  # stk.models.families.flux.T5_MAX_LENGTH
-        {"prompt_embeds": "joint_attention_dim"},
+        FLUX_BLOCKS, flux.T5_MAX_LENGTH, {"prompt_embeds": "joint_attention_dim"},
         {"pooled_prompt_embeds": "pooled_projection_dim"},
     ),
+    # CLIP's 77 tokens joined with T5's; the last block is measured apart (SD3.5 Medium's two measured blocks both
+    # have its dual attention, which 11 of its 24 blocks lack: its figures err high)
+    "sd3": Denoiser(
+        {"num_layers": "transformer_blocks"}, 77 + sd3.T5_MAX_LENGTH, {"prompt_embeds": "joint_attention_dim"},
+        {"pooled_prompt_embeds": "pooled_projection_dim"}, measured_blocks=2,
+    ),
+    "chroma": Denoiser(FLUX_BLOCKS, flux.T5_MAX_LENGTH, {"prompt_embeds": "joint_attention_dim", TEXT_MASK: 1}),
     # Z-Image stores each caption's real tokens (up to 512): 128 is a caption of ~90 words in Qwen3's chat template
     "zimage": Denoiser({"n_layers": "layers"}, 128, {"prompt_embeds": "cap_feat_dim", TEXT_MASK: 1}),
-}
+}  # fmt: skip
 
-TITLES = {"sdxl": "SDXL UNet", "flux-dev": "Flux.1-dev", "zimage": "Z-Image"}  # config -> how tables name it
+# config -> how tables name it
+TITLES = {"sdxl": "SDXL UNet", "flux-dev": "Flux.1-dev", "sd35-large": "SD3.5 Large", "sd35-medium": "SD3.5 Medium",
+          "chroma1": "Chroma1", "zimage": "Z-Image"}  # fmt: skip
 
 
 def denoiser_of(config: str) -> Denoiser:
@@ -71,9 +80,9 @@ def full_depth(config: str) -> dict[str, int]:
 
 
 def reduced_depth(config: str, blocks: int | None = None) -> dict[str, int]:
-    """Config overrides with `blocks` (default: the measured count) blocks per block-count key."""
+    """Config overrides with `blocks` blocks per block-count key, and never fewer than the measured count."""
     d = denoiser_of(config)
-    return {key: blocks or d.measured_blocks for key in d.blocks}
+    return {key: max(blocks or 0, d.measured_blocks) for key in d.blocks}
 
 
 def text_inputs(config: str, denoiser_config: dict[str, Any], tokens: int, batch: int, g: torch.Generator):

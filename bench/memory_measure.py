@@ -47,6 +47,13 @@ def status_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def reset_peak() -> None:
+    """Start the RSS high-water mark (VmHWM) afresh at the current RSS: a build can peak above its step (SD3's
+    position table is computed in float64 before it is stored in bf16), and the peak measured is the step's."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+
+
 class SavedBytes:
     """What autograd keeps for the backward pass: each storage counted once, parameters left out (they are the
     weights, not activations), by the kind of block that saved it, with the largest block instance and the largest
@@ -193,6 +200,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         model.enable_gradient_checkpointing(saved.checkpoint)  # type: ignore[operator]
     inputs = make_inputs(spec)
     gc.collect()
+    reset_peak()
     model_rss = status_bytes("VmRSS")
     if spec["mode"] == "forward":
         with torch.no_grad():
