@@ -2,7 +2,8 @@
 users run today, with random weights from the published configs (no hub access).
 
     python bench/gpu.py [--only PART[,PART...]] [--record] [--workdir DIR] [--compile]
-                        [--batch-sizes 4,8] [--variants full-ckpt,...] [--flux-blocks 4,8] [--cpu]
+                        [--batch-sizes 4,8] [--variants full-ckpt,...] [--flux-blocks 4,8] [--family-blocks 4]
+                        [--cpu]
 
 Parts (in the order `make gpu-check` runs them):
 
@@ -20,6 +21,11 @@ Parts (in the order `make gpu-check` runs them):
            stk-train: samples/s and MFU; then Flux.1-dev projected to 32 GPUs at batch 8 (the measured FLOP rate
            over the full model's FLOPs, plus a ring all-reduce of the bf16 gradients at --bus-gbps), beside the
            reference guide's 15 s/step. Goal: <= 7.5 s/step.
+  families every other flow family's published config (stk.models.published: SD3.5 Large and Medium, Chroma1,
+           Z-Image, and whatever is published next) the same way: full width, --family-blocks blocks per block list
+           (bench/denoisers.py says which config keys count them), 1024 px, --flux-batch, full fine-tune with
+           checkpointing and LoRA rank 16: samples/s, peak memory, MFU, and the full model projected to 32 GPUs at
+           batch 8 (LoRA: the adapter's gradients all-reduced). One row per config and variant; no target.
   breaker  a fixed GPU workload with stk's circuit breaker polling the real NVML every second, against none,
            alternating: overhead in % (target < 0.1%).
   oom      stk-train with a batch far too big for the device: exit 3 with one line within seconds, no traceback,
@@ -46,34 +52,42 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_parts import baseline_child, part_breaker, part_cache, part_flux, part_health, part_oom, part_train
+from gpu_parts import (
+    baseline_child,
+    part_breaker,
+    part_cache,
+    part_families,
+    part_flux,
+    part_health,
+    part_oom,
+    part_train,
+)
 from gpu_setup import KEYS, Scale, peak_tflops
 
-PARTS = ("health", "cache", "train", "flux", "breaker", "oom")
+PARTS = ("health", "cache", "train", "flux", "families", "breaker", "oom")
 VARIANTS = ("full-ckpt", "full", "lora-ckpt", "lora")  # full or LoRA rank 16, gradient checkpointing on or off
 
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-# The tiny shapes of --cpu: the published configs with small widths (the code path is the same).
+# The tiny shapes of --cpu: the published configs with small widths (the code path is the same); the transformers take
+# their family's own tiny widths (gpu_setup.tiny_widths).
 # a wide first block (the published VAE's 128 channels): oom's first activation outgrows the address space at 16
 # images of 1024 px
 TINY_VAE = {"block_out_channels": [128, 64, 64, 64], "layers_per_block": 1}
 TINY_SDXL = {"block_out_channels": [32, 64, 64], "attention_head_dim": [2, 4, 4], "layers_per_block": 1,
              "transformer_layers_per_block": [1, 1, 1], "cross_attention_dim": 96, "addition_time_embed_dim": 8,
              "projection_class_embeddings_input_dim": 112}  # fmt: skip
-TINY_FLUX = {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
-             "joint_attention_dim": 48, "pooled_projection_dim": 32, "axes_dims_rope": [4, 6, 6]}  # fmt: skip
 
 
 GPU = Scale("cuda", 1024, 64, 12, (4, 8), VARIANTS, (4, 8), 2, 64)
-CPU = Scale("cpu", 64, 8, 3, (2,), ("lora",), (1, 1), 2, 16, TINY_SDXL, TINY_FLUX, TINY_VAE)
+CPU = Scale("cpu", 64, 8, 3, (2,), ("lora",), (1, 1), 2, 16, TINY_SDXL, TINY_VAE, 1, ("lora-ckpt",))
 
 
 PART_RUNNERS: dict[str, Callable[[Scale, Path, argparse.Namespace], Iterator[dict[str, Any]]]] = {
-    "health": part_health, "cache": part_cache, "train": part_train, "flux": part_flux, "breaker": part_breaker,
-    "oom": part_oom,
+    "health": part_health, "cache": part_cache, "train": part_train, "flux": part_flux, "families": part_families,
+    "breaker": part_breaker, "oom": part_oom,
 }  # fmt: skip
 
 
@@ -130,7 +144,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=parse_ints, default=None, help="train: per-GPU batch sizes [4,8]")
     parser.add_argument("--variants", default=None, help=f"train: comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--flux-blocks", type=parse_ints, default=None, help="flux: double,single blocks [4,8]")
-    parser.add_argument("--flux-batch", type=int, default=None, help="flux: per-GPU batch [2]")
+    parser.add_argument("--flux-batch", type=int, default=None, help="flux and families: per-GPU batch [2]")
+    parser.add_argument("--family-blocks", type=int, default=None, help="families: blocks per block list [4]")
     parser.add_argument(
         "--bus-gbps",
         type=float,
@@ -155,7 +170,8 @@ def main() -> None:
         parser.error(f"--variants: choose from {', '.join(VARIANTS)}")
     scale = replace(scale, variants=variants, batch_sizes=args.batch_sizes or scale.batch_sizes,
                     flux_blocks=args.flux_blocks or scale.flux_blocks,
-                    flux_batch=args.flux_batch or scale.flux_batch)  # fmt: skip
+                    flux_batch=args.flux_batch or scale.flux_batch,
+                    family_blocks=args.family_blocks or scale.family_blocks)  # fmt: skip
     work = Path(args.workdir or tempfile.mkdtemp(prefix="stk-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     env = environment()

@@ -1,5 +1,5 @@
 """The parts of bench/gpu.py, each a generator of result rows: health, cache, train (against a plain diffusers
-baseline), flux, breaker and oom."""
+baseline), flux, families, breaker and oom."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from denoisers import flow_configs, full_depth, reduced_depth
 from gpu_setup import (
     KEYS,
     PYTHON,
@@ -212,36 +213,77 @@ def part_train(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[d
 
 def part_flux(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     peak, _ = peak_tflops(args.peak_tflops)
-    flux, cache = model(scale, work, "flux-dev"), cached(scale, work, "flux-dev")
     ours = train_stk(scale, work, "flux-dev", scale.flux_batch, "full-ckpt", [])
     if ours.get("oom"):
         yield result("flux", blocks=list(scale.flux_blocks), batch=scale.flux_batch, **ours)
         return
-    flops = step_flops(flux, cache, scale.flux_batch)
-    rate = flops / ours["step_s"]  # FLOP/s this GPU reached
-    # Flux.1-dev itself, at the reference run's batch, on the shapes this cache holds (only depth differs)
-    full = step_flops(flux, cache, scale.flux_batch, {"num_layers": 19, "num_single_layers": 38}) * (
-        FLUX_BATCH / scale.flux_batch
-    )
-    params = sum(p.numel() for p in build_flux_dev_meta().parameters())
-    ring = 2 * (FLUX_GPUS - 1) / FLUX_GPUS * params * 2  # bytes each GPU sends in a ring all-reduce of bf16 grads
-    allreduce_s = ring / (args.bus_gbps * 1e9)
-    projected = full / rate + allreduce_s
+    flops, projection = project(scale, work, "flux-dev", "full-ckpt", ours["step_s"], args)
     yield result(
         "flux", blocks=list(scale.flux_blocks), batch=scale.flux_batch, **ours, mfu=mfu(flops, ours["step_s"], peak),
-        flops_per_step=flops, projection={
-            "gpus": FLUX_GPUS, "batch_per_gpu": FLUX_BATCH, "compute_s": round(full / rate, 3),
-            "allreduce_s": round(allreduce_s, 3), "bus_gbps": args.bus_gbps, "s_per_step": round(projected, 3),
-            "mfu": mfu(int(full), projected, peak), "reference_s_per_step": REFERENCE_FLUX_S_PER_STEP,
-            "goal_s_per_step": TARGETS["flux_s_per_step"],
-        }, ok=projected <= TARGETS["flux_s_per_step"],
+        flops_per_step=flops, projection={**projection, "reference_s_per_step": REFERENCE_FLUX_S_PER_STEP,
+                                          "goal_s_per_step": TARGETS["flux_s_per_step"]},
+        ok=projection["s_per_step"] <= TARGETS["flux_s_per_step"],
     )  # fmt: skip
 
 
-def build_flux_dev_meta() -> torch.nn.Module:
-    from stk.models.published import build_published, published_config
+def family_configs(scale: Scale) -> list[str]:
+    """The flow families' published configs that no other part trains (flux-dev has its own); on the CPU, whose tiny
+    widths make a family's configs one model, the first of each family."""
+    from stk.models.published import PUBLISHED
 
-    return build_published(published_config("flux-dev", "denoiser"))
+    configs = [name for name in flow_configs() if name != "flux-dev"]
+    if scale.cpu:
+        configs = [name for name in configs if name == next(c for c in configs if PUBLISHED[c] == PUBLISHED[name])]
+    return configs
+
+
+def part_families(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Each family's config at full width and --family-blocks blocks per block list, through stk-train at 1024 px:
+    full with checkpointing and LoRA rank 16, each projected to the full model on 32 GPUs as flux is."""
+    peak, _ = peak_tflops(args.peak_tflops)
+    for name in family_configs(scale):
+        depth = reduced_depth(name, scale.family_blocks)
+        for variant in scale.family_variants:
+            ours = train_stk(scale, work, name, scale.flux_batch, variant, [])
+            row = {"config": name, "variant": variant, "blocks": depth, "batch": scale.flux_batch, **ours}
+            if ours.get("oom"):
+                yield result("families", **row)
+                continue
+            flops, projection = project(scale, work, name, variant, ours["step_s"], args)
+            yield result("families", **row, mfu=mfu(flops, ours["step_s"], peak), flops_per_step=flops,
+                         projection=projection)  # fmt: skip
+
+
+def project(
+    scale: Scale, work: Path, name: str, variant: str, step_s: float, args: argparse.Namespace
+) -> tuple[int, dict[str, Any]]:
+    """The measured step's FLOPs, and the full published model on 32 GPUs at batch 8: the FLOP rate this GPU reached
+    over the full model's FLOPs on the same shapes (only depth differs), plus a ring all-reduce of the bf16 gradients
+    of what trains (the model, or its LoRA) at --bus-gbps."""
+    peak, _ = peak_tflops(args.peak_tflops)
+    model_dir, cache = model(scale, work, name), cached(scale, work, name)
+    flops = step_flops(model_dir, cache, scale.flux_batch)
+    rate = flops / step_s  # FLOP/s this GPU reached
+    full = step_flops(model_dir, cache, scale.flux_batch, full_depth(name)) * (FLUX_BATCH / scale.flux_batch)
+    ring = 2 * (FLUX_GPUS - 1) / FLUX_GPUS * trainable_params(name, variant) * 2  # bytes each GPU sends
+    allreduce_s = ring / (args.bus_gbps * 1e9)
+    projected = full / rate + allreduce_s
+    return flops, {
+        "gpus": FLUX_GPUS, "batch_per_gpu": FLUX_BATCH, "compute_s": round(full / rate, 3),
+        "allreduce_s": round(allreduce_s, 3), "bus_gbps": args.bus_gbps, "s_per_step": round(projected, 3),
+        "mfu": mfu(int(full), projected, peak),
+    }  # fmt: skip
+
+
+def trainable_params(name: str, variant: str) -> int:
+    """The published denoiser's trainable parameters: all of them, or stk's LoRA rank 16 (counted on meta)."""
+    from stk.models.published import PUBLISHED, build_published, published_config
+    from stk.train.lora import LoraSettings, add_lora
+
+    denoiser = build_published(published_config(name, "denoiser"))
+    if variant.startswith("lora"):
+        add_lora(denoiser, LoraSettings(rank=LORA_RANK), PUBLISHED[name], seed=0)
+    return sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
 
 
 def part_breaker(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:

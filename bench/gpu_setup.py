@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from denoisers import denoiser_of, reduced_depth
 
 KEYS = ("samples_per_s", "peak_memory", "mfu", "baseline_ratio")
 
@@ -42,11 +43,12 @@ class Scale:
     batch_sizes: tuple[int, ...]
     variants: tuple[str, ...]
     flux_blocks: tuple[int, int]
-    flux_batch: int
+    flux_batch: int  # flux and families
     oom_batch: int
     sdxl: dict[str, Any] = field(default_factory=dict)  # overrides of the published configs
-    flux: dict[str, Any] = field(default_factory=dict)
     vae: dict[str, Any] = field(default_factory=dict)
+    family_blocks: int = 4  # families: blocks per block-count key (bench/denoisers.py)
+    family_variants: tuple[str, ...] = ("full-ckpt", "lora-ckpt")
 
     @property
     def cpu(self) -> bool:
@@ -134,14 +136,33 @@ def model(scale: Scale, work: Path, name: str) -> str:
 
     out = work / f"model-{name}"
     if not (out / "model_index.json").exists():
-        overrides = scale.sdxl if name == "sdxl" else {**scale.flux, **flux_depth(scale.flux_blocks)}
         device = "cuda" if not scale.cpu else "cpu"  # a GPU draws billions of random weights in seconds
-        build_published_model(name, str(out), device=device, denoiser=overrides, vae=scale.vae)
+        build_published_model(name, str(out), device=device, denoiser=denoiser_overrides(scale, name), vae=scale.vae)
     return str(out)
 
 
-def flux_depth(blocks: tuple[int, int]) -> dict[str, int]:
-    return {"num_layers": blocks[0], "num_single_layers": blocks[1]}
+def denoiser_overrides(scale: Scale, name: str) -> dict[str, Any]:
+    """The published denoiser's changes: full width (--cpu: the family's tiny widths) at the depth the part asks."""
+    if name == "sdxl":
+        return scale.sdxl
+    widths = tiny_widths(name) if scale.cpu else {}
+    if name == "flux-dev":
+        return {**widths, **dict(zip(denoiser_of(name).blocks, scale.flux_blocks, strict=True))}
+    return {**widths, **reduced_depth(name, scale.family_blocks)}
+
+
+def tiny_widths(name: str) -> dict[str, Any]:
+    """The config of the family's own tiny denoiser (stk.models.tiny, what the tests train), as overrides."""
+    import tempfile
+
+    from stk.models.families import spec_for
+    from stk.models.published import PUBLISHED
+
+    with tempfile.TemporaryDirectory() as scratch:
+        denoiser = spec_for(PUBLISHED[name]).tiny(Path(scratch), None, None)[
+            spec_for(PUBLISHED[name]).denoiser_subfolder
+        ]
+    return {key: value for key, value in denoiser.config.items() if not key.startswith("_")}
 
 
 def cached(scale: Scale, work: Path, name: str) -> Path:
@@ -190,6 +211,7 @@ def cached_batch(cache: Path, size: int) -> Any:
 def step_flops(model_dir: str, cache: Path, batch_size: int, denoiser_overrides: dict[str, Any] | None = None) -> int:
     """Forward + backward FLOPs of one training step of the denoiser on a cached batch, counted by
     torch.utils.flop_counter on the meta device (no memory, any size); without checkpointing's recompute."""
+    from torch.fx.experimental import _config as fx_config
     from torch.utils.flop_counter import FlopCounterMode
 
     from stk.models import detect_family
@@ -202,7 +224,8 @@ def step_flops(model_dir: str, cache: Path, batch_size: int, denoiser_overrides:
     denoiser = build_published(config, "meta").to(torch.bfloat16)
     batch, norm = cached_batch(cache, batch_size)
     inputs = step_inputs(batch, norm, "meta", torch.bfloat16)
-    with FlopCounterMode(display=False) as counter:
+    # a family that drops padded text tokens by mask (Z-Image) indexes with it: on meta, every token counts as real
+    with FlopCounterMode(display=False) as counter, fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         objective.loss(denoiser, inputs, torch.Generator().manual_seed(0)).backward()
     return int(counter.get_total_flops())
 

@@ -18,11 +18,13 @@ and every configuration runs in a fresh process of this script, which reports it
      on the full-width UNet with the adapter; full fine-tuning does not fit this machine's RAM (5 GB weights, 5 GB
      gradients, 10 GB state), so its real step runs on a reduced UNet (full width, one transformer layer per block)
      and the bytes per parameter it measures are scaled to the full UNet's exact parameter count. Target: <= 2%.
-  3. --table: per-GPU memory of Flux.1-dev and the SDXL UNet at 1024 px, batch 8 per GPU, on 32 GPUs, for each
+  3. --table: per-GPU memory of every flow family's published config (Flux.1-dev, SD3.5 Large and Medium, Chroma1,
+     Z-Image: stk.models.published) and the SDXL UNet at 1024 px, batch 8 per GPU, on 32 GPUs, for each
      preset in stk/train/presets, checkpointing off and on, full fine-tune and LoRA, bf16 under DeepSpeed. Model
      states: the ZeRO paper's accounting and the presets' bucket sizes. Activations: autograd's count at two sizes
-     (Flux: one double and one single block at 256 and 512 px, with 32 and 128 text tokens, 1024 px's 8:1 ratio;
-     SDXL: the whole UNet at --resolution and half), extrapolated linearly in tokens (PyTorch's SDPA keeps attention
+     (a transformer: one block of each kind at full width, bench/denoisers.py, at 256 and 512 px with the text
+     tokens in 1024 px's ratio, Flux 32 and 128; SDXL: the whole UNet at --resolution and half), through the
+     family's own denoise (its spec), extrapolated linearly in tokens (PyTorch's SDPA keeps attention
      linear, on this CPU as with flash attention on a GPU) and scaled to the full depth; plus, with checkpointing,
      the largest block's saved tensors while it is recomputed; plus 3x the largest saved tensor for the gradients
      in flight (an assumption); plus what the CPU step held beyond all that (not scaled: it does not grow).
@@ -142,7 +144,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed rounds (off and on) after a warm-up round")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (OMP_NUM_THREADS) per process")
     parser.add_argument("--table", action="store_true", help="also the per-GPU memory table of the reference run")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 128 px, one timed step, Flux at 256 px")
+    parser.add_argument("--quick", action="store_true", help="smoke: 128 px, one timed step, transformers at 256 px")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -17,8 +17,6 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory.py")  
 GB = 1e9
 LORA_RANK = 16
 SDXL_UNET = published_config("sdxl", "denoiser")
-FLUX_DEV = published_config("flux-dev", "denoiser")
-SDXL_TEXT_TOKENS = 77
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:

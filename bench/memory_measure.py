@@ -14,17 +14,28 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from memory_common import FLUX_DEV, LORA_RANK, SDXL_TEXT_TOKENS, SDXL_UNET
+from denoisers import denoiser_of, reduced_depth, step_inputs, training_forward
+from memory_common import LORA_RANK, SDXL_UNET
 
-from stk.models.published import build_published
+from stk.models.published import PUBLISHED, build_published, published_config
+from stk.train.batch import StepInputs
 
 # the full AdamW step of part 2 on a UNet that fits in RAM: same widths, one transformer layer per attention block
 REDUCED_SDXL_UNET = {**SDXL_UNET, "transformer_layers_per_block": [1, 1, 1]}
 
 
-# the modules diffusers' enable_gradient_checkpointing checkpoints one by one, and what this script calls them
-BLOCK_KINDS = {"ResnetBlock2D": "resnet", "BasicTransformerBlock": "transformer",
-               "FluxTransformerBlock": "double", "FluxSingleTransformerBlock": "single"}  # fmt: skip
+# the UNet's modules that diffusers' enable_gradient_checkpointing checkpoints one by one, and what this script calls
+# them; a transformer's blocks are the items of its top-level module lists, named after the list
+UNET_BLOCKS = {"ResnetBlock2D": "resnet", "BasicTransformerBlock": "transformer"}
+
+
+def block_kinds(model: torch.nn.Module) -> dict[int, str]:
+    """id of each block -> its kind: the UNet's by class, a transformer's by the list that holds it."""
+    kinds = {id(m): UNET_BLOCKS[type(m).__name__] for m in model.modules() if type(m).__name__ in UNET_BLOCKS}
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            kinds.update({id(block): name for block in child})
+    return kinds
 
 
 def status_bytes(field: str) -> int:
@@ -34,6 +45,13 @@ def status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> None:
+    """Start the RSS high-water mark (VmHWM) afresh at the current RSS: a build can peak above its step (SD3's
+    position table is computed in float64 before it is stored in bf16), and the peak measured is the step's."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
 
 
 class SavedBytes:
@@ -49,14 +67,14 @@ class SavedBytes:
         self.by_block: dict[int, int] = defaultdict(int)
         self.largest = 0
         self.block: tuple[str, int] = ("other", 0)
+        self.kinds = block_kinds(model)
         for module in model.modules():
-            if type(module).__name__ in BLOCK_KINDS:
+            if id(module) in self.kinds:
                 module.register_forward_pre_hook(lambda m, _: setattr(self, "block", self._block_of(m)))
                 module.register_forward_hook(lambda *_: setattr(self, "block", ("other", 0)))
 
-    @staticmethod
-    def _block_of(module: torch.nn.Module) -> tuple[str, int]:
-        return BLOCK_KINDS[type(module).__name__], id(module)
+    def _block_of(self, module: torch.nn.Module) -> tuple[str, int]:
+        return self.kinds.get(id(module), "other"), id(module)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -84,52 +102,37 @@ class SavedBytes:
             self.block = previous
 
 
+def config_of(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The published config a measurement runs and its denoiser config: the SDXL UNet whole (or reduced for part
+    2's full AdamW step), a transformer at full width with its measured blocks (bench/denoisers.py)."""
+    if spec["model"] == "sdxl-reduced":
+        return "sdxl", REDUCED_SDXL_UNET
+    if spec["model"] == "sdxl":
+        return "sdxl", SDXL_UNET
+    return spec["model"], published_config(spec["model"], "denoiser", **reduced_depth(spec["model"]))
+
+
 def build_model(spec: dict[str, Any]) -> torch.nn.Module:
     """The model with random weights created directly in bf16 (a float32 build would peak at twice the bytes)."""
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     try:
-        if spec["model"] == "flux":
-            config = {**FLUX_DEV, "num_layers": spec["double"], "num_single_layers": spec["single"]}
-        else:
-            config = REDUCED_SDXL_UNET if spec["model"] == "sdxl-reduced" else SDXL_UNET
-        return build_published(config, "cpu")
+        return build_published(config_of(spec)[1], "cpu")
     finally:
         torch.set_default_dtype(torch.float32)
 
 
-def make_inputs(spec: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
-    """Random conditioning shaped as stk.train.objectives feeds each family, and a target for the MSE loss."""
-    g = torch.Generator().manual_seed(1)
-    side, res = spec["resolution"] // 8, spec["resolution"]
+def make_inputs(spec: dict[str, Any]) -> StepInputs:
+    """Random latents and conditioning shaped as stk-train feeds the family, at the spec's resolution and tokens."""
+    name, config = config_of(spec)
+    tokens = spec.get("text_tokens", denoiser_of(name).text_tokens)
+    return step_inputs(name, config, spec["resolution"], tokens, torch.bfloat16)
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(torch.bfloat16)
 
-    if spec["model"] == "flux":
-        half, text = side // 2, spec["text_tokens"]
-        ids = torch.zeros(half, half, 3)
-        ids[..., 1], ids[..., 2] = torch.arange(half)[:, None], torch.arange(half)[None, :]
-        inputs: dict[str, Any] = {
-            "hidden_states": randn(1, half * half, FLUX_DEV["in_channels"]),
-            "encoder_hidden_states": randn(1, text, FLUX_DEV["joint_attention_dim"]),
-            "pooled_projections": randn(1, FLUX_DEV["pooled_projection_dim"]),
-            "timestep": torch.full((1,), 0.5, dtype=torch.bfloat16),
-            "guidance": torch.full((1,), 3.5, dtype=torch.bfloat16),
-            "txt_ids": torch.zeros(text, 3, dtype=torch.bfloat16),
-            "img_ids": ids.reshape(-1, 3).to(torch.bfloat16),
-        }
-        return inputs, randn(1, half * half, FLUX_DEV["in_channels"])
-    inputs = {
-        "sample": randn(1, 4, side, side),
-        "timestep": torch.full((1,), 500),
-        "encoder_hidden_states": randn(1, SDXL_TEXT_TOKENS, SDXL_UNET["cross_attention_dim"]),
-        "added_cond_kwargs": {
-            "text_embeds": randn(1, 1280),
-            "time_ids": torch.tensor([[res, res, 0, 0, res, res]], dtype=torch.bfloat16),
-        },
-    }
-    return inputs, randn(1, 4, side, side)
+def train_step(spec: dict[str, Any], model: torch.nn.Module, inputs: StepInputs) -> None:
+    """Forward through the family's denoise and backward of the MSE, as stk's objective does."""
+    prediction, target = training_forward(config_of(spec)[0], model, inputs)
+    F.mse_loss(prediction.float(), target.float()).backward()
 
 
 def _drop_grad(param: torch.Tensor) -> None:
@@ -163,15 +166,13 @@ def time_checkpointing(spec: dict[str, Any]) -> dict[str, Any]:
     model: Any = build_model(spec)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(_drop_grad)
-    inputs, target = make_inputs(spec)
+    inputs = make_inputs(spec)
     times: dict[bool, list[float]] = {False: [], True: []}
     for round_ in range(1 + spec["steps"]):
         for ckpt in (False, True):
             model.enable_gradient_checkpointing() if ckpt else model.disable_gradient_checkpointing()
             started = time.perf_counter()
-            out = model(**inputs, return_dict=False)[0]
-            F.mse_loss(out.float(), target.float()).backward()
-            del out
+            train_step(spec, model, inputs)
             if round_:
                 times[ckpt].append(time.perf_counter() - started)
     return {"off": statistics.median(times[False]), "on": statistics.median(times[True]), "load": os.getloadavg()[0]}
@@ -187,10 +188,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec)
     layers = 0
     if spec["mode"] == "lora":
-        from stk.models import Family
         from stk.train.lora import LoraSettings, add_lora
 
-        layers = add_lora(model, LoraSettings(rank=LORA_RANK), Family(spec["model"]), seed=0)
+        layers = add_lora(model, LoraSettings(rank=LORA_RANK), PUBLISHED[config_of(spec)[0]], seed=0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if spec["mode"] == "train":
         for p in trainable:
@@ -198,17 +198,16 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     saved = SavedBytes(model)
     if spec["checkpointing"]:
         model.enable_gradient_checkpointing(saved.checkpoint)  # type: ignore[operator]
-    inputs, target = make_inputs(spec)
+    inputs = make_inputs(spec)
     gc.collect()
+    reset_peak()
     model_rss = status_bytes("VmRSS")
     if spec["mode"] == "forward":
         with torch.no_grad():
-            model(**inputs)
+            training_forward(config_of(spec)[0], model, inputs)
     else:
         with saved.recording():
-            out = model(**inputs, return_dict=False)[0]
-            F.mse_loss(out.float(), target.float()).backward()
-        del out
+            train_step(spec, model, inputs)
     result: dict[str, Any] = {
         "spec": spec,
         "params": sum(p.numel() for p in model.parameters()),

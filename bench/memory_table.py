@@ -1,5 +1,6 @@
-"""Part 3 of bench/memory.py (--table): per-GPU memory of Flux.1-dev and the SDXL UNet at 1024 px on 32 GPUs for each
-preset, from the ZeRO paper's accounting of model states and activations extrapolated from measured sizes."""
+"""Part 3 of bench/memory.py (--table): per-GPU memory of each flow family's published denoiser (Flux.1-dev first, then
+every other config bench/denoisers.py knows) and the SDXL UNet at 1024 px on 32 GPUs for each preset, from the ZeRO
+paper's accounting of model states and activations extrapolated from measured sizes."""
 
 from __future__ import annotations
 
@@ -9,24 +10,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from memory_common import (
-    FLUX_DEV,
-    GB,
-    LORA_RANK,
-    SDXL_TEXT_TOKENS,
-    SDXL_UNET,
-    Runs,
-    activation_bytes,
-    gb,
-    run_child,
-    sdxl_spec,
-)
+from denoisers import TITLES, denoiser_of, flow_configs, full_depth
+from memory_common import GB, LORA_RANK, SDXL_UNET, Runs, activation_bytes, gb, run_child, sdxl_spec
 
-from stk.models.published import build_published
+from stk.models.published import PUBLISHED, build_published, published_config
 
 # --table: the reference run
 GPUS, BATCH, RESOLUTION = 32, 8, 1024
-FLUX_TEXT_TOKENS = 512  # stk.models.families.flux.T5_MAX_LENGTH
 GPU_BYTES, HEADROOM = 80e9, 0.10  # an H100's 80 GB, 10% kept for the CUDA context, NCCL and fragmentation
 # Presets from the least overhead to the most: ZeRO-2 adds a reduce-scatter per bucket, ZeRO-3 gathers every weight
 # twice a step (three with checkpointing's recompute), and offload runs the optimizer on the host's CPUs over PCIe.
@@ -62,12 +52,11 @@ class Model:
 def counts(name: str, config: dict[str, Any], threshold: int) -> tuple[int, int, int, int, int]:
     """Parameters, LoRA rank-16 parameters, the largest parameter and the ZeRO-3-persistent ones (of the model, of
     the adapter), counted on the meta device."""
-    from stk.models import Family
     from stk.train.lora import LoraSettings, add_lora
 
     model = build_published(config)
     sizes = [p.numel() for p in model.parameters()]
-    add_lora(model, LoraSettings(rank=LORA_RANK), Family(name), seed=0)
+    add_lora(model, LoraSettings(rank=LORA_RANK), PUBLISHED[name], seed=0)
     adapter = [p.numel() for p in model.parameters() if p.requires_grad]
     small = sum(n for n in sizes if n < threshold)
     return sum(sizes), sum(adapter), max(sizes), small, sum(n for n in adapter if n < threshold)
@@ -99,24 +88,56 @@ def estimate(runs: Runs, mode: str, ckpt: bool, sizes: dict[int, float], target:
     )
 
 
-def flux_runs(args: argparse.Namespace) -> tuple[Runs, dict[int, float], list[str]]:
-    """One double and one single block at full width, at two sizes with 1024 px's 8:1 image:text token ratio."""
-    sizes = {256: 32, 128: 8} if args.quick else {512: 128, 256: 32}  # resolution -> text tokens
+@dataclass(frozen=True)
+class Measured:
+    """A transformer's runs at full width with its measured blocks, at two sizes, and what they say."""
+
+    config: str
+    runs: Runs
+    tokens: dict[int, float]  # resolution -> image + text tokens
+    lines: list[str]  # the linearity of each block kind's saved bytes
+
+    @property
+    def target(self) -> int:
+        return (RESOLUTION // 16) ** 2 + denoiser_of(self.config).text_tokens
+
+    def depth(self, saved: dict[str, int]) -> float:
+        """The full model's saved bytes from the measured one's: each scaled block list at its published count."""
+        d = denoiser_of(self.config)
+        scale = {d.blocks[key]: n / d.measured_blocks for key, n in full_depth(self.config).items()}
+        return sum(size * scale.get(kind, 1) for kind, size in saved.items())
+
+
+def transformer_runs(config: str, args: argparse.Namespace) -> Measured:
+    """The config's measured blocks at full width (bench/denoisers.py), at two sizes with 1024 px's ratio of image
+    to text tokens (FLUX.1: 256 and 512 px, 32 and 128 text tokens)."""
+    text = denoiser_of(config).text_tokens
+    sizes = (256, 128) if args.quick else (512, 256)
+    texts = {res: max(1, round(text * (res / RESOLUTION) ** 2)) for res in sizes}
     runs: Runs = {}
-    for res, text in sizes.items():
+    for res in sizes:
         for mode in ("train", "lora"):
             for ckpt in (False, True):
                 runs[(mode, ckpt, res)] = run_child(
-                    {"model": "flux", "mode": mode, "checkpointing": ckpt, "resolution": res, "text_tokens": text,
-                     "double": 1, "single": 1, "threads": args.threads})  # fmt: skip
-    tokens = {res: (res // 16) ** 2 + text for res, text in sizes.items()}
-    (big, small) = tokens
+                    {"model": config, "mode": mode, "checkpointing": ckpt, "resolution": res, "text_tokens": texts[res],
+                     "threads": args.threads})  # fmt: skip
+    tokens = {res: (res // 16) ** 2 + texts[res] for res in sizes}
+    big, small = sizes
     lines = []
-    for kind in ("double", "single"):
+    for kind in denoiser_of(config).blocks.values():
         a, b = runs[("train", False, small)]["saved"][kind], runs[("train", False, big)]["saved"][kind]
-        lines.append(f"  a {kind} block saves {a / 1e6:.1f} MB at {tokens[small]} tokens, {b / 1e6:.1f} MB at "
-                     f"{tokens[big]}: x{b / a:.2f} for x{tokens[big] / tokens[small]:.2f} tokens")  # fmt: skip
-    return runs, {res: float(x) for res, x in tokens.items()}, lines
+        lines.append(f"  {TITLES[config]}: {kind} saves {a / 1e6:.1f} MB at {tokens[small]} tokens, {b / 1e6:.1f} MB "
+                     f"at {tokens[big]}: x{b / a:.2f} for x{tokens[big] / tokens[small]:.2f} tokens")  # fmt: skip
+    return Measured(config, runs, {res: float(x) for res, x in tokens.items()}, lines)
+
+
+CONFIGS = [(mode, ckpt) for mode in ("full", "lora") for ckpt in (False, True)]
+
+
+def transformer_model(m: Measured, threshold: int) -> Model:
+    return Model(TITLES[m.config], *counts(m.config, published_config(m.config, "denoiser"), threshold), {
+        (mode, ckpt): estimate(m.runs, "train" if mode == "full" else "lora", ckpt, m.tokens, m.target, m.depth)
+        for mode, ckpt in CONFIGS})  # fmt: skip
 
 
 def zero_states(m: Model, lora: bool, ds: dict[str, Any]) -> dict[str, float]:
@@ -155,48 +176,50 @@ def part_table(args: argparse.Namespace, sdxl: Runs) -> None:
     res, half = args.resolution, args.resolution // 2
     for size, ckpt in ((res, True), (half, False), (half, True)):
         sdxl[("lora", ckpt, size)] = run_child(sdxl_spec("lora", ckpt, size, args))
-    flux, flux_tokens, flux_lines = flux_runs(args)
+    measured = [transformer_runs(config, args) for config in flow_configs()]
     sdxl_pixels = {size: float((size // 8) ** 2) for size in (res, half)}
-    flux_depth = FLUX_DEV["num_layers"], FLUX_DEV["num_single_layers"]
-    configs = [(mode, ckpt) for mode in ("full", "lora") for ckpt in (False, True)]
-    models = [
-        Model("Flux.1-dev", *counts("flux", FLUX_DEV, threshold), {(mode, ckpt): estimate(
-            flux, "train" if mode == "full" else "lora", ckpt, flux_tokens, (RESOLUTION // 16) ** 2 + FLUX_TEXT_TOKENS,
-            lambda s: s.get("other", 0) + flux_depth[0] * s["double"] + flux_depth[1] * s["single"],
-        ) for mode, ckpt in configs}),
+    models = [transformer_model(m, threshold) for m in measured] + [
         Model("SDXL UNet", *counts("sdxl", SDXL_UNET, threshold), {(mode, ckpt): estimate(
             sdxl, "train" if mode == "full" else "lora", ckpt, sdxl_pixels, (RESOLUTION // 8) ** 2,
             lambda s: sum(s.values()),
-        ) for mode, ckpt in configs}),
+        ) for mode, ckpt in CONFIGS}),
     ]  # fmt: skip
-    budget = GPU_BYTES * (1 - HEADROOM)
     print(f"\n## 3. Per-GPU memory at {RESOLUTION} px, batch {BATCH} per GPU, {GPUS} GPUs, bf16 DeepSpeed")
-    print(f"Flux: 1 double + 1 single block at full width, measured at {sorted(flux_tokens.values())} tokens "
-          f"(image + text, 8:1 as at {RESOLUTION} px), extrapolated to {(RESOLUTION // 16) ** 2} + {FLUX_TEXT_TOKENS} "
-          f"tokens and to {flux_depth[0]} double + {flux_depth[1]} single blocks; linearity:")  # fmt: skip
-    for line in flux_lines:
-        print(line)
+    for m in measured:
+        blocks = ", ".join(f"{n} {denoiser_of(m.config).blocks[key]}" for key, n in full_depth(m.config).items())
+        print(f"{TITLES[m.config]}: {denoiser_of(m.config).measured_blocks} block(s) of each list at full width, "
+              f"measured at {sorted(m.tokens.values())} tokens (image + text, as at {RESOLUTION} px), extrapolated "
+              f"to {(RESOLUTION // 16) ** 2} + {denoiser_of(m.config).text_tokens} tokens and to {blocks}")  # fmt: skip
+    print("linearity:")
+    for m in measured:
+        for line in m.lines:
+            print(line)
     saved = {size: gb(sum(sdxl[("train", False, size)]["saved"].values())) for size in (half, res)}
     print(f"SDXL: the whole UNet at {half} and {res} px, extrapolated in latent pixels to {RESOLUTION // 8}x"
           f"{RESOLUTION // 8}; saved at {half} px {saved[half]}, at {res} px {saved[res]} (x4 pixels, the "
-          f"{SDXL_TEXT_TOKENS} text tokens fixed)")  # fmt: skip
+          f"{denoiser_of('sdxl').text_tokens} text tokens fixed)")  # fmt: skip
     print(f"attention: the CPU's SDPA records {sdpa_backward()} (saves q, k, v, output, logsumexp: linear in tokens, "
           "as flash/memory-efficient SDPA on a GPU)")  # fmt: skip
     print("activations per GPU = batch x (saved + recompute + working) + fixed; per sample at 1024 px:")
     for m in models:
         for (mode, ckpt), a in m.activations.items():
-            print(f"  {m.name:<11}{mode:<5}ckpt {'on ' if ckpt else 'off'}: saved {gb(a.saved)}, recompute "
+            print(f"  {m.name:<13}{mode:<5}ckpt {'on ' if ckpt else 'off'}: saved {gb(a.saved)}, recompute "
                   f"{gb(a.recompute)}, working {gb(a.working)}; fixed {gb(a.fixed)} per step -> {gb(a.at(BATCH))} "
                   f"at batch {BATCH}")  # fmt: skip
-    print(f"{models[0].name}: {models[0].params:,} parameters; {models[1].name}: {models[1].params:,}; LoRA rank "
-          f"{LORA_RANK}: {models[0].lora:,} and {models[1].lora:,}")  # fmt: skip
+    print(f"parameters (LoRA rank {LORA_RANK}): " + "; ".join(f"{m.name} {m.params:,} ({m.lora:,})" for m in models))
+    print_table(models, presets)
+
+
+def print_table(models: list[Model], presets: dict[str, Any]) -> None:
+    """The table, the lowest-overhead preset that fits each model and mode, and offload's host memory."""
+    budget = GPU_BYTES * (1 - HEADROOM)
     print(f"fits: total <= {budget / GB:.0f} GB ({GPU_BYTES / GB:.0f} GB less {HEADROOM * 100:.0f}% for the CUDA "
           "context, NCCL and fragmentation). GB = 10^9 bytes.\n")  # fmt: skip
     print("| model | mode | ckpt | preset | weights | grads | optimizer | buffers | activations | total | fits |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|")
     best: dict[tuple[str, str, bool], str] = {}
     for m in models:
-        for mode, ckpt in configs:
+        for mode, ckpt in CONFIGS:
             for preset in PRESETS:
                 states = zero_states(m, mode == "lora", presets[preset])
                 act = m.activations[(mode, ckpt)].at(BATCH)
