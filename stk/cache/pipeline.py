@@ -174,13 +174,15 @@ def _check_alignment(opts: CacheOptions, buckets: dict[str, Any]) -> None:
 
 
 def _check_inputs(opts: CacheOptions) -> ScanTable:
-    """What needs no model, checked before one loads (minutes with FLUX): the scan table and its
+    """What needs no model weights, checked before they load (minutes with FLUX): the scan table and its
     buckets readable, the cache location writable (on S3: the bucket there, the endpoint S3), its
-    manifest readable. Returns the scan table."""
+    manifest readable, and then, from the model's configs, its family able to train the buckets. Returns the
+    scan table."""
     scan = read_scan(opts.scan_dir)
-    _check_alignment(opts, read_buckets(opts.scan_dir))
+    buckets = read_buckets(opts.scan_dir)
     storage.check_writable(opts.cache)
     Manifest.load(opts.cache)
+    _check_alignment(opts, buckets)
     return scan
 
 
