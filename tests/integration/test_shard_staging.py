@@ -48,7 +48,8 @@ def test_killed_s3_build_leaves_staging_files_that_the_next_run_removes(
     proc = kill_cache_ranks_when(cache_command(args, mpi=2), env, both_mid_shard, "no shard open on both ranks", (0, 1))
     assert proc.returncode != 0
     left = staged(work)
-    assert {p.parent.name for p in left} == {"rank00000", "rank00001"}, left
+    # both ranks had a shard open when the kill was sent; one may have closed it before the signal landed
+    assert left and {p.parent.name for p in left} <= {"rank00000", "rank00001"}, left
 
     started = time.monotonic()
     rerun = subprocess.run(cache_command(args, mpi=2), capture_output=True, text=True, env=env, timeout=300)
