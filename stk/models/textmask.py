@@ -8,12 +8,13 @@ with, and nothing outside the family has to know it is there.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TEXT_MASK", "text_mask"]
+__all__ = ["TEXT_MASK", "masked_prompts", "text_mask"]
 
 TEXT_MASK = "text_mask"
 
@@ -21,3 +22,12 @@ TEXT_MASK = "text_mask"
 def text_mask(text: dict[str, torch.Tensor]) -> torch.Tensor:
     """(B, L) bool attention mask of a batch's text sequences, from its TEXT_MASK."""
     return text[TEXT_MASK][..., 0] > 0.5
+
+
+def masked_prompts(embeddings: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """For a sample image's embeddings (the prompt's, and the negative prompt's prefixed `negative_` when there is
+    one): each one's prefix, its (B, L, D) prompt_embeds and their (B, L) bool mask."""
+    for prefix in ("", "negative_"):
+        if f"{prefix}prompt_embeds" in embeddings:
+            mask = text_mask({TEXT_MASK: embeddings[f"{prefix}{TEXT_MASK}"]})
+            yield prefix, embeddings[f"{prefix}prompt_embeds"], mask

@@ -35,7 +35,7 @@ from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
-from stk.models.textmask import TEXT_MASK, text_mask
+from stk.models.textmask import TEXT_MASK, masked_prompts, text_mask
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
@@ -102,12 +102,7 @@ def _denoise(
 
 def _sample_inputs(embeddings: dict[str, torch.Tensor]) -> dict[str, Any]:
     """ZImagePipeline takes prompt_embeds and negative_prompt_embeds as lists of each prompt's real tokens."""
-    out: dict[str, Any] = {}
-    for prefix in ("", "negative_"):
-        if f"{prefix}prompt_embeds" in embeddings:
-            mask = text_mask({TEXT_MASK: embeddings[f"{prefix}{TEXT_MASK}"]})
-            out[f"{prefix}prompt_embeds"] = _captions(embeddings[f"{prefix}prompt_embeds"], mask)
-    return out
+    return {f"{prefix}prompt_embeds": _captions(embeds, mask) for prefix, embeds, mask in masked_prompts(embeddings)}
 
 
 def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
