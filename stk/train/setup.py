@@ -168,8 +168,9 @@ def _load_model(
         encoders = world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
     engine = build_engine(denoiser, opts, config, precision, total_steps)
     empty = embeddings.get(EMPTY_CAPTION) if opts.loss.caption_dropout else None
+    norm = plan.norm or encoders.norm  # a cache records its normalisation; else the VAE just loaded has it
     return StepModel(
-        objective, engine, encoders, device, dtype, plan.norm, empty,
+        objective, engine, encoders, device, dtype, norm, empty,
         opts.loss.caption_dropout,
     )  # fmt: skip
 
