@@ -26,6 +26,7 @@ from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 
+from stk.models.base import Encoders
 from stk.models.latents import LatentNorm
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ __all__ = [
     "MAX_SEQUENCE_LENGTH",
     "PATCH",
     "VAE_CLASS",
-    "batch_norm_latents",
+    "Flux2Encoders",
     "denoise",
     "pack",
     "patchify",
@@ -50,20 +51,22 @@ PATCH = 2  # the pipelines' _patchify_latents folds 2x2 latent patches into chan
 MAX_SEQUENCE_LENGTH = 512  # the pipelines' default max_sequence_length
 VAE_CLASS = AutoencoderKLFlux2
 
-# The examples' default target_modules: the double blocks' attention projections (`to_q/k/v`, `to_out.0`) and the
-# single blocks' fused input projection (`to_qkv_mlp_proj`). The examples also list each single block's `attn.to_out`
-# by index (`single_transformer_blocks.{i}.attn.to_out`, i < 48 for dev, < 24 for klein); a default here must name
-# layers at any depth, and `attn.to_out` alone would also name the double blocks' `to_out` list, which peft cannot
-# adapt: `--lora-targets` adds them by index on request.
-LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj")
+# The examples' default target_modules: the double blocks' attention projections (`to_q/k/v`, `to_out.0`), the single
+# blocks' fused input projection (`to_qkv_mlp_proj`) and their output projection, which the examples list by index
+# (`single_transformer_blocks.{i}.attn.to_out`, i < 48 for dev, < 24 for klein). `attn.to_out` names those at any
+# depth: in the double blocks it is a list, which stk.train.lora.add_lora leaves out.
+LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj", "attn.to_out")
 
 
-def batch_norm_latents(vae: Any) -> LatentNorm:
-    """The VAE's latent normalisation: its batch norm's running statistics over 2x2 patches, as the example computes
-    `latents_bn_mean` and `latents_bn_std`."""
-    mean = vae.bn.running_mean.detach().float().cpu()
-    std = torch.sqrt(vae.bn.running_var.detach().float().cpu() + vae.config.batch_norm_eps)
-    return LatentNorm(mean=tuple(mean.tolist()), std=tuple(std.tolist()), patch=PATCH)
+class Flux2Encoders(Encoders):
+    """What the FLUX.2 families' encoders share: the VAE's normalisation, its batch norm's running statistics over
+    2x2 patches, as the example computes `latents_bn_mean` and `latents_bn_std`."""
+
+    def _latent_norm(self) -> LatentNorm:
+        bn = self.vae.bn
+        mean = bn.running_mean.detach().float().cpu()
+        std = torch.sqrt(bn.running_var.detach().float().cpu() + self.vae.config.batch_norm_eps)
+        return LatentNorm(mean=tuple(mean.tolist()), std=tuple(std.tolist()), patch=PATCH)
 
 
 def patchify(latents: torch.Tensor) -> torch.Tensor:

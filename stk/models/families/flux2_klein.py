@@ -27,19 +27,17 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from stk.models import tinyparts as tiny
-from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families import flux2
 from stk.models.families.registry import Family
 from stk.models.families.spec import FamilySpec, Sampling
-from stk.models.latents import LatentNorm
 
 __all__ = ["HIDDEN_STATES_LAYERS", "SPEC", "Flux2KleinEncoders"]
 
 HIDDEN_STATES_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's default text_encoder_out_layers
 
 
-class Flux2KleinEncoders(Encoders):
+class Flux2KleinEncoders(flux2.Flux2Encoders):
     family = Family.FLUX2_KLEIN
     text_outputs = ("prompt_embeds",)
 
@@ -49,9 +47,6 @@ class Flux2KleinEncoders(Encoders):
             model, "", Qwen2Tokenizer, Qwen3Model, device, dtype, max_length=flux2.MAX_SEQUENCE_LENGTH
         )
         return cls(model, load_vae(model, device, dtype, flux2.VAE_CLASS), (qwen,))
-
-    def _latent_norm(self) -> LatentNorm:
-        return flux2.batch_norm_latents(self.vae)
 
     def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         (qwen,) = self.text
