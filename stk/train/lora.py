@@ -128,7 +128,7 @@ def add_lora(denoiser: Any, settings: LoraSettings, family: Family, seed: int) -
     from peft.tuners.tuners_utils import check_target_module_exists
 
     config = settings.config(family)
-    config.target_modules = {name for name in _adaptable(denoiser) if check_target_module_exists(config, name)}
+    config.target_modules = [name for name in _adaptable(denoiser) if check_target_module_exists(config, name)]
     denoiser.requires_grad_(False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -47,12 +47,13 @@ SEQUENCE_TOKENIZERS = {
     Family.ZIMAGE: ["tokenizer"],  # the caption in the tokenizer's chat template
     Family.FLUX2_KLEIN: ["tokenizer"],
 }
-# positions kept beside the counted tokens: SD3's 77 CLIP positions before T5's, Chroma's one padding token after
-KEPT = {Family.SD3: 77, Family.CHROMA: 1}
+# positions kept beside the counted tokens: SD3's 77 CLIP positions before T5's, Chroma's one padding token after,
+# FLUX.2-klein's empty thinking block (the chat with thinking disabled) after
+KEPT = {Family.SD3: 77, Family.CHROMA: 1, Family.FLUX2_KLEIN: 15}
 # the tokens of CAPTIONS[2]: CLIP stops at 77, T5 does not (SD3.5 keeps CLIP's 77 before, Chroma one padding token
-# after), Z-Image's chat template adds 18
+# after), Z-Image's chat template adds 18, FLUX.2-klein's 18 + 15
 LONG_CAPTION_TOKENS = {Family.SD: 77, Family.SDXL: 77, Family.FLUX: 102, Family.SD3: 77 + 102, Family.CHROMA: 103,
-                       Family.ZIMAGE: 119}  # fmt: skip
+                       Family.ZIMAGE: 119, Family.FLUX2_KLEIN: 134}  # fmt: skip
 DENOISERS = {
     Family.SD: "UNet2DConditionModel",
     Family.SDXL: "UNet2DConditionModel",

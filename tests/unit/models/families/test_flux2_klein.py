@@ -15,6 +15,8 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
 from PIL import Image
 from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
@@ -24,6 +26,7 @@ from stk.models.families import spec_for
 from stk.prompts import EMPTY_CAPTION
 from stk.train.batch import StepInputs, collate_text
 from stk.train.embeddings import embed_captions
+from stk.train.lora import LoraSettings, add_lora
 from stk.train.objectives import objective_for
 from stk.train.render import ValidationRenderer
 from stk.train.validation import ValidationPlan
@@ -115,6 +118,23 @@ def test_one_step_is_train_dreambooth_lora_flux2_klein(model: str) -> None:
     assert_matches_reference(objective, objective.load_denoiser(torch.float32), reference, inputs)
 
 
+def test_the_default_lora_targets_are_the_examples_layers(model: str) -> None:
+    """The example's target_modules list the single blocks' `attn.to_out` by index (up to 24); stk's `attn.to_out`
+    adapts the same layers at any depth (not the double blocks' list of that name)."""
+    objective = objective_for(Family.FLUX2_KLEIN, model)
+    ours = objective.load_denoiser(torch.float32)
+    add_lora(ours, LoraSettings(rank=4), Family.FLUX2_KLEIN, seed=0)
+    target_modules = ["to_k", "to_q", "to_v", "to_out.0"] + [  # noqa: RUF005 (the example's lines)
+        "to_qkv_mlp_proj",
+        *[f"single_transformer_blocks.{i}.attn.to_out" for i in range(24)],
+    ]
+    theirs = objective.load_denoiser(torch.float32)
+    theirs.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=target_modules))
+    adapted = [{n for n, m in d.named_modules() if isinstance(m, LoraLayer)} for d in (ours, theirs)]
+    assert adapted[0] == adapted[1]
+    assert any(n.startswith("single_transformer_blocks.") and n.endswith("attn.to_out") for n in adapted[0])
+
+
 def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
     trained = saved_lora(Family.FLUX2_KLEIN, model, tmp_path)
     g = torch.Generator().manual_seed(2)
@@ -146,7 +166,7 @@ def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> Non
 
     pipe = Flux2KleinPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
-    own = pipe(prompt, num_inference_steps=2, guidance_scale=4.0, width=64, height=48,
+    own = pipe(prompt=prompt, num_inference_steps=2, guidance_scale=4.0, width=64, height=48,
                generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
     assert image.shape == (48, 64, 3) and image.std() > 0
     assert np.abs(image - np.asarray(own, dtype=np.int16)).max() <= 1
