@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
 from stk.models.components import TextEncoder, vae_config
 from stk.models.families.registry import Family
@@ -40,7 +39,7 @@ class Encoders(abc.ABC):
     text_outputs: ClassVar[tuple[str, ...]]  # names of the arrays in each TextEmbedding; TEXT_MASK: padding masked
 
     model: str  # local directory or hub id
-    vae: AutoencoderKL = field(repr=False)
+    vae: Any = field(repr=False)  # the family's VAE (FamilySpec.vae_class), a diffusers AutoencoderKL or alike
     text: tuple[TextEncoder, ...] = field(repr=False)
     device: torch.device = field(init=False)
     dtype: torch.dtype = field(init=False)
@@ -51,8 +50,12 @@ class Encoders(abc.ABC):
         config = self.vae.config
         self.device = self.vae.device
         self.dtype = self.vae.dtype
-        self.norm = LatentNorm.from_vae_config(config)
+        self.norm = self._latent_norm()
         self.latent_channels = int(config["latent_channels"])
+
+    def _latent_norm(self) -> LatentNorm:
+        """The normalisation the VAE's config declares; a family whose VAE keeps it elsewhere says where."""
+        return LatentNorm.from_vae_config(self.vae.config)
 
     @classmethod
     @abc.abstractmethod

@@ -65,12 +65,13 @@ def _frozen(module: M, device: torch.device) -> M:
     return module
 
 
-def load_vae(model: str, device: torch.device, dtype: torch.dtype) -> AutoencoderKL:
-    vae = load_component(AutoencoderKL.from_pretrained, model, "vae", dtype=dtype)
+def load_vae(model: str, device: torch.device, dtype: torch.dtype, vae_class: type[Any] = AutoencoderKL) -> Any:
+    """The pipeline's `vae/`, of the family's class (FamilySpec.vae_class)."""
+    vae = load_component(vae_class.from_pretrained, model, "vae", dtype=dtype)
     return _frozen(vae, device)
 
 
-def vae_config(vae: AutoencoderKL) -> dict[str, Any]:
+def vae_config(vae: Any) -> dict[str, Any]:
     """Identifies the latents: the encoder half's weights only (a decoder-only fine-tune, like SD's ft-MSE VAE,
     makes the same latents)."""
     encoder_half = [m for m in (vae.encoder, vae.quant_conv) if m is not None]
@@ -79,7 +80,7 @@ def vae_config(vae: AutoencoderKL) -> dict[str, Any]:
         "config_sha256": config_digest(dict(vae.config)),
         "weights_sample_sha256": weights_digest(encoder_half),
         "latent_channels": vae.config["latent_channels"],
-        "scaling_factor": vae.config["scaling_factor"],
+        "scaling_factor": vae.config.get("scaling_factor"),  # none where the VAE keeps its statistics elsewhere
         "shift_factor": vae.config.get("shift_factor"),
     }
 

@@ -121,13 +121,18 @@ def check_targets(settings: LoraSettings, objective: Objective) -> None:
 
 def add_lora(denoiser: Any, settings: LoraSettings, family: Family, seed: int) -> int:
     """Freeze the denoiser and add the adapter, initialised from `seed` so that every rank starts from the same
-    weights whatever its random state; returns the number of layers adapted."""
+    weights whatever its random state; returns the number of layers adapted. A target names the linear and
+    convolution layers it ends (as `check_targets` reads it), never a list that holds some: one name can be a layer
+    in one kind of block and a list in another, which peft would refuse."""
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import check_target_module_exists
 
+    config = settings.config(family)
+    config.target_modules = [name for name in _adaptable(denoiser) if check_target_module_exists(config, name)]
     denoiser.requires_grad_(False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        denoiser.add_adapter(settings.config(family))
+        denoiser.add_adapter(config)
     return sum(isinstance(layer, LoraLayer) for layer in denoiser.modules())
 
 

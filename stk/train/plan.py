@@ -11,7 +11,7 @@ from stk.models import Family, detect_family
 from stk.models.alignment import check_aligned
 from stk.models.families import spec_for
 from stk.models.latents import LatentNorm
-from stk.models.model_json import read_model_json, vae_scale_factor
+from stk.models.model_json import vae_scale_factor
 from stk.shards.jobs import expected_jobs
 from stk.train.data import CacheData, ImageData, TrainData
 from stk.train.options import TrainOptions
@@ -30,7 +30,7 @@ class TrainPlan:
     data: TrainData
     buckets: dict[BucketShape, list[str]]  # latent (h, w) -> keys
     repeats: dict[BucketShape, int]
-    norm: LatentNorm
+    norm: LatentNorm | None  # None with --vae-on-the-fly: the VAE's own, once it loads (Encoders.norm)
     vae_scale_factor: int
 
 
@@ -55,12 +55,11 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
     return TrainPlan(family, data, buckets, repeats, norm, factor)
 
 
-def _from_images(opts: TrainOptions, factor: int) -> tuple[TrainData, dict[BucketShape, list[str]], LatentNorm]:
+def _from_images(opts: TrainOptions, factor: int) -> tuple[TrainData, dict[BucketShape, list[str]], None]:
     if not opts.scan:
         raise InputError("--vae-on-the-fly trains from the scan table and its images: give --scan")
-    norm = LatentNorm.from_vae_config(read_model_json(opts.model, "vae/config.json"))
     data = ImageData(opts.scan, factor, seed=opts.seed)
-    return data, data.buckets(), norm
+    return data, data.buckets(), None
 
 
 def _from_cache(opts: TrainOptions, family: Family) -> tuple[TrainData, dict[BucketShape, list[str]], LatentNorm]:

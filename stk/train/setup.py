@@ -161,15 +161,17 @@ def _load_model(
     denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype, world, zero3))
     setting.trainable.add(denoiser, objective, opts.seed)
     denoiser = denoiser.to(device)
-    encoders = None
+    encoders, norm = None, plan.norm  # a cache's recorded normalisation
     if opts.vae_on_the_fly:
         from stk.models import load_encoders
 
         encoders = world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
+        norm = encoders.norm  # the VAE's own
+    assert norm is not None
     engine = build_engine(denoiser, opts, config, precision, total_steps)
     empty = embeddings.get(EMPTY_CAPTION) if opts.loss.caption_dropout else None
     return StepModel(
-        objective, engine, encoders, device, dtype, plan.norm, empty,
+        objective, engine, encoders, device, dtype, norm, empty,
         opts.loss.caption_dropout,
     )  # fmt: skip
 

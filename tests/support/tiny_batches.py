@@ -19,8 +19,10 @@ TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
     Family.SD3: {"prompt_embeds": (77 + 16, 160), "pooled_prompt_embeds": (128,)},
     Family.CHROMA: {"prompt_embeds": (16, 48), TEXT_MASK: (16, 1)},
     Family.ZIMAGE: {"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)},
+    Family.FLUX2_KLEIN: {"prompt_embeds": (16, 48)},  # three layers of Qwen3's 16
 }
-CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16}
+CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16,
+            Family.FLUX2_KLEIN: 8}  # fmt: skip
 
 
 def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, seed: int = 0) -> StepInputs:

@@ -17,6 +17,7 @@ class Family(str, enum.Enum):
     SD3 = "sd3"  # Stable Diffusion 3.5 Large and Medium
     CHROMA = "chroma"  # Chroma1 (lodestones)
     ZIMAGE = "zimage"  # Z-Image
+    FLUX2_KLEIN = "flux2_klein"  # FLUX.2-klein 4B and 9B (what it shares with FLUX.2-dev: flux2.py)
 
 
 DEMO_FAMILY = Family.SDXL  # the one the demo trains unless told otherwise

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL  # deep import: mypy sees the real class
 
 if TYPE_CHECKING:
     from stk.models.base import Encoders
@@ -85,6 +86,7 @@ class FamilySpec:
     patch_size: int = 1  # latent patches per side that the denoiser takes as one token
     pack: Callable[[torch.Tensor], torch.Tensor] = unpacked  # a (B, C, h, w) target in the prediction's layout
     sample_inputs: SampleInputs = as_given  # how the pipeline takes embeddings for the sample images
+    vae_class: type[Any] = AutoencoderKL  # the diffusers class of the pipeline's vae/
     # flow families: the loss compares noisy - sigma * prediction with the clean latents (EDM's preconditioning, the
     # velocity MSE weighted by sigma^2), as diffusers' SD3 examples do by default (--precondition_outputs 1)
     precondition_outputs: bool = False

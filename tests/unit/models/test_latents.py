@@ -1,9 +1,10 @@
-"""stk.models.latents: the latent normaliser, scalar and per channel."""
+"""stk.models.latents: the latent normaliser, scalar, per channel, and per channel of 2x2 patches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 
 from stk.models.latents import LatentNorm
 
@@ -30,3 +31,22 @@ def test_latent_norm_scalar_and_per_channel() -> None:
         channels.normalize(sample[0])
     with pytest.raises(ValueError, match="a scaling_factor, or a mean and std"):
         LatentNorm(scaling_factor=0.5, mean=(0.0,), std=(1.0,))
+
+
+def test_latent_norm_per_channel_of_patches_is_patchify_normalise_unpatchify() -> None:
+    """Statistics of 2x2 patches folded into channels (FLUX.2's VAE): each position normalised by its patch channel's
+    values, as diffusers' pipelines patchify, normalise per channel and unpatchify; the layout stays (B, C, h, w)."""
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, 3, 4, 6, generator=g)
+    mean, std = torch.randn(12, generator=g), torch.rand(12, generator=g) + 0.5
+    norm = LatentNorm(mean=tuple(mean.tolist()), std=tuple(std.tolist()), patch=2)
+    patched = Flux2KleinPipeline._patchify_latents(sample)
+    want = Flux2KleinPipeline._unpatchify_latents((patched - mean.view(1, 12, 1, 1)) / std.view(1, 12, 1, 1))
+    torch.testing.assert_close(norm.normalize(sample), want)
+    assert LatentNorm.from_vae_config(norm.to_json()) == norm and norm.to_json()["latents_patch_size"] == 2
+    with pytest.raises(ValueError, match="12 per-channel values of 2x2 patches do not fit latents shaped"):
+        norm.normalize(sample[:, :, :3])
+    with pytest.raises(ValueError, match="12 per-channel values of 2x2 patches do not fit latents shaped"):
+        norm.normalize(torch.randn(2, 12, 4, 6))
+    with pytest.raises(ValueError, match="a positive size, of per-channel statistics"):
+        LatentNorm(scaling_factor=0.5, patch=2)

@@ -14,7 +14,7 @@ import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKL, DiffusionPipeline
+from diffusers import DiffusionPipeline
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer
 
@@ -24,7 +24,8 @@ from stk.models.families import spec_for
 from stk.models.textmask import TEXT_MASK
 
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting!", "the " * 100 + "cat"]  # the last overflows CLIP's 77
-LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16}
+LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16,
+                   Family.FLUX2_KLEIN: 8}  # fmt: skip
 # name -> shape per caption; widths follow tiny.py (SDXL 32 + 64, Flux T5 48 and CLIP 32, SD3.5 160 = T5's width,
 # Z-Image Qwen3 32); with a TEXT_MASK the sequences hold each caption's kept tokens only
 TEXT_SHAPES = {
@@ -34,6 +35,7 @@ TEXT_SHAPES = {
     Family.SD3: {"prompt_embeds": (77 + 256, 160), "pooled_prompt_embeds": (128,)},  # CLIPs' 77, then T5's 256
     Family.CHROMA: {"prompt_embeds": (512, 48), TEXT_MASK: (512, 1)},
     Family.ZIMAGE: {"prompt_embeds": (512, 32), TEXT_MASK: (512, 1)},
+    Family.FLUX2_KLEIN: {"prompt_embeds": (512, 48)},  # three layers of Qwen3's 16, the padding kept
 }
 # the tokenizers whose attention masks count the real tokens of the longest sequence
 SEQUENCE_TOKENIZERS = {
@@ -43,13 +45,15 @@ SEQUENCE_TOKENIZERS = {
     Family.SD3: ["tokenizer_3"],
     Family.CHROMA: ["tokenizer"],
     Family.ZIMAGE: ["tokenizer"],  # the caption in the tokenizer's chat template
+    Family.FLUX2_KLEIN: ["tokenizer"],
 }
-# positions kept beside the counted tokens: SD3's 77 CLIP positions before T5's, Chroma's one padding token after
-KEPT = {Family.SD3: 77, Family.CHROMA: 1}
+# positions kept beside the counted tokens: SD3's 77 CLIP positions before T5's, Chroma's one padding token after,
+# FLUX.2-klein's empty thinking block (the chat with thinking disabled) after
+KEPT = {Family.SD3: 77, Family.CHROMA: 1, Family.FLUX2_KLEIN: 15}
 # the tokens of CAPTIONS[2]: CLIP stops at 77, T5 does not (SD3.5 keeps CLIP's 77 before, Chroma one padding token
-# after), Z-Image's chat template adds 18
+# after), Z-Image's chat template adds 18, FLUX.2-klein's 18 + 15
 LONG_CAPTION_TOKENS = {Family.SD: 77, Family.SDXL: 77, Family.FLUX: 102, Family.SD3: 77 + 102, Family.CHROMA: 103,
-                       Family.ZIMAGE: 119}  # fmt: skip
+                       Family.ZIMAGE: 119, Family.FLUX2_KLEIN: 134}  # fmt: skip
 DENOISERS = {
     Family.SD: "UNet2DConditionModel",
     Family.SDXL: "UNet2DConditionModel",
@@ -57,6 +61,7 @@ DENOISERS = {
     Family.SD3: "SD3Transformer2DModel",
     Family.CHROMA: "ChromaTransformer2DModel",
     Family.ZIMAGE: "ZImageTransformer2DModel",
+    Family.FLUX2_KLEIN: "Flux2Transformer2DModel",
 }
 
 families = pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)
@@ -114,7 +119,8 @@ def test_encode_images_is_the_vae_distribution(
     assert mean.shape == logvar.shape == (2, LATENT_CHANNELS[family], 8, 8)
     assert mean.dtype == logvar.dtype == torch.float32 and mean.device.type == "cpu"
     with torch.no_grad():
-        expected = AutoencoderKL.from_pretrained(tiny(family), subfolder="vae").encode(pixels).latent_dist
+        vae = spec_for(family).vae_class.from_pretrained(tiny(family), subfolder="vae")
+        expected = vae.encode(pixels).latent_dist
     torch.testing.assert_close(mean, expected.mean)  # unscaled, unshifted
     torch.testing.assert_close(logvar, expected.logvar)
 
