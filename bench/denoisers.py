@@ -54,13 +54,17 @@ DENOISERS: dict[str, Denoiser] = {
     # Z-Image stores each caption's real tokens (up to 512): 128 is a caption of ~90 words in Qwen3's chat template
     "zimage": Denoiser({"n_layers": "layers"}, 128, {"prompt_embeds": "cap_feat_dim", TEXT_MASK: 1}),
     # FLUX.2 keeps all 512 positions, padding included
-    "flux2_klein": Denoiser(FLUX_BLOCKS, flux2.MAX_SEQUENCE_LENGTH, {"prompt_embeds": "joint_attention_dim"}),
+    "flux2-klein": Denoiser(FLUX_BLOCKS, flux2.MAX_SEQUENCE_LENGTH, {"prompt_embeds": "joint_attention_dim"}),
+    # Qwen-Image stores each caption's real tokens (up to 1024), Z-Image's 128 likewise
+    "qwenimage": Denoiser(
+        {"num_layers": "transformer_blocks"}, 128, {"prompt_embeds": "joint_attention_dim", TEXT_MASK: 1}
+    ),
 }  # fmt: skip
 
 # config -> how tables name it
 TITLES = {"sdxl": "SDXL UNet", "flux-dev": "Flux.1-dev", "sd35-large": "SD3.5 Large", "sd35-medium": "SD3.5 Medium",
           "chroma1": "Chroma1", "zimage": "Z-Image", "flux2-klein-4b": "FLUX.2-klein 4B",
-          "flux2-klein-9b": "FLUX.2-klein 9B"}  # fmt: skip
+          "flux2-klein-9b": "FLUX.2-klein 9B", "qwen-image": "Qwen-Image"}  # fmt: skip
 
 
 def denoiser_of(config: str) -> Denoiser:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from stk.models.components import TextEncoder, vae_config
+from stk.models.components import TextEncoder, latent_channels, vae_config
 from stk.models.families.registry import Family
 from stk.models.latents import LatentNorm
 from stk.models.textmask import TEXT_MASK
@@ -37,6 +37,9 @@ class Encoders(abc.ABC):
 
     family: ClassVar[Family]
     text_outputs: ClassVar[tuple[str, ...]]  # names of the arrays in each TextEmbedding; TEXT_MASK: padding masked
+    # the VAE encodes videos (B, C, T, H, W): an image goes in as one frame, and its latents come out without the
+    # frame axis, (B, C, h, w) like every other family's, so what the cache stores and the trainer reads is the same
+    vae_frames: ClassVar[bool] = False
 
     model: str  # local directory or hub id
     vae: Any = field(repr=False)  # the family's VAE (FamilySpec.vae_class), a diffusers AutoencoderKL or alike
@@ -51,7 +54,7 @@ class Encoders(abc.ABC):
         self.device = self.vae.device
         self.dtype = self.vae.dtype
         self.norm = self._latent_norm()
-        self.latent_channels = int(config["latent_channels"])
+        self.latent_channels = latent_channels(config)
 
     def _latent_norm(self) -> LatentNorm:
         """The normalisation the VAE's config declares; a family whose VAE keeps it elsewhere says where."""
@@ -70,9 +73,11 @@ class Encoders(abc.ABC):
         unshifted, float32 on the CPU. Both, not a sample, so the trainer can draw a fresh sample every epoch."""
         if pixels.ndim != 4 or pixels.shape[1] != 3:
             raise ValueError(f"expected pixels shaped (B, 3, H, W), got {tuple(pixels.shape)}")
+        frames = pixels.unsqueeze(2) if self.vae_frames else pixels
         with torch.inference_mode():
-            dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
-            return dist.mean.float().cpu().contiguous(), dist.logvar.float().cpu().contiguous()
+            dist = self.vae.encode(frames.to(self.device, self.dtype)).latent_dist
+            mean, logvar = (dist.mean[:, :, 0], dist.logvar[:, :, 0]) if self.vae_frames else (dist.mean, dist.logvar)
+            return mean.float().cpu().contiguous(), logvar.float().cpu().contiguous()
 
     def encode_text(self, captions: list[str]) -> list[TextEmbedding]:
         """One embedding per caption, in order; the captions are encoded as one batch. Where the pipeline masks
@@ -99,7 +104,7 @@ class Encoders(abc.ABC):
         return {
             "family": self.family.value,
             "model": self.model,
-            "vae": {**vae_config(self.vae), "dtype": dtype},
+            "vae": {**vae_config(self.vae, self.norm), "dtype": dtype},
             "text": {
                 "outputs": list(self.text_outputs),
                 "dtype": dtype,

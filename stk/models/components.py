@@ -12,11 +12,13 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL  # deep i
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stk.errors import InputError
+from stk.models.latents import LatentNorm
 from stk.shards.keys import digest
 
 __all__ = [
     "TextEncoder",
     "config_digest",
+    "latent_channels",
     "load_component",
     "load_text_encoder",
     "load_vae",
@@ -66,22 +68,27 @@ def _frozen(module: M, device: torch.device) -> M:
 
 
 def load_vae(model: str, device: torch.device, dtype: torch.dtype, vae_class: type[Any] = AutoencoderKL) -> Any:
-    """The pipeline's `vae/`, of the family's class (FamilySpec.vae_class)."""
+    """The pipeline's `vae/`, frozen, as `vae_class` (the family's `FamilySpec.vae_class`)."""
     vae = load_component(vae_class.from_pretrained, model, "vae", dtype=dtype)
     return _frozen(vae, device)
 
 
-def vae_config(vae: Any) -> dict[str, Any]:
+def latent_channels(config: Any) -> int:
+    """Channels of a VAE's latents: AutoencoderKL's `latent_channels`; diffusers' video VAEs call it `z_dim`."""
+    return int(config["latent_channels"] if "latent_channels" in config else config["z_dim"])
+
+
+def vae_config(vae: Any, norm: LatentNorm) -> dict[str, Any]:
     """Identifies the latents: the encoder half's weights only (a decoder-only fine-tune, like SD's ft-MSE VAE,
-    makes the same latents)."""
+    makes the same latents), and their normalisation `norm` (a scaling and shift factor, or a mean and std per
+    channel: from the VAE's config, or where the family's VAE keeps it, `Encoders._latent_norm`)."""
     encoder_half = [m for m in (vae.encoder, vae.quant_conv) if m is not None]
     return {
         "class": type(vae).__name__,
         "config_sha256": config_digest(dict(vae.config)),
         "weights_sample_sha256": weights_digest(encoder_half),
-        "latent_channels": vae.config["latent_channels"],
-        "scaling_factor": vae.config.get("scaling_factor"),  # none where the VAE keeps its statistics elsewhere
-        "shift_factor": vae.config.get("shift_factor"),
+        "latent_channels": latent_channels(vae.config),
+        **norm.to_json(),
     }
 
 
@@ -95,10 +102,11 @@ class TextEncoder:
     model: PreTrainedModel
     max_length: int
 
-    def tokenize(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, attention_mask) on the encoder's device, padded to max_length like diffusers' encode_prompt."""
+    def tokenize(self, captions: list[str], padding: str = "max_length") -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask) on the encoder's device, padded to max_length like diffusers' encode_prompt
+        (`padding="longest"`: to the longest caption, where the pipeline pads so)."""
         batch = self.tokenizer(
-            captions, padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt"
+            captions, padding=padding, max_length=self.max_length, truncation=True, return_tensors="pt"
         )
         return batch["input_ids"].to(self.model.device), batch["attention_mask"].to(self.model.device)
 
@@ -128,7 +136,8 @@ def load_text_encoder(
     max_length: int | None = None,
 ) -> TextEncoder:
     """`tokenizer{suffix}/` and `text_encoder{suffix}/`. The sequence length is the tokenizer's, capped by
-    `max_length`, else by the encoder's position embeddings. The tokenizer is checked before the encoder loads."""
+    `max_length`, else by the encoder's position embeddings. The tokenizer is checked before the encoder loads. A
+    multimodal encoder (a vision-language model) is read by its text config."""
     tokenizer_subfolder, subfolder = f"tokenizer{suffix}", f"text_encoder{suffix}"
     tokenizer = load_component(tokenizer_class.from_pretrained, model, tokenizer_subfolder)
     size = len(tokenizer)
@@ -138,10 +147,11 @@ def load_text_encoder(
             "or incomplete, or the model is a hub id that is not in the local cache while offline"
         )
     encoder = _frozen(load_component(encoder_class.from_pretrained, model, subfolder, dtype=dtype), device)
-    if size > encoder.config.vocab_size:
+    text_config = encoder.config.get_text_config()
+    if size > text_config.vocab_size:
         raise InputError(
             f"the tokenizer in {model}/{tokenizer_subfolder} has {size} tokens but {subfolder} embeds only "
-            f"{encoder.config.vocab_size}: they do not belong together"
+            f"{text_config.vocab_size}: they do not belong together"
         )
-    limit = max_length if max_length is not None else encoder.config.max_position_embeddings
+    limit = max_length if max_length is not None else text_config.max_position_embeddings
     return TextEncoder(subfolder, tokenizer_subfolder, tokenizer, encoder, min(tokenizer.model_max_length, limit))

@@ -40,7 +40,10 @@ def read_model_json(model: str, filename: str) -> dict[str, Any]:
 
 
 def scale_factor_of(vae_config: dict[str, Any]) -> int:
-    """Pixels per latent along each side: 2 ** (VAE blocks - 1), as diffusers pipelines compute it."""
+    """Pixels per latent along each side, as diffusers pipelines compute it: 2 ** (VAE blocks - 1), or for a video
+    VAE 2 ** its downsampling stages (`temperal_downsample`, one flag per stage for the time axis)."""
+    if "temperal_downsample" in vae_config:
+        return int(2 ** len(vae_config["temperal_downsample"]))
     return int(2 ** (len(vae_config["block_out_channels"]) - 1))
 
 

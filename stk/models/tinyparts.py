@@ -4,6 +4,7 @@ hand-written vocabulary, and CLIP text encoders, VAEs and UNets a few layers dee
 
 from __future__ import annotations
 
+import itertools
 import json
 import string
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = [
     "checked",
     "clip",
     "clip_tokenizer",
+    "merge_order",
     "qwen_tokenizer",
     "t5",
     "t5_tokenizer",
@@ -85,11 +87,31 @@ def clip_tokenizer(folder: Path, pad_token: str = "<|endoftext|>") -> PreTrained
     return checked(tokenizer, len(vocab))
 
 
-def qwen_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+def merge_order(words: tuple[str, ...]) -> tuple[str, ...]:
+    """`words` ordered so that qwen_tokenizer makes each one a single token, alone and after a space: a word's merges
+    come before those of any word whose first merge could fire inside it, or that it starts with ('an' in 'and')."""
+
+    def first(word: str) -> tuple[str, str]:
+        return ("Ġ", word) if len(word) == 1 else (word[0], word[1])
+
+    def splits(word: str, other: str) -> bool:  # other's merges would split word if they came first
+        pair = first(other)
+        inside = len(word) > 1 and word[0] == pair[1] if pair[0] == "Ġ" else pair in itertools.pairwise(word[1:])
+        return word != other and (inside or word.startswith(other))
+
+    pending, ordered = list(dict.fromkeys(words)), []
+    while pending:
+        word = next((w for w in pending if not any(splits(v, w) for v in pending)), pending[0])
+        ordered.append(word)
+        pending.remove(word)
+    return tuple(ordered)
+
+
+def qwen_tokenizer(folder: Path, words: tuple[str, ...] = WORDS) -> PreTrainedTokenizerBase:
     """Qwen2's byte-level BPE (Qwen3's tokenizer class) from a hand-written vocabulary: every byte, merges that join
-    each of WORDS and then put the space ('Ġ') in front, the chat tokens, and QWEN3_CHAT_TEMPLATE."""
+    each of `words` and then put the space ('Ġ') in front, the chat tokens, and QWEN3_CHAT_TEMPLATE."""
     merges: dict[tuple[str, str], None] = {}
-    for word in WORDS:
+    for word in words:
         parts = list(word)
         while len(parts) > 1:
             merges[(parts[0], parts[1])] = None

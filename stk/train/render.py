@@ -63,6 +63,7 @@ class ValidationRenderer:
         self.device, self.dtype = device, dtype
         self.pipeline = _pipeline(objective, module, device, dtype)
         spec = objective.spec
+        self.guidance_argument = spec.guidance_argument
         self.inputs = [
             spec.sample_inputs(self._conditioning(spec.sampling.negative_prompt, embeddings, prompt))
             for prompt in plan.prompts
@@ -133,7 +134,7 @@ class ValidationRenderer:
         output = self.pipeline(
             **self.inputs[index],
             num_inference_steps=plan.steps,
-            guidance_scale=plan.guidance,
+            **{self.guidance_argument: plan.guidance},
             width=plan.width,
             height=plan.height,
             generator=torch.Generator().manual_seed(plan.seed + index),

@@ -20,9 +20,19 @@ TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
     Family.CHROMA: {"prompt_embeds": (16, 48), TEXT_MASK: (16, 1)},
     Family.ZIMAGE: {"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)},
     Family.FLUX2_KLEIN: {"prompt_embeds": (16, 48)},  # three layers of Qwen3's 16
+    Family.QWENIMAGE: {"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)},
 }
 CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16,
-            Family.FLUX2_KLEIN: 8}  # fmt: skip
+            Family.FLUX2_KLEIN: 8, Family.QWENIMAGE: 16}  # fmt: skip
+
+
+def unused_parameters(family: Family, denoiser: torch.nn.Module) -> set[str]:
+    """The denoiser's parameters that no forward pass reaches, so no gradient: Qwen-Image's last block's text stream
+    (its transformer returns the image stream only; diffusers' model and the published weights have them)."""
+    if family is not Family.QWENIMAGE:
+        return set()
+    last = f"transformer_blocks.{len(denoiser.transformer_blocks) - 1}."
+    return {n for n, _ in denoiser.named_parameters() if n.startswith((last + "attn.to_add_out.", last + "txt_mlp."))}
 
 
 def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, seed: int = 0) -> StepInputs:

@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from stk.errors import InputError
-from stk.models.families.registry import DEMO_FAMILY, Family, family_hint, family_names
+from stk.models.families.registry import DEMO_FAMILY, Family, family_hint, family_names, module_name
 
 if TYPE_CHECKING:
     from stk.models.families.spec import FamilySpec
@@ -22,7 +22,7 @@ __all__ = ["DEMO_FAMILY", "Family", "all_specs", "detect_family", "family_hint",
 
 def spec_for(family: Family | str) -> FamilySpec:
     """Everything stk knows about `family` (a `Family` or its name)."""
-    spec: FamilySpec = importlib.import_module(f"{__name__}.{Family(family).value}").SPEC
+    spec: FamilySpec = importlib.import_module(f"{__name__}.{module_name(Family(family))}").SPEC
     return spec
 
 

@@ -43,7 +43,7 @@ from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.flux import LORA_TARGETS, PATCH, T5_MAX_LENGTH, TINY_BLOCKS, pack_latents, position_ids
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
-from stk.models.textmask import TEXT_MASK, masked_prompts, text_mask
+from stk.models.textmask import TEXT_MASK, masked_sample_inputs, text_mask
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
@@ -124,10 +124,7 @@ def _denoise(
 
 def _sample_inputs(embeddings: dict[str, torch.Tensor]) -> dict[str, Any]:
     """ChromaPipeline takes each prompt's attention mask beside its embeddings (boolean: see the module's note)."""
-    out = {}
-    for prefix, embeds, mask in masked_prompts(embeddings):
-        out[f"{prefix}prompt_embeds"], out[f"{prefix}prompt_attention_mask"] = embeds, mask
-    return out
+    return masked_sample_inputs(embeddings, "prompt_attention_mask")
 
 
 def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:

@@ -1,15 +1,16 @@
-"""The registry: one line per model family stk trains. The value is the name of the family's module in this package;
+"""The registry: one line per model family stk trains. The value is the family's name on the command line and, with
+`_` for `-`, its module's in this package;
 listing the names imports nothing heavy (the command-line choices, `import stk.models`)."""
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["DEMO_FAMILY", "Family", "family_hint", "family_names"]
+__all__ = ["DEMO_FAMILY", "Family", "family_hint", "family_names", "module_name"]
 
 
 class Family(str, enum.Enum):
-    """A family's name; the value is its module's."""
+    """A family's name; the value, `-` read as `_`, is its module's (`module_name`)."""
 
     SD = "sd"  # Stable Diffusion 1.x and 2.x
     SDXL = "sdxl"
@@ -17,10 +18,16 @@ class Family(str, enum.Enum):
     SD3 = "sd3"  # Stable Diffusion 3.5 Large and Medium
     CHROMA = "chroma"  # Chroma1 (lodestones)
     ZIMAGE = "zimage"  # Z-Image
-    FLUX2_KLEIN = "flux2_klein"  # FLUX.2-klein 4B and 9B (what it shares with FLUX.2-dev: flux2.py)
+    FLUX2_KLEIN = "flux2-klein"  # FLUX.2-klein 4B and 9B (what it shares with FLUX.2-dev: flux2.py)
+    QWENIMAGE = "qwenimage"  # Qwen-Image
 
 
 DEMO_FAMILY = Family.SDXL  # the one the demo trains unless told otherwise
+
+
+def module_name(family: Family) -> str:
+    """The family's module in stk.models.families: a module name cannot hold the `-` a family's name may."""
+    return family.value.replace("-", "_")
 
 
 def family_names() -> list[str]:

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL  # deep import: mypy sees the real class
+
+# Deep import where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
 if TYPE_CHECKING:
     from stk.models.base import Encoders
@@ -90,6 +92,7 @@ class FamilySpec:
     # flow families: the loss compares noisy - sigma * prediction with the clean latents (EDM's preconditioning, the
     # velocity MSE weighted by sigma^2), as diffusers' SD3 examples do by default (--precondition_outputs 1)
     precondition_outputs: bool = False
+    guidance_argument: str = "guidance_scale"  # the pipeline's call argument that takes `Sampling.guidance`
 
     def alignment(self, vae_scale_factor: int) -> int:
         """Pixels that an image's sides must be multiples of, for a VAE of `vae_scale_factor`."""

@@ -19,6 +19,7 @@ from support.commands import REPO
 from stk.errors import InputError
 from stk.models import Encoders
 from stk.models.families import DEMO_FAMILY, Family, all_specs, detect_family, family_names, spec_for
+from stk.models.families.registry import module_name
 from stk.models.families.spec import FamilySpec
 
 STK = REPO / "stk"
@@ -49,7 +50,7 @@ def test_each_spec_is_complete_and_its_own(spec: FamilySpec) -> None:
 
 def test_the_registry_is_one_name_per_family_and_one_family_per_pipeline() -> None:
     assert family_names() == [spec.name.value for spec in all_specs()] == [f.value for f in Family]
-    assert all((HOME / f"{name}.py").is_file() for name in family_names())
+    assert all((HOME / f"{module_name(family)}.py").is_file() for family in Family)
     pipelines = [name for spec in all_specs() for name in spec.pipelines]
     assert len(pipelines) == len(set(pipelines))
     published = [name for spec in all_specs() for name in spec.published]

@@ -25,9 +25,9 @@ from stk.models.textmask import TEXT_MASK
 
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting!", "the " * 100 + "cat"]  # the last overflows CLIP's 77
 LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16,
-                   Family.FLUX2_KLEIN: 8}  # fmt: skip
+                   Family.FLUX2_KLEIN: 8, Family.QWENIMAGE: 16}  # fmt: skip
 # name -> shape per caption; widths follow tiny.py (SDXL 32 + 64, Flux T5 48 and CLIP 32, SD3.5 160 = T5's width,
-# Z-Image Qwen3 32); with a TEXT_MASK the sequences hold each caption's kept tokens only
+# Z-Image Qwen3 32, Qwen-Image Qwen2.5-VL 32); with a TEXT_MASK the sequences hold each caption's kept tokens only
 TEXT_SHAPES = {
     Family.SD: {"prompt_embeds": (77, 32)},
     Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
@@ -36,6 +36,7 @@ TEXT_SHAPES = {
     Family.CHROMA: {"prompt_embeds": (512, 48), TEXT_MASK: (512, 1)},
     Family.ZIMAGE: {"prompt_embeds": (512, 32), TEXT_MASK: (512, 1)},
     Family.FLUX2_KLEIN: {"prompt_embeds": (512, 48)},  # three layers of Qwen3's 16, the padding kept
+    Family.QWENIMAGE: {"prompt_embeds": (1024, 32), TEXT_MASK: (1024, 1)},
 }
 # the tokenizers whose attention masks count the real tokens of the longest sequence
 SEQUENCE_TOKENIZERS = {
@@ -46,14 +47,16 @@ SEQUENCE_TOKENIZERS = {
     Family.CHROMA: ["tokenizer"],
     Family.ZIMAGE: ["tokenizer"],  # the caption in the tokenizer's chat template
     Family.FLUX2_KLEIN: ["tokenizer"],
+    Family.QWENIMAGE: ["tokenizer"],
 }
 # positions kept beside the counted tokens: SD3's 77 CLIP positions before T5's, Chroma's one padding token after,
-# FLUX.2-klein's empty thinking block (the chat with thinking disabled) after
-KEPT = {Family.SD3: 77, Family.CHROMA: 1, Family.FLUX2_KLEIN: 15}
+# FLUX.2-klein's empty thinking block (the chat with thinking disabled) after; Qwen-Image's template puts a system turn
+# before the chat template's user turn and drops both with the user turn's opening 3 tokens
+KEPT = {Family.SD3: 77, Family.CHROMA: 1, Family.FLUX2_KLEIN: 15, Family.QWENIMAGE: -3}
 # the tokens of CAPTIONS[2]: CLIP stops at 77, T5 does not (SD3.5 keeps CLIP's 77 before, Chroma one padding token
-# after), Z-Image's chat template adds 18, FLUX.2-klein's 18 + 15
+# after), Z-Image's chat template adds 18, FLUX.2-klein's 18 + 15, Qwen-Image's template keeps 5 after the caption
 LONG_CAPTION_TOKENS = {Family.SD: 77, Family.SDXL: 77, Family.FLUX: 102, Family.SD3: 77 + 102, Family.CHROMA: 103,
-                       Family.ZIMAGE: 119, Family.FLUX2_KLEIN: 134}  # fmt: skip
+                       Family.ZIMAGE: 119, Family.FLUX2_KLEIN: 134, Family.QWENIMAGE: 106}  # fmt: skip
 DENOISERS = {
     Family.SD: "UNet2DConditionModel",
     Family.SDXL: "UNet2DConditionModel",
@@ -62,6 +65,7 @@ DENOISERS = {
     Family.CHROMA: "ChromaTransformer2DModel",
     Family.ZIMAGE: "ZImageTransformer2DModel",
     Family.FLUX2_KLEIN: "Flux2Transformer2DModel",
+    Family.QWENIMAGE: "QwenImageTransformer2DModel",
 }
 
 families = pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)
@@ -105,7 +109,8 @@ def test_loads_frozen_on_cpu(family: Family, encoders: Callable[[Family], Encode
     assert enc.device == torch.device("cpu") and enc.dtype == torch.float32
     assert enc.latent_channels == LATENT_CHANNELS[family]
     assert enc.text_outputs == tuple(TEXT_SHAPES[family])
-    assert (enc.norm.shift_factor is not None) == (enc.latent_channels == 16)  # FLUX.1's VAE shifts, SD's does not
+    # the flow families' VAEs shift (FLUX.1's, SD3's) or normalise per channel (FLUX.2's, Qwen-Image's); SD's do neither
+    assert (enc.norm.shift_factor is not None or enc.norm.mean is not None) == spec_for(family).flow
     assert not any(p.requires_grad for p in enc.vae.parameters())
 
 
@@ -114,15 +119,17 @@ def test_encode_images_is_the_vae_distribution(
     family: Family, tiny: Callable[..., str], encoders: Callable[[Family], Encoders]
 ) -> None:
     pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    mean, logvar = encoders(family).encode_images(pixels)
+    enc = encoders(family)
+    mean, logvar = enc.encode_images(pixels)
 
     assert mean.shape == logvar.shape == (2, LATENT_CHANNELS[family], 8, 8)
     assert mean.dtype == logvar.dtype == torch.float32 and mean.device.type == "cpu"
-    with torch.no_grad():
-        vae = spec_for(family).vae_class.from_pretrained(tiny(family), subfolder="vae")
-        expected = vae.encode(pixels).latent_dist
-    torch.testing.assert_close(mean, expected.mean)  # unscaled, unshifted
-    torch.testing.assert_close(logvar, expected.logvar)
+    vae = spec_for(family).vae_class.from_pretrained(tiny(family), subfolder="vae")
+    with torch.no_grad():  # a video VAE: one frame in, the frame axis left out
+        expected = vae.encode(pixels[:, :, None] if enc.vae_frames else pixels).latent_dist
+    frame = (slice(None), slice(None), 0) if enc.vae_frames else ()
+    torch.testing.assert_close(mean, expected.mean[frame])  # unscaled, unshifted
+    torch.testing.assert_close(logvar, expected.logvar[frame])
 
 
 @families
@@ -198,6 +205,9 @@ def test_matches_the_diffusers_pipeline(
             lengths = torch.tensor([len(e) for e in prompt_embeds])
             real = torch.arange(int(lengths.max()))[None, :, None] < lengths[:, None, None]
             expected = {"prompt_embeds": pad_sequence(prompt_embeds, batch_first=True), TEXT_MASK: real.float()}
+        elif family is Family.QWENIMAGE:  # zero-padded to the longest, with its mask
+            prompt_embeds, mask = pipeline.encode_prompt(CAPTIONS, "cpu")
+            expected = {"prompt_embeds": prompt_embeds, TEXT_MASK: mask[..., None].float()}
         else:
             pytest.skip(f"compared in tests/unit/models/families/test_{family.value}.py")
     for name, tensor in expected.items():

@@ -1,6 +1,6 @@
 """stk.models.published: the published configs of SD 1.5, SDXL base, FLUX.1-dev, SD3.5 Large and Medium, Chroma1,
-Z-Image and FLUX.2-klein 4B and 9B build, on the meta device, the architectures with the published parameter counts;
-and stk.models.tiny builds a loadable pipeline around them."""
+Z-Image, FLUX.2-klein 4B and 9B and Qwen-Image build, on the meta device, the architectures with the published
+parameter counts; and stk.models.tiny builds a loadable pipeline around them."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ COUNTS = {
     # batch norm's running mean and variance (2 x 128) and batch count
     "flux2-klein-4b": ("4B", 84_046_372),
     "flux2-klein-9b": ("9B", 84_046_372),
+    # the card's "20B" MMDiT: 20.43B parameters, 40.86 GB of bfloat16 safetensors; the card gives no count for the
+    # VAE (AutoencoderKLQwenImage): its config's
+    "qwen-image": ("20B", 126_892_531),
 }
 
 

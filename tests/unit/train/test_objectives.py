@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, DiffusionPipeline, FluxPipeline, FluxTransformer2DModel
-from support.tiny_batches import Recorder, step_inputs
+from support.tiny_batches import Recorder, step_inputs, unused_parameters
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model
@@ -33,6 +33,7 @@ EXPORTED_LATENTS = {
     Family.CHROMA: (1, 16, 64),  # packed 2x2
     Family.ZIMAGE: (1, 16, 8, 8),
     Family.FLUX2_KLEIN: (1, 8, 8, 8),  # unpatchified
+    Family.QWENIMAGE: (1, 16, 64),  # packed 2x2
 }
 
 
@@ -83,8 +84,8 @@ def test_loss_is_a_finite_scalar_with_gradients_everywhere(models: dict[str, str
     loss = objective.loss(denoiser, inputs, seeded(1))
     assert loss.shape == () and loss.dtype == torch.float32 and torch.isfinite(loss)
     loss.backward()
-    missing = [name for name, p in denoiser.named_parameters() if p.grad is None]
-    assert not missing, f"no gradient for {missing}"
+    missing = {name for name, p in denoiser.named_parameters() if p.grad is None}
+    assert missing == unused_parameters(family_of(variant), denoiser), f"no gradient for {missing}"
     assert all(torch.isfinite(p.grad).all() for p in denoiser.parameters() if p.grad is not None)
 
 
@@ -271,8 +272,9 @@ def test_export_pipeline(models: dict[str, str], family: Family, tmp_path: Path)
     assert exported.keys() == state.keys()
     assert all(torch.equal(exported[k], state[k]) for k in state)
     pipe.set_progress_bar_config(disable=True)
+    # two steps: a scheduler that stretches its schedule to a shift_terminal (Qwen-Image's) divides 0 by 0 at one
     latents = pipe(
-        prompt="a photo of a cat", num_inference_steps=1, height=64, width=64, output_type="latent", generator=seeded(0)
+        prompt="a photo of a cat", num_inference_steps=2, height=64, width=64, output_type="latent", generator=seeded(0)
     ).images
     assert latents.shape == EXPORTED_LATENTS[family]
     assert torch.isfinite(latents).all()
@@ -351,6 +353,10 @@ def test_gradient_checkpointing_changes_no_bit_of_the_loss_or_the_gradients(
     (plain_loss, plain_grads), (loss, grads) = results
     assert torch.equal(plain_loss, loss)
     assert plain_grads.keys() == grads.keys()
-    assert all(torch.equal(plain_grads[name], grads[name]) for name in grads), [
-        name for name in grads if not torch.equal(plain_grads[name], grads[name])
+    differ = [
+        name
+        for name, grad in grads.items()  # None alike where no forward pass reaches a parameter
+        if (plain_grads[name] is None) != (grad is None)
+        or (grad is not None and not torch.equal(plain_grads[name], grad))
     ]
+    assert not differ, differ

@@ -5,8 +5,6 @@ LoRA loads with ZImagePipeline.load_lora_weights, and sample images from cached 
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import numpy as np
@@ -14,18 +12,15 @@ import pytest
 import torch
 from diffusers import ZImagePipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
-from PIL import Image
 from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
+from support.samples import rendered_sample
 
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
-from stk.prompts import EMPTY_CAPTION
 from stk.train.batch import StepInputs, collate_text
-from stk.train.embeddings import embed_captions
 from stk.train.losses import sample_u
 from stk.train.objectives import objective_for
-from stk.train.render import ValidationRenderer
 from stk.train.validation import ValidationPlan
 
 SPEC = spec_for(Family.ZIMAGE)
@@ -112,14 +107,8 @@ def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> Non
     `sample_inputs`) gives the image that ZImagePipeline makes from the prompt's text."""
     assert SPEC.sampling.negative_prompt and SPEC.sampling.guidance > 0
     prompt = CAPTIONS[1]
-    encoders = SPEC.encoders.load(model, CPU, torch.float32)
-    embeddings = embed_captions([prompt, EMPTY_CAPTION], lambda caption: None, lambda: encoders)
-    objective = objective_for(Family.ZIMAGE, model)
     plan = ValidationPlan(prompts=(prompt,), every=0, steps=2, guidance=4.0, width=64, height=48, seed=5)
-    renderer = ValidationRenderer(plan, objective, objective.load_denoiser(torch.float32), embeddings, CPU,
-                                  torch.float32, 0, 1)  # fmt: skip
-    (sample,) = renderer.render(contextlib.nullcontext()).pngs.values()
-    image = np.asarray(Image.open(io.BytesIO(sample)), dtype=np.int16)
+    image = rendered_sample(Family.ZIMAGE, model, plan)
 
     pipe = ZImagePipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)

@@ -1,0 +1,140 @@
+"""stk.models.families.qwenimage on the tiny Qwen-Image pipeline, fp32 on the CPU: one step's loss and gradients are
+those of diffusers' examples/dreambooth/train_dreambooth_lora_qwen_image.py, the prompt template drops the system
+turn as the real tokenizer does, a trained LoRA loads with QwenImagePipeline.load_lora_weights, and sample images
+from cached embeddings are the pipeline's own. (The embeddings against QwenImagePipeline.encode_prompt, and the VAE's
+one-frame latents: tests/unit/models/test_load.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.training_utils import compute_loss_weighting_for_sd3
+from support.lora_files import assert_pipeline_loads_it, saved_lora
+from support.reference_steps import assert_matches_reference
+from support.samples import rendered_sample
+
+from stk.models import Family, build_tiny_model
+from stk.models.families import spec_for
+from stk.models.families.qwenimage import DROPPED_TOKENS, MAX_SEQUENCE_LENGTH, PROMPT_TEMPLATE
+from stk.train.batch import StepInputs, collate_text
+from stk.train.objectives import objective_for
+from stk.train.validation import ValidationPlan
+
+SPEC = spec_for(Family.QWENIMAGE)
+CAPTIONS = ["a photo of a cat", "A red dog, on the painting with a blue man!"]  # two lengths: the mask matters
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(Family.QWENIMAGE, str(tmp_path_factory.mktemp("qwenimage")))
+
+
+def test_one_step_is_train_dreambooth_lora_qwen_image(model: str) -> None:
+    """On encoded images and captions of two lengths: the latents are the example's (one frame, normalised per
+    channel), and so are the loss and gradients, its transformer given the pipeline's encode_prompt and mask."""
+    pipe = QwenImagePipeline.from_pretrained(model)
+    encoders = SPEC.encoders.load(model, CPU, torch.float32)
+    pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        prompt_embeds, prompt_embeds_mask = pipe.encode_prompt(CAPTIONS, CPU)
+        mode = pipe.vae.encode(pixels.unsqueeze(2)).latent_dist.mode()  # the example's (B, C, 1, H, W) pixels
+    latents_mean = torch.tensor(pipe.vae.config.latents_mean).view(1, pipe.vae.config.z_dim, 1, 1, 1)
+    latents_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, pipe.vae.config.z_dim, 1, 1, 1)
+    vae_scale_factor = 2 ** len(pipe.vae.temperal_downsample)
+    mean, _ = encoders.encode_images(pixels)
+    inputs = StepInputs(
+        latents=encoders.norm.normalize(mean),
+        text=collate_text([e.arrays for e in encoders.encode_text(CAPTIONS)]),
+        original_size=torch.tensor([[64, 48]] * 2),
+        crop_top_left=torch.zeros(2, 2, dtype=torch.long),
+    )
+    torch.testing.assert_close(inputs.latents[:, :, None], (mode - latents_mean) * latents_std)
+    assert prompt_embeds_mask is not None and not prompt_embeds_mask.all()
+
+    def reference(transformer: torch.nn.Module, batch: StepInputs, noise: torch.Tensor, sigmas: torch.Tensor):
+        model_input = batch.latents[:, :, None]  # the example's latents keep the VAE's frame axis
+        noise = noise[:, :, None]  # torch.randn_like(model_input): the same values in the same order
+        bsz = model_input.shape[0]
+        timesteps = sigmas * 1000  # the example indexes the scheduler's timesteps; stk draws them continuously
+        sigmas = sigmas.view(-1, 1, 1, 1, 1)
+        noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+        latent_height, latent_width = model_input.shape[3], model_input.shape[4]
+        img_shapes = [(1, latent_height // 2, latent_width // 2)] * bsz
+        noisy_model_input = noisy_model_input.permute(0, 2, 1, 3, 4)
+        packed_noisy_model_input = QwenImagePipeline._pack_latents(
+            noisy_model_input,
+            batch_size=model_input.shape[0],
+            num_channels_latents=model_input.shape[1],
+            height=model_input.shape[3],
+            width=model_input.shape[4],
+        )
+        model_pred = transformer(
+            hidden_states=packed_noisy_model_input,
+            encoder_hidden_states=prompt_embeds,
+            encoder_hidden_states_mask=prompt_embeds_mask,
+            timestep=timesteps / 1000,
+            img_shapes=img_shapes,
+            return_dict=False,
+        )[0]
+        model_pred = QwenImagePipeline._unpack_latents(
+            model_pred, latent_height * vae_scale_factor, latent_width * vae_scale_factor, vae_scale_factor
+        )
+        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
+        target = noise - model_input
+        loss = torch.mean(
+            (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
+            1,
+        )
+        return loss.mean()
+
+    objective = objective_for(Family.QWENIMAGE, model)
+    assert_matches_reference(objective, objective.load_denoiser(torch.float32), reference, inputs)
+
+
+def test_the_template_is_the_pipelines_and_drops_its_system_turn(model: str) -> None:
+    """The template's first DROPPED_TOKENS tokens are its system turn and the user turn's opening, in the tiny
+    vocabulary as in Qwen's: what is kept is the caption and the turn's end."""
+    pipe = QwenImagePipeline.from_pretrained(model)
+    assert pipe.prompt_template_encode == PROMPT_TEMPLATE
+    assert (pipe.prompt_template_encode_start_idx, pipe.tokenizer_max_length) == (DROPPED_TOKENS, MAX_SEQUENCE_LENGTH)
+    tokenizer = pipe.tokenizer
+    system, _, after = PROMPT_TEMPLATE.partition("{}")
+    assert len(tokenizer(system)["input_ids"]) == DROPPED_TOKENS
+    ids = tokenizer(PROMPT_TEMPLATE.format("a cat"))["input_ids"]
+    assert tokenizer.decode(ids[DROPPED_TOKENS:]) == "a cat" + after
+    (embedding,) = SPEC.encoders.load(model, CPU, torch.float32).encode_text(["a cat"])
+    assert embedding.length == len(ids) - DROPPED_TOKENS
+
+
+def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
+    trained = saved_lora(Family.QWENIMAGE, model, tmp_path)
+    g = torch.Generator().manual_seed(2)
+    assert_pipeline_loads_it(
+        Family.QWENIMAGE, model, tmp_path, trained,
+        hidden_states=torch.randn(1, 12, 64, generator=g), encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
+        timestep=torch.tensor([0.3]), img_shapes=[(1, 4, 3)],
+    )  # fmt: skip
+
+
+def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> None:
+    """The renderer's path (each prompt and the empty caption's stored real tokens, padded alike, then
+    `sample_inputs`, the guidance as `true_cfg_scale`) gives the image that QwenImagePipeline makes from the text."""
+    assert SPEC.sampling.negative_prompt and SPEC.guidance_argument == "true_cfg_scale"
+    prompt = CAPTIONS[1]
+    plan = ValidationPlan(prompts=(prompt,), every=0, steps=2, guidance=2.5, width=64, height=48, seed=5)
+    image = rendered_sample(Family.QWENIMAGE, model, plan)
+
+    pipe = QwenImagePipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    own = pipe(prompt, negative_prompt="", num_inference_steps=2, true_cfg_scale=2.5, width=64, height=48,
+               generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
+    default = pipe(prompt, negative_prompt="", num_inference_steps=2, width=64, height=48,
+                   generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
+    assert image.shape == (48, 64, 3) and image.std() > 0
+    assert np.abs(image - np.asarray(own, dtype=np.int16)).max() <= 1
+    assert not np.array_equal(np.asarray(own), np.asarray(default)), "the guidance reached the pipeline"
