@@ -17,8 +17,14 @@ from stk.models.textmask import TEXT_MASK
 __all__ = ["Encoders", "TextEmbedding", "identity_differences"]
 
 # how identity_differences names a field; factors are shown with both values
-_FIELDS = {"weights_sample_sha256": "weights", "config_sha256": "config", "vocab_sha256": "vocabulary"}
-_SHOWN = ("scaling_factor", "shift_factor", "latent_channels")
+_FIELDS = {
+    "weights_sample_sha256": "weights",
+    "weights_files_sha256": "weights",
+    "config_sha256": "config",
+    "vocab_sha256": "vocabulary",
+}
+_SHOWN = ("scaling_factor", "shift_factor", "latent_channels", "latents_mean", "latents_std", "latents_patch_size")
+_SHOWN_VALUES = 3  # of a per-channel list
 
 
 @dataclass
@@ -139,7 +145,14 @@ def _fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[
         if isinstance(before, dict) and isinstance(after, dict):
             out += _fields(before, after, f"{prefix}{name} ")
         elif name in _SHOWN:
-            out.append(f"{prefix}{name} {before} in the cache, {after} in the model")
+            out.append(f"{prefix}{name} {_shown(before)} in the cache, {_shown(after)} in the model")
         else:
             out.append(prefix + _FIELDS.get(name, name))
     return out
+
+
+def _shown(value: Any) -> str:
+    """A factor as is; a per-channel list by its first values and its length."""
+    if isinstance(value, list) and len(value) > _SHOWN_VALUES:
+        return "[" + ", ".join(f"{v:.4g}" for v in value[:_SHOWN_VALUES]) + f", ... ({len(value)} values)]"
+    return str(value)

@@ -9,10 +9,11 @@ from typing import Any, TypeVar
 
 import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL  # deep import: mypy sees the real class
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from stk.errors import InputError
 from stk.models.latents import LatentNorm
+from stk.models.weightfiles import component_folder, files_digest, weight_files
 from stk.shards.keys import digest
 
 __all__ = [
@@ -61,7 +62,8 @@ def load_component(load: Callable[..., Any], model: str, subfolder: str, **kwarg
 
 
 def _frozen(module: M, device: torch.device) -> M:
-    module.to(device)
+    """Inference only, on `device`; the meta device (an identity asked, no weights) keeps what was read on the CPU."""
+    module.to(device if device.type != "meta" else torch.device("cpu"))
     module.eval()
     module.requires_grad_(False)
     return module
@@ -99,8 +101,9 @@ class TextEncoder:
     subfolder: str
     tokenizer_subfolder: str
     tokenizer: PreTrainedTokenizerBase
-    model: PreTrainedModel
+    model: PreTrainedModel  # on the meta device where only its identity was asked (load_text_encoder)
     max_length: int
+    weights_sha256: str  # stk.models.weightfiles.files_digest of its files, in the dtype it was loaded in
 
     def tokenize(self, captions: list[str], padding: str = "max_length") -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, attention_mask) on the encoder's device, padded to max_length like diffusers' encode_prompt
@@ -116,7 +119,7 @@ class TextEncoder:
             "subfolder": self.subfolder,
             "class": type(self.model).__name__,
             "config_sha256": config_digest(self.model.config.to_diff_dict()),
-            "weights_sample_sha256": weights_digest([self.model]),
+            "weights_files_sha256": self.weights_sha256,
             "tokenizer": {
                 "subfolder": self.tokenizer_subfolder,
                 "class": type(self.tokenizer).__name__,
@@ -137,7 +140,9 @@ def load_text_encoder(
 ) -> TextEncoder:
     """`tokenizer{suffix}/` and `text_encoder{suffix}/`. The sequence length is the tokenizer's, capped by
     `max_length`, else by the encoder's position embeddings. The tokenizer is checked before the encoder loads. A
-    multimodal encoder (a vision-language model) is read by its text config."""
+    multimodal encoder (a vision-language model) is read by its text config. On the meta `device` the encoder is
+    built without its weights, for its identity (`TextEncoder.config`), which its files give; a model without
+    safetensors files is loaded on the CPU for it."""
     tokenizer_subfolder, subfolder = f"tokenizer{suffix}", f"text_encoder{suffix}"
     tokenizer = load_component(tokenizer_class.from_pretrained, model, tokenizer_subfolder)
     size = len(tokenizer)
@@ -146,7 +151,15 @@ def load_text_encoder(
             f"the tokenizer in {model}/{tokenizer_subfolder} loaded empty (vocab size {size}): the folder is missing "
             "or incomplete, or the model is a hub id that is not in the local cache while offline"
         )
-    encoder = _frozen(load_component(encoder_class.from_pretrained, model, subfolder, dtype=dtype), device)
+    folder = component_folder(model, subfolder)
+    files = weight_files(folder) if folder is not None else None
+    if device.type == "meta" and files is not None:
+        config = load_component(AutoConfig.from_pretrained, model, subfolder)
+        with torch.device("meta"):
+            encoder = encoder_class._from_config(config, dtype=dtype)
+    else:
+        encoder = _frozen(load_component(encoder_class.from_pretrained, model, subfolder, dtype=dtype), device)
+    weights = files_digest(files, dtype) if files is not None else weights_digest([encoder])
     text_config = encoder.config.get_text_config()
     if size > text_config.vocab_size:
         raise InputError(
@@ -154,4 +167,5 @@ def load_text_encoder(
             f"{text_config.vocab_size}: they do not belong together"
         )
     limit = max_length if max_length is not None else text_config.max_position_embeddings
-    return TextEncoder(subfolder, tokenizer_subfolder, tokenizer, encoder, min(tokenizer.model_max_length, limit))
+    length = min(tokenizer.model_max_length, limit)
+    return TextEncoder(subfolder, tokenizer_subfolder, tokenizer, encoder, length, weights)

@@ -19,7 +19,9 @@ def load_encoders(
     """The VAE and text encoders of `model` (a local diffusers directory or a hub id), frozen for inference.
 
     `family` defaults to the one model_index.json names; `device` to the current CUDA device, else the CPU; `dtype`
-    to bfloat16 on CUDA (fp16 overflows in SDXL's VAE) and float32 elsewhere (CPUs lack fast half precision).
+    to bfloat16 on CUDA (fp16 overflows in SDXL's VAE) and float32 elsewhere (CPUs lack fast half precision). The
+    meta `device` asks for the encoders' identity only (`Encoders.config()`): the VAE loads on the CPU, the text
+    encoders are built without their weights, whose digests their files give.
     """
     family = Family(family) if family is not None else detect_family(model)
     if device is None:

@@ -4,11 +4,13 @@ other weights (another fine-tune, another release) trains without any error on i
 never produces, so the family check alone is not enough.
 
 stk-cache records its encoders' identity in the manifest (`Encoders.config()`: digests of each
-component's config and of an evenly strided sample of its weights, the VAE's scaling and shift
-factors, the tokenizers' vocabularies). The same identity is computed here from --model with the
-same code, on rank 0 only and on the CPU, in the dtype the cache recorded (the digests are of the
-loaded weights, so the dtype must match). That costs one load of the VAE and text encoders per
-run: seconds, up to a minute for Flux's T5 on a slow disk. `--force` skips it.
+component's config and of an evenly strided sample of its weights, the VAE's latent normalisation,
+the tokenizers' vocabularies). The same identity is computed here from --model with the same code,
+on rank 0 only, in the dtype the cache recorded (the digests are of the weights in that dtype).
+That costs one load of the VAE on the CPU; the text encoders (up to 24B parameters) are not loaded:
+their digests are read from their files (stk.models.weightfiles), a few kilobytes per tensor. A
+cache recorded before the text encoders' digests were of their files has them loaded on the CPU
+instead. `--force` skips the check.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def check_cache_model(opts: TrainOptions, plan: TrainPlan) -> None:
         )
     from stk.models import load_encoders
 
-    encoders = load_encoders(opts.model, plan.family, device="cpu", dtype=dtype)
+    # the meta device: the text encoders' identity without their weights (stk.models.components.load_text_encoder)
+    of_files = all("weights_files_sha256" in e for e in recorded.get("text", {}).get("encoders", []))
+    encoders = load_encoders(opts.model, plan.family, device="meta" if of_files else "cpu", dtype=dtype)
     current = encoders.config()
     del encoders
     gc.collect()

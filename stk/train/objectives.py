@@ -26,9 +26,10 @@ from stk.errors import InputError
 from stk.models.components import load_component
 from stk.models.families import Family, spec_for
 from stk.models.model_json import vae_scale_factor
+from stk.models.weightfiles import component_folder, weight_files
 from stk.train.batch import StepInputs
 from stk.train.losses import LossSettings, flow_shift, min_snr_weights, offset_noise, sample_u
-from stk.train.weights import load_weights, load_weights_partitioned, weight_files
+from stk.train.weights import load_weights, load_weights_partitioned
 from stk.world import World
 
 __all__ = ["DDPMObjective", "FlowObjective", "Objective", "objective_for"]
@@ -71,15 +72,8 @@ class Objective(abc.ABC):
 
     def _weight_files(self) -> list[Path] | None:
         """The denoiser's safetensors files on this machine (a hub id: from the hub cache, fetched when online)."""
-        if Path(self.model).is_dir():
-            return weight_files(Path(self.model) / self.denoiser_subfolder)
-        from huggingface_hub import snapshot_download
-
-        try:
-            folder = snapshot_download(self.model, allow_patterns=[f"{self.denoiser_subfolder}/*"])
-        except Exception:  # offline and not cached, no such repo: from_pretrained below says so in its words
-            return None
-        return weight_files(Path(folder) / self.denoiser_subfolder)
+        folder = component_folder(self.model, self.denoiser_subfolder)
+        return weight_files(folder) if folder is not None else None
 
     def load_denoiser(
         self, dtype: torch.dtype, world: World | None = None, zero3_config: dict[str, Any] | None = None

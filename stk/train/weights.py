@@ -15,7 +15,6 @@ table) are not partitioned: every rank reads its own.
 from __future__ import annotations
 
 import ctypes
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +23,9 @@ import torch
 from stk.errors import InputError
 from stk.world import World
 
-__all__ = ["READ_WINDOW", "load_weights", "load_weights_partitioned", "weight_files"]
+__all__ = ["READ_WINDOW", "load_weights", "load_weights_partitioned"]
 
 READ_WINDOW = 128 * 2**20  # bytes read through one mapping of a weights file before it is mapped afresh
-_SINGLE = "diffusion_pytorch_model.safetensors"
-_INDEX = "diffusion_pytorch_model.safetensors.index.json"
-
-
-def weight_files(folder: Path) -> list[Path] | None:
-    """The denoiser folder's safetensors files (one, or the shards its index names); None when it has none."""
-    if (folder / _SINGLE).is_file():
-        return [folder / _SINGLE]
-    if (folder / _INDEX).is_file():
-        weight_map = json.loads((folder / _INDEX).read_text(encoding="utf-8"))["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    return None
 
 
 class _Reader:

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from stk.errors import InputError
 from stk.models import Encoders, Family, build_tiny_model, detect_family, load_encoders
+from stk.models.base import identity_differences
 from stk.models.families import spec_for
 from stk.models.textmask import TEXT_MASK
 
@@ -222,6 +223,31 @@ def test_config_identifies_the_encoders(tiny: Callable[..., str], encoders: Call
 
     other = load_encoders(tiny(Family.SD, seed=1), device="cpu").config()
     assert other["vae"] != config["vae"] and other["text"] != config["text"]
+
+
+@families
+def test_the_identity_is_had_without_the_text_encoders_weights(
+    family: Family, tiny: Callable[..., str], encoders: Callable[[Family], Encoders]
+) -> None:
+    """stk-train's check of a cache's model (the meta device): the text encoders are built without weights, their
+    digests read from their files, and the identity is the loaded encoders'."""
+    identity = load_encoders(tiny(family), device="meta", dtype=torch.float32)
+    assert all(p.device.type == "meta" for encoder in identity.text for p in encoder.model.parameters())
+    assert identity.vae.device.type == "cpu"
+    assert identity.config() == encoders(family).config()
+
+
+def test_a_per_channel_normalisation_that_differs_is_named_with_both_values(
+    encoders: Callable[[Family], Encoders],
+) -> None:
+    cached = encoders(Family.QWENIMAGE).config()
+    model = json.loads(json.dumps(cached))
+    model["vae"]["latents_std"] = [2 * v for v in model["vae"]["latents_std"]]
+    (difference,) = identity_differences(cached, model)
+    std = cached["vae"]["latents_std"]
+    assert difference.startswith(f"vae: latents_std [{std[0]:.4g}, {std[1]:.4g}, {std[2]:.4g}, ... (16 values)] ")
+    assert difference.endswith(f"in the cache, [{2 * std[0]:.4g}, {2 * std[1]:.4g}, {2 * std[2]:.4g}, ... "
+                               "(16 values)] in the model")  # fmt: skip
 
 
 def test_config_changes_when_weights_change_in_place(tmp_path: Path) -> None:

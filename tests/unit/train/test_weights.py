@@ -12,8 +12,9 @@ from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DCondi
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model
+from stk.models.weightfiles import weight_files
 from stk.train.objectives import objective_for
-from stk.train.weights import load_weights, weight_files
+from stk.train.weights import load_weights
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
