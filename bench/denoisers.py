@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from stk.models.components import latent_channels
 from stk.models.families import flux, flux2, sd3, spec_for
+from stk.models.model_json import scale_factor_of
 from stk.models.published import PUBLISHED, published_config
 from stk.models.textmask import TEXT_MASK
 from stk.train.batch import StepInputs
@@ -116,7 +118,7 @@ class Settings:
 
 def vae_scale_factor(config: str) -> int:
     """Pixels per latent of the published VAE (as diffusers' pipelines compute it)."""
-    return int(2 ** (len(published_config(config, "vae")["block_out_channels"]) - 1))
+    return scale_factor_of(published_config(config, "vae"))
 
 
 def step_inputs(
@@ -124,7 +126,7 @@ def step_inputs(
 ) -> StepInputs:
     """A batch of one at `resolution` px as stk-train hands it to the family's denoise: latents and text."""
     g = torch.Generator().manual_seed(1)
-    channels = int(published_config(config, "vae")["latent_channels"])
+    channels = latent_channels(published_config(config, "vae"))
     side = resolution // vae_scale_factor(config)
     text = text_inputs(config, denoiser_config, tokens, 1, g)
     return StepInputs(
@@ -140,11 +142,15 @@ def training_forward(config: str, model: torch.nn.Module, inputs: StepInputs) ->
     DDPM: timestep 500): the denoiser's prediction and the target of its MSE."""
     spec = spec_for(PUBLISHED[config])
     latents = inputs.latents
-    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2)).to(latents.dtype)
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2)).to(latents)  # its device too
     b = len(latents)
     if spec.flow:
-        levels, noisy, target = torch.full((b,), 0.5, dtype=latents.dtype), (latents + noise) / 2, noise - latents
+        levels, noisy, target = (
+            torch.full((b,), 0.5, dtype=latents.dtype, device=latents.device),
+            (latents + noise) / 2,
+            noise - latents,
+        )
     else:
-        levels, noisy, target = torch.full((b,), 500), latents + noise, noise
+        levels, noisy, target = torch.full((b,), 500, device=latents.device), latents + noise, noise
     settings = Settings(vae_scale_factor(config))
     return spec.denoise(settings, model, noisy, levels, inputs), spec.pack(target)

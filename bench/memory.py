@@ -1,6 +1,6 @@
 """Benchmark the memory stk-train's options buy: gradient checkpointing, LoRA, and the DeepSpeed ZeRO presets.
 
-    python bench/memory.py [--resolution 256] [--steps 3] [--threads 2] [--table] [--quick]
+    python bench/memory.py [--resolution 256] [--steps 3] [--threads 2] [--table [--configs A,B]] [--quick]
 
 Every model is built at full width from its published config with random bf16 weights (no download), on the CPU,
 and every configuration runs in a fresh process of this script, which reports its RSS high-water mark (VmHWM):
@@ -18,9 +18,9 @@ and every configuration runs in a fresh process of this script, which reports it
      on the full-width UNet with the adapter; full fine-tuning does not fit this machine's RAM (5 GB weights, 5 GB
      gradients, 10 GB state), so its real step runs on a reduced UNet (full width, one transformer layer per block)
      and the bytes per parameter it measures are scaled to the full UNet's exact parameter count. Target: <= 2%.
-  3. --table: per-GPU memory of every flow family's published config (Flux.1-dev, SD3.5 Large and Medium, Chroma1,
-     Z-Image: stk.models.published) and the SDXL UNet at 1024 px, batch 8 per GPU, on 32 GPUs, for each
-     preset in stk/train/presets, checkpointing off and on, full fine-tune and LoRA, bf16 under DeepSpeed. Model
+  3. --table: per-GPU memory of every flow family's published config (stk.models.published; --configs names some)
+     and the SDXL UNet at 1024 px, batch 8 per GPU, on 32 GPUs, for each preset in stk/train/presets,
+     checkpointing off and on, full fine-tune and LoRA, bf16 under DeepSpeed, and the largest batch that fits. Model
      states: the ZeRO paper's accounting and the presets' bucket sizes. Activations: autograd's count at two sizes
      (a transformer: one block of each kind at full width, bench/denoisers.py, at 256 and 512 px with the text
      tokens in 1024 px's ratio, Flux 32 and 128; SDXL: the whole UNet at --resolution and half), through the
@@ -145,6 +145,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (OMP_NUM_THREADS) per process")
     parser.add_argument("--table", action="store_true", help="also the per-GPU memory table of the reference run")
     parser.add_argument("--quick", action="store_true", help="smoke: 128 px, one timed step, transformers at 256 px")
+    parser.add_argument("--configs", help="the table's flow configs, comma-separated (default: every one published)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -35,6 +35,10 @@ class Activations:
     def at(self, batch: int) -> float:
         return batch * (self.saved + self.recompute + self.working) + self.fixed
 
+    def largest_batch(self, room: float) -> int:
+        """The most samples whose activations fit in `room` bytes (0: not one)."""
+        return max(0, int((room - self.fixed) // (self.saved + self.recompute + self.working)))
+
 
 @dataclass(frozen=True)
 class Model:
@@ -176,7 +180,8 @@ def part_table(args: argparse.Namespace, sdxl: Runs) -> None:
     res, half = args.resolution, args.resolution // 2
     for size, ckpt in ((res, True), (half, False), (half, True)):
         sdxl[("lora", ckpt, size)] = run_child(sdxl_spec("lora", ckpt, size, args))
-    measured = [transformer_runs(config, args) for config in flow_configs()]
+    configs = args.configs.split(",") if args.configs else flow_configs()
+    measured = [transformer_runs(config, args) for config in configs]
     sdxl_pixels = {size: float((size // 8) ** 2) for size in (res, half)}
     models = [transformer_model(m, threshold) for m in measured] + [
         Model("SDXL UNet", *counts("sdxl", SDXL_UNET, threshold), {(mode, ckpt): estimate(
@@ -215,8 +220,9 @@ def print_table(models: list[Model], presets: dict[str, Any]) -> None:
     budget = GPU_BYTES * (1 - HEADROOM)
     print(f"fits: total <= {budget / GB:.0f} GB ({GPU_BYTES / GB:.0f} GB less {HEADROOM * 100:.0f}% for the CUDA "
           "context, NCCL and fragmentation). GB = 10^9 bytes.\n")  # fmt: skip
-    print("| model | mode | ckpt | preset | weights | grads | optimizer | buffers | activations | total | fits |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print(f"| model | mode | ckpt | preset | weights | grads | optimizer | buffers | activations | total | fits | "
+          "largest batch |")  # fmt: skip
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     best: dict[tuple[str, str, bool], str] = {}
     for m in models:
         for mode, ckpt in CONFIGS:
@@ -228,7 +234,8 @@ def print_table(models: list[Model], presets: dict[str, Any]) -> None:
                     best.setdefault((m.name, mode, ckpt), preset)
                 cells = " | ".join(f"{c / GB:.1f}" for c in [*states.values(), act, total])
                 fits = "yes" if total <= budget else "no"
-                print(f"| {m.name} | {mode} | {'on' if ckpt else 'off'} | {preset} | {cells} | {fits} |")
+                largest = m.activations[(mode, ckpt)].largest_batch(budget - sum(states.values()))
+                print(f"| {m.name} | {mode} | {'on' if ckpt else 'off'} | {preset} | {cells} | {fits} | {largest} |")
     print("\nthe lowest-overhead preset that fits (in order: " + ", ".join(PRESETS) + "):")
     for m in models:
         for mode in ("full", "lora"):

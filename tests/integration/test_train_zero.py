@@ -113,15 +113,19 @@ MATRIX = [
     ("zero3", Family.SDXL, ["--optimizer", "lion", "--lr", "1e-4"]),
     # the Flux cache holds the prompts (stk-cache --validation-prompts, support/fixtures.py): no text encoder loads; W&B
     ("zero1", Family.FLUX, ["--caption-dropout", "0.5", "--report-to", "wandb"]),
-    ("zero2", Family.FLUX, ["--lr-schedule", "cosine", "--precision", "bf16"]),
     # one cell per newer family, each on another stage: SD3.5's LoRA (the position table a buffer beside it) under
     # ZeRO-1 with accumulation; a LoRA in ChromaPipeline (FLUX.1's blocks) under ZeRO-3 with accumulation and captions
     # of unequal length padded together (dropout to the empty caption); Z-Image's list-in transformer fully trained
-    # with an EMA under ZeRO-2. To keep the suite under 30 minutes they replace SD's plain ZeRO-3 cell (SDXL's covers
-    # a UNet's) and FLUX.1's ZeRO-3 LoRA (Chroma's covers its blocks).
+    # with an EMA under ZeRO-2; FLUX.2-klein fully trained in bf16 with a cosine schedule under ZeRO-2 (its VAE's
+    # batch-norm statistics normalise the cached latents); a LoRA in QwenImagePipeline under ZeRO-3 with masked
+    # captions and dropout (its video VAE's one-frame latents). To keep the suite under 30 minutes they replace SD's
+    # plain ZeRO-3 cell (SDXL's covers a UNet's), FLUX.1's ZeRO-3 LoRA (Chroma's covers its blocks) and FLUX.1's
+    # ZeRO-2 bf16 cell (FLUX.2-klein's).
     ("zero1", Family.SD3, ["--lora-rank", "4", "--grad-accum", "2"]),
     ("zero3", Family.CHROMA, ["--lora-rank", "4", "--caption-dropout", "0.5", "--grad-accum", "2"]),
     ("zero2", Family.ZIMAGE, ["--ema-decay", "0.9"]),
+    ("zero2", Family.FLUX2_KLEIN, ["--lr-schedule", "cosine", "--precision", "bf16"]),
+    ("zero3", Family.QWENIMAGE, ["--lora-rank", "4", "--caption-dropout", "0.5"]),
     (
         "zero2-offload",
         Family.SD,
