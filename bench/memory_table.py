@@ -220,7 +220,7 @@ def print_table(models: list[Model], presets: dict[str, Any]) -> None:
     budget = GPU_BYTES * (1 - HEADROOM)
     print(f"fits: total <= {budget / GB:.0f} GB ({GPU_BYTES / GB:.0f} GB less {HEADROOM * 100:.0f}% for the CUDA "
           "context, NCCL and fragmentation). GB = 10^9 bytes.\n")  # fmt: skip
-    print(f"| model | mode | ckpt | preset | weights | grads | optimizer | buffers | activations | total | fits | "
+    print("| model | mode | ckpt | preset | weights | grads | optimizer | buffers | activations | total | fits | "
           "largest batch |")  # fmt: skip
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     best: dict[tuple[str, str, bool], str] = {}

@@ -35,12 +35,15 @@ def forward_backward_flops(config: str) -> tuple[int, int]:
     counted = []
     for backward in (False, True):
         # a family that drops padded text tokens by mask indexes with it: on meta, every token counts as real
-        with FlopCounterMode(display=False) as counter, fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-            with torch.set_grad_enabled(backward):
-                prediction, target = training_forward(config, model, inputs)
-                loss = F.mse_loss(prediction.float(), target.float())
-                if backward:
-                    loss.backward()
+        with (
+            FlopCounterMode(display=False) as counter,
+            fx_config.patch(meta_nonzero_assume_all_nonzero=True),
+            torch.set_grad_enabled(backward),
+        ):
+            prediction, target = training_forward(config, model, inputs)
+            loss = F.mse_loss(prediction.float(), target.float())
+            if backward:
+                loss.backward()
         counted.append(int(counter.get_total_flops()))
     return counted[0], counted[1]
 
