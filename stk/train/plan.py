@@ -38,6 +38,7 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
     family = Family(opts.family) if opts.family else detect_family(opts.model)
     factor = vae_scale_factor(opts.model)
     if opts.vae_on_the_fly:
+        check_text_encoders_in_train(family, "--vae-on-the-fly encodes the captions as it trains")
         data, buckets, norm = _from_images(opts, factor)
     else:
         data, buckets, norm = _from_cache(opts, family)
@@ -53,6 +54,16 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
         data.close()
         raise
     return TrainPlan(family, data, buckets, repeats, norm, factor)
+
+
+def check_text_encoders_in_train(family: Family, why: str) -> None:
+    """InputError where the family's text encoders are loaded by stk-cache only (`text_encoders_in_train`)."""
+    spec = spec_for(family)
+    if not spec.text_encoders_in_train:
+        raise InputError(
+            f"{why}, but stk-train does not load {spec.title}'s text encoder (an LLM of billions of parameters): "
+            "encode the captions and prompts with stk-cache (--validation-prompts FILE adds prompts to a cache)"
+        )
 
 
 def _from_images(opts: TrainOptions, factor: int) -> tuple[TrainData, dict[BucketShape, list[str]], None]:

@@ -29,7 +29,7 @@ from stk.train.hooks import TrainHook, hooks_for
 from stk.train.metrics import MetricsLog
 from stk.train.objectives import objective_for
 from stk.train.options import TrainOptions
-from stk.train.plan import TrainPlan
+from stk.train.plan import TrainPlan, check_text_encoders_in_train
 from stk.train.sampler import BucketSampler
 from stk.train.step import StepModel
 from stk.train.stopping import StopSignals
@@ -192,6 +192,7 @@ def _embeddings(
     dtype = dtype_of(precision)
 
     def encoders() -> Any:
+        check_text_encoders_in_train(plan.family, "the cache lacks a prompt's embedding (or the empty caption's)")
         log.info("encoding %d prompts with %s's text encoders (stk-cache --validation-prompts stores them)",
                  len(captions), opts.model)  # fmt: skip
         return world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))

@@ -9,10 +9,12 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from support.cache_builds import error_lines
 from support.commands import FAST, run_train, summary_of, train_command, train_env
 from support.train_checks import check_final
 from support.train_outputs import metrics
 
+from stk.errors import ExitCode
 from stk.models import Family
 
 pytestmark = pytest.mark.integration
@@ -28,6 +30,26 @@ def test_vae_on_the_fly_trains_from_the_scan_and_images(setups, scan, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in metrics(out)] == [1, 2] and summary_of(proc)["final"] == str(out / "final")
     check_final(out / "final", Family.SDXL)
+
+
+@pytest.mark.parametrize("case", ["vae-on-the-fly", "prompt-not-cached"])
+def test_a_family_whose_text_encoder_only_stk_cache_loads_needs_its_captions_and_prompts_cached(
+    case, setups, scan, tmp_path
+):
+    """Qwen-Image's text encoder (Qwen2.5-VL, 8B) loads in stk-cache only: stk-train refuses what would load it,
+    before the denoiser loads, naming stk-cache."""
+    model, cache = setups(Family.QWENIMAGE)
+    if case == "vae-on-the-fly":
+        args = ["--vae-on-the-fly", "--scan", scan]
+    else:
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("a prompt stk-cache did not encode\n")
+        args = ["--cache", cache, "--scan", scan, "--validation-prompts", prompts, "--validation-every", "1"]
+    proc = run_train([*args, "--model", model, "--output-dir", tmp_path / "run", "--max-steps", "1", *FAST], mpi=0)
+    assert proc.returncode == ExitCode.INPUT, proc.stderr
+    (line,) = error_lines(proc)
+    assert "stk-train does not load Qwen-Image's text encoder" in line and "stk-cache" in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_trains_from_an_s3_cache_through_a_local_shard_directory(setups, scan, tmp_path, s3_server):

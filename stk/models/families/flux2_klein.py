@@ -113,4 +113,5 @@ SPEC = FamilySpec(
     patch_size=flux2.PATCH,
     pack=flux2.pack,
     vae_class=flux2.VAE_CLASS,
+    text_encoders_in_train=False,  # its text encoder loads in stk-cache only
 )

@@ -179,4 +179,5 @@ SPEC = FamilySpec(
     sample_inputs=_sample_inputs,
     vae_class=AutoencoderKLQwenImage,
     guidance_argument="true_cfg_scale",  # QwenImagePipeline's guidance_scale is for guidance-distilled models only
+    text_encoders_in_train=False,  # its text encoder loads in stk-cache only
 )

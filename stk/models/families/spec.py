@@ -93,6 +93,9 @@ class FamilySpec:
     # velocity MSE weighted by sigma^2), as diffusers' SD3 examples do by default (--precondition_outputs 1)
     precondition_outputs: bool = False
     guidance_argument: str = "guidance_scale"  # the pipeline's call argument that takes `Sampling.guidance`
+    # stk-train may load the text encoders (for prompts the cache lacks, and --vae-on-the-fly); False where they are an
+    # LLM of billions of parameters, which only stk-cache loads: the cache must hold every caption and prompt
+    text_encoders_in_train: bool = True
 
     def alignment(self, vae_scale_factor: int) -> int:
         """Pixels that an image's sides must be multiples of, for a VAE of `vae_scale_factor`."""
