@@ -40,6 +40,8 @@ class Denoiser:
 
 
 FLUX_BLOCKS = {"num_layers": "transformer_blocks", "num_single_layers": "single_transformer_blocks"}
+# FLUX.2 (dev and klein) keeps all 512 positions, padding included
+FLUX2 = Denoiser(FLUX_BLOCKS, flux2.MAX_SEQUENCE_LENGTH, {"prompt_embeds": "joint_attention_dim"})
 DENOISERS: dict[str, Denoiser] = {
     "sdxl": Denoiser({}, 77, {"prompt_embeds": "cross_attention_dim"}, {"pooled_prompt_embeds": 1280}),
     "flux": Denoiser(
@@ -55,8 +57,8 @@ DENOISERS: dict[str, Denoiser] = {
     "chroma": Denoiser(FLUX_BLOCKS, flux.T5_MAX_LENGTH, {"prompt_embeds": "joint_attention_dim", TEXT_MASK: 1}),
     # Z-Image stores each caption's real tokens (up to 512): 128 is a caption of ~90 words in Qwen3's chat template
     "zimage": Denoiser({"n_layers": "layers"}, 128, {"prompt_embeds": "cap_feat_dim", TEXT_MASK: 1}),
-    # FLUX.2 keeps all 512 positions, padding included
-    "flux2-klein": Denoiser(FLUX_BLOCKS, flux2.MAX_SEQUENCE_LENGTH, {"prompt_embeds": "joint_attention_dim"}),
+    "flux2": FLUX2,
+    "flux2-klein": FLUX2,
     # Qwen-Image stores each caption's real tokens (up to 1024), Z-Image's 128 likewise
     "qwenimage": Denoiser(
         {"num_layers": "transformer_blocks"}, 128, {"prompt_embeds": "joint_attention_dim", TEXT_MASK: 1}
@@ -65,7 +67,7 @@ DENOISERS: dict[str, Denoiser] = {
 
 # config -> how tables name it
 TITLES = {"sdxl": "SDXL UNet", "flux-dev": "Flux.1-dev", "sd35-large": "SD3.5 Large", "sd35-medium": "SD3.5 Medium",
-          "chroma1": "Chroma1", "zimage": "Z-Image", "flux2-klein-4b": "FLUX.2-klein 4B",
+          "chroma1": "Chroma1", "zimage": "Z-Image", "flux2-dev": "FLUX.2-dev", "flux2-klein-4b": "FLUX.2-klein 4B",
           "flux2-klein-9b": "FLUX.2-klein 9B", "qwen-image": "Qwen-Image"}  # fmt: skip
 
 

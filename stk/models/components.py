@@ -132,7 +132,7 @@ class TextEncoder:
 def load_text_encoder(
     model: str,
     suffix: str,
-    tokenizer_class: type[PreTrainedTokenizerBase],
+    tokenizer_class: Any,  # a tokenizer class, or AutoTokenizer
     encoder_class: type[PreTrainedModel],
     device: torch.device,
     dtype: torch.dtype,

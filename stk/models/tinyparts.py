@@ -15,7 +15,8 @@ from diffusers import UNet2DConditionModel
 # Deep import where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from tokenizers import AddedToken, Tokenizer
-from tokenizers.models import Unigram
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
+from tokenizers.models import BPE, Unigram
 from tokenizers.pre_tokenizers import ByteLevel, Metaspace
 from tokenizers.processors import TemplateProcessing
 from transformers import (
@@ -25,6 +26,7 @@ from transformers import (
     CLIPTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
     Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
@@ -34,10 +36,12 @@ from transformers import (
 __all__ = [
     "CLIP_LENGTH",
     "WORDS",
+    "byte_merges",
     "checked",
     "clip",
     "clip_tokenizer",
     "merge_order",
+    "mistral_tokenizer",
     "qwen_tokenizer",
     "t5",
     "t5_tokenizer",
@@ -58,6 +62,29 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
+# Mistral-Small-3.1's chat template as it renders a system turn and user turns of text (and image) blocks: the system
+# message between [SYSTEM_PROMPT] and [/SYSTEM_PROMPT] after the BOS token, each user turn between [INST] and [/INST].
+# (The real one's dated default system message, for chats without one, is left out.)
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}{%- set system_message = messages[0]['content'] %}"
+    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' }}{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}{%- else %}{{- '[IMG]' }}{%- endif %}"
+    "{%- endfor %}{{- '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}"
+    "{%- endif %}{%- endfor %}"
+)
+# Mistral-Small-3.1's special tokens that its chat template and PixtralProcessor name, in the real vocabulary's order
+MISTRAL3_SPECIAL = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")  # fmt: skip
 
 
 def checked(tokenizer: PreTrainedTokenizerBase, expected: int) -> PreTrainedTokenizerBase:
@@ -107,9 +134,8 @@ def merge_order(words: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(ordered)
 
 
-def qwen_tokenizer(folder: Path, words: tuple[str, ...] = WORDS) -> PreTrainedTokenizerBase:
-    """Qwen2's byte-level BPE (Qwen3's tokenizer class) from a hand-written vocabulary: every byte, merges that join
-    each of `words` and then put the space ('Ġ') in front, the chat tokens, and QWEN3_CHAT_TEMPLATE."""
+def byte_merges(words: tuple[str, ...]) -> list[tuple[str, str]]:
+    """A byte-level BPE's merges that join each of `words` left to right and then put the space ('Ġ') in front."""
     merges: dict[tuple[str, str], None] = {}
     for word in words:
         parts = list(word)
@@ -117,15 +143,40 @@ def qwen_tokenizer(folder: Path, words: tuple[str, ...] = WORDS) -> PreTrainedTo
             merges[(parts[0], parts[1])] = None
             parts = [parts[0] + parts[1], *parts[2:]]
         merges[("Ġ", word)] = None
+    return list(merges)
+
+
+def qwen_tokenizer(folder: Path, words: tuple[str, ...] = WORDS) -> PreTrainedTokenizerBase:
+    """Qwen2's byte-level BPE (Qwen3's tokenizer class) from a hand-written vocabulary: every byte, `byte_merges` of
+    `words`, the chat tokens, and QWEN3_CHAT_TEMPLATE."""
+    merges = byte_merges(words)
     tokens = [*sorted(ByteLevel.alphabet()), *(a + b for a, b in merges), "<|endoftext|>"]
     vocab = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
     chat = ["<|im_start|>", "<|im_end|>"]
-    pairs: Any = list(merges)  # the tokenizers library takes pairs; transformers annotates strings
+    pairs: Any = merges  # the tokenizers library takes pairs; transformers annotates strings
     built = Qwen2Tokenizer(vocab=vocab, merges=pairs, model_max_length=131072)  # Qwen3's limit
     built.add_tokens([AddedToken(token, special=True) for token in chat], special_tokens=True)
     built.chat_template = QWEN3_CHAT_TEMPLATE
     built.save_pretrained(folder)
     return checked(Qwen2Tokenizer.from_pretrained(folder), len(vocab) + len(chat))
+
+
+def mistral_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """Mistral-Small-3.1's kind of tokenizer (a byte-level BPE in a tokenizer.json, no BOS added: its chat template
+    writes it) from a hand-written vocabulary: the special tokens, every byte, `byte_merges` of WORDS, and
+    MISTRAL3_CHAT_TEMPLATE."""
+    merges = byte_merges(WORDS)
+    tokens = [*MISTRAL3_SPECIAL, *sorted(ByteLevel.alphabet()), *(a + b for a, b in merges)]
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
+    backend = Tokenizer(BPE(vocab, merges, unk_token="<unk>"))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    backend.decoder = ByteLevelDecoder()
+    backend.add_special_tokens([AddedToken(token, special=True) for token in MISTRAL3_SPECIAL])
+    built = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                    pad_token="<pad>", model_max_length=131072)  # fmt: skip
+    built.chat_template = MISTRAL3_CHAT_TEMPLATE
+    built.save_pretrained(folder)
+    return checked(PreTrainedTokenizerFast.from_pretrained(folder), len(vocab))
 
 
 def t5_tokenizer(folder: Path, max_length: int) -> PreTrainedTokenizerBase:

@@ -19,11 +19,12 @@ TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
     Family.SD3: {"prompt_embeds": (77 + 16, 160), "pooled_prompt_embeds": (128,)},
     Family.CHROMA: {"prompt_embeds": (16, 48), TEXT_MASK: (16, 1)},
     Family.ZIMAGE: {"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)},
+    Family.FLUX2: {"prompt_embeds": (16, 48)},  # three layers of Mistral3's 16
     Family.FLUX2_KLEIN: {"prompt_embeds": (16, 48)},  # three layers of Qwen3's 16
     Family.QWENIMAGE: {"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)},
 }
 CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16,
-            Family.FLUX2_KLEIN: 8, Family.QWENIMAGE: 16}  # fmt: skip
+            Family.FLUX2: 8, Family.FLUX2_KLEIN: 8, Family.QWENIMAGE: 16}  # fmt: skip
 
 
 def unused_parameters(family: Family, denoiser: torch.nn.Module) -> set[str]:

@@ -1,7 +1,8 @@
-"""What the FLUX.2 families (FLUX.2-dev and FLUX.2-klein) share, as diffusers' Flux2Pipeline and Flux2KleinPipeline
-and their training examples (examples/dreambooth/train_dreambooth_lora_flux2.py, train_dreambooth_lora_flux2_klein.py)
-do it: the VAE, the latents' normalisation, packing and position ids, and the transformer's training call.
+"""FLUX.2-dev (32B), and what the FLUX.2 families (FLUX.2-dev here, FLUX.2-klein in flux2_klein.py) share, as
+diffusers' Flux2Pipeline and Flux2KleinPipeline and their training examples (examples/dreambooth/
+train_dreambooth_lora_flux2.py, train_dreambooth_lora_flux2_klein.py) do it.
 
+Shared: the VAE, the latents' normalisation, packing and position ids, and the transformer's training call.
 - Latents: AutoencoderKLFlux2's distribution is patchified 2x2 (32 channels -> 128 at half the size) and normalised
   by the VAE's batch-norm running statistics, `(x - running_mean) / sqrt(running_var + batch_norm_eps)` per patch
   channel (the example's `latents_bn_mean`/`latents_bn_std`). stk keeps latents in the VAE's (B, C, h, w) layout and
@@ -10,39 +11,63 @@ do it: the VAE, the latents' normalisation, packing and position ids, and the tr
   4C), the timestep sigma (the example's `timesteps / 1000`), the text ids (0, 0, 0, l) and the image ids
   (0, row, column, 0); target noise - latents, compared in the packed layout (the example unpacks the prediction
   instead: the same elements). A guidance-distilled transformer (FLUX.2-dev: `guidance_embeds`) takes the guidance
-  scale too. The example's default weighting ("none") weighs every sample alike.
+  scale too: the example's --guidance_scale, 3.5 (stk-train's --guidance-scale). The example's default weighting
+  ("none") weighs every sample alike.
 - Text: the pipeline stacks the hidden states of three layers of its text encoder along the features, every one of
   the max_sequence_length positions (the transformer attends to the padding: no mask).
+
+FLUX.2-dev (train_dreambooth_lora_flux2.py):
+- Text (Flux2Pipeline._get_mistral_3_small_prompt_embeds): each caption as a chat, the pipeline's SYSTEM_MESSAGE as
+  the system turn and the caption as the user's (its `format_input`), in the chat template, padded to 512 tokens;
+  the hidden states of layers 10, 20 and 30 of Mistral-Small-3 (Mistral3ForConditionalGeneration, the whole model
+  as the pipeline loads it) side by side, 3 x 5120. The pipeline's tokenizer/ is a PixtralProcessor; stk loads its
+  tokenizer alone (the processor's image half needs torchvision and takes no part in text) with the chat template
+  saved beside it: for text alone the processor's apply_chat_template is its tokenizer's.
+- Sigmas: the scheduler's (FLUX.1's, dynamic shifting by image size).
+- Samples: the pipeline's defaults, 50 steps at embedded guidance 4, no negative prompt (guidance-distilled).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline, format_input
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+from transformers import AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration
 
+from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
+from stk.models.components import load_text_encoder, load_vae
+from stk.models.families.registry import Family
+from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 from stk.models.latents import LatentNorm
 
 if TYPE_CHECKING:
-    from stk.models.families.spec import DenoiseSettings
     from stk.train.batch import StepInputs
 
 __all__ = [
+    "HIDDEN_STATES_LAYERS",
     "LORA_TARGETS",
     "MAX_SEQUENCE_LENGTH",
     "PATCH",
+    "SPEC",
     "VAE_CLASS",
+    "Flux2DevEncoders",
     "Flux2Encoders",
     "denoise",
     "pack",
     "patchify",
     "stacked_hidden_states",
+    "tiny_pipeline",
+    "tiny_text_width",
     "tiny_transformer",
     "tiny_vae",
 ]
@@ -50,6 +75,8 @@ __all__ = [
 PATCH = 2  # the pipelines' _patchify_latents folds 2x2 latent patches into channels; the transformer's patch is 1
 MAX_SEQUENCE_LENGTH = 512  # the pipelines' default max_sequence_length
 VAE_CLASS = AutoencoderKLFlux2
+TINY_TEXT_WIDTH = 16
+HIDDEN_STATES_LAYERS = (10, 20, 30)  # Flux2Pipeline's default text_encoder_out_layers (the example's too)
 
 # The examples' default target_modules: the double blocks' attention projections (`to_q/k/v`, `to_out.0`), the single
 # blocks' fused input projection (`to_qkv_mlp_proj`) and their output projection, which the examples list by index
@@ -118,6 +145,27 @@ def tiny_vae(latent_channels: int = 8) -> AutoencoderKLFlux2:
     return vae
 
 
+def tiny_text_width(transformer: Any) -> int:
+    """The tiny text encoder's width for `transformer`, whose text width is three of its layers side by side; for a
+    tiny transformer, TINY_TEXT_WIDTH."""
+    return int(transformer.config.joint_attention_dim) // 3 if transformer is not None else TINY_TEXT_WIDTH
+
+
+def tiny_pipeline(
+    text_encoder: Any, tokenizer: Any, transformer: Any, vae: Any, guidance_embeds: bool
+) -> dict[str, Any]:
+    """A FLUX.2 pipeline's components around a tiny text encoder: `transformer` and `vae` where given, else tiny
+    ones; FLUX.1-dev's scheduler, as the published pipelines have it."""
+    vae = vae or tiny_vae()
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer or tiny_transformer(vae.config.latent_channels, 3 * TINY_TEXT_WIDTH, guidance_embeds),
+    )
+
+
 def tiny_transformer(latent_channels: int, text_width: int, guidance_embeds: bool) -> Flux2Transformer2DModel:
     """One double and two single blocks of width 32 (two heads of 16), reading 2x2 patches of `latent_channels`."""
     return Flux2Transformer2DModel(
@@ -131,3 +179,64 @@ def tiny_transformer(latent_channels: int, text_width: int, guidance_embeds: boo
         axes_dims_rope=(4, 4, 4, 4),  # sums to the head width
         guidance_embeds=guidance_embeds,
     )
+
+
+class Flux2DevEncoders(Flux2Encoders):
+    family = Family.FLUX2
+    text_outputs = ("prompt_embeds",)
+
+    @classmethod
+    def load(cls, model: str, device: torch.device, dtype: torch.dtype) -> Flux2DevEncoders:
+        mistral = load_text_encoder(
+            model, "", AutoTokenizer, Mistral3ForConditionalGeneration, device, dtype, max_length=MAX_SEQUENCE_LENGTH
+        )
+        return cls(model, load_vae(model, device, dtype, VAE_CLASS), (mistral,))
+
+    def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        (mistral,) = self.text
+        chats: Any = mistral.tokenizer.apply_chat_template(
+            format_input(prompts=captions, system_message=SYSTEM_MESSAGE),
+            add_generation_prompt=False,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            padding="max_length",
+            truncation=True,
+            max_length=mistral.max_length,
+        )
+        ids, mask = chats["input_ids"].to(mistral.model.device), chats["attention_mask"].to(mistral.model.device)
+        hidden = mistral.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        return {"prompt_embeds": stacked_hidden_states(hidden.hidden_states, HIDDEN_STATES_LAYERS)}, mask.sum(dim=1)
+
+
+def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
+    """Mistral3 with a text model deep enough for layer 30 and a one-layer vision tower, all 16 wide; its tokenizer
+    saved as a tokenizer (a PixtralProcessor needs torchvision), which the pipeline uses alike for text."""
+    tokenizer = tiny.mistral_tokenizer(scratch / "tokenizer")
+    text = dict(vocab_size=len(tokenizer), hidden_size=tiny_text_width(transformer), intermediate_size=32, head_dim=8,
+                num_hidden_layers=max(HIDDEN_STATES_LAYERS) + 1, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=MAX_SEQUENCE_LENGTH, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                  image_size=56, patch_size=14)  # fmt: skip
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tokenizer.get_vocab()["[IMG]"])
+    return tiny_pipeline(Mistral3ForConditionalGeneration(config), tokenizer, transformer, vae, guidance_embeds=True)
+
+
+SPEC = FamilySpec(
+    name=Family.FLUX2,
+    title="FLUX.2-dev",
+    pipelines=("Flux2Pipeline",),  # text to image and image editing alike
+    pipeline_class=Flux2Pipeline,
+    encoders=Flux2DevEncoders,
+    denoiser_subfolder="transformer",
+    denoiser_class=Flux2Transformer2DModel,
+    flow=True,
+    denoise=denoise,
+    lora_targets=LORA_TARGETS,
+    sampling=Sampling(steps=50, guidance=4.0, negative_prompt=False),  # Flux2Pipeline's defaults
+    published=("flux2-dev",),  # black-forest-labs/FLUX.2-dev
+    tiny=_tiny,
+    patch_size=PATCH,
+    pack=pack,
+    vae_class=VAE_CLASS,
+)

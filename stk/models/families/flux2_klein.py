@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
@@ -69,12 +68,10 @@ class Flux2KleinEncoders(flux2.Flux2Encoders):
 
 def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
     tokenizer = tiny.qwen_tokenizer(scratch / "tokenizer")
-    layers = len(HIDDEN_STATES_LAYERS)
-    width = transformer.config.joint_attention_dim // layers if transformer is not None else 16
     qwen = Qwen3ForCausalLM(  # as the hub ships it; deep enough for the pipeline's layer 27
         Qwen3Config(
             vocab_size=len(tokenizer),
-            hidden_size=width,
+            hidden_size=flux2.tiny_text_width(transformer),
             intermediate_size=32,
             num_hidden_layers=max(HIDDEN_STATES_LAYERS) + 1,
             num_attention_heads=2,
@@ -85,15 +82,7 @@ def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, 
             tie_word_embeddings=True,
         )
     )
-    vae = vae or flux2.tiny_vae()
-    transformer = transformer or flux2.tiny_transformer(vae.config.latent_channels, layers * width, False)
-    return dict(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),  # FLUX.1-dev's
-        vae=vae,
-        text_encoder=qwen,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
+    return flux2.tiny_pipeline(qwen, tokenizer, transformer, vae, guidance_embeds=False)
 
 
 SPEC = FamilySpec(

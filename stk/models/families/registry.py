@@ -18,6 +18,7 @@ class Family(str, enum.Enum):
     SD3 = "sd3"  # Stable Diffusion 3.5 Large and Medium
     CHROMA = "chroma"  # Chroma1 (lodestones)
     ZIMAGE = "zimage"  # Z-Image
+    FLUX2 = "flux2"  # FLUX.2-dev (with what it shares with FLUX.2-klein: flux2.py)
     FLUX2_KLEIN = "flux2-klein"  # FLUX.2-klein 4B and 9B (what it shares with FLUX.2-dev: flux2.py)
     QWENIMAGE = "qwenimage"  # Qwen-Image
 

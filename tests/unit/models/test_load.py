@@ -26,7 +26,7 @@ from stk.models.textmask import TEXT_MASK
 
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting!", "the " * 100 + "cat"]  # the last overflows CLIP's 77
 LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16,
-                   Family.FLUX2_KLEIN: 8, Family.QWENIMAGE: 16}  # fmt: skip
+                   Family.FLUX2: 8, Family.FLUX2_KLEIN: 8, Family.QWENIMAGE: 16}  # fmt: skip
 # name -> shape per caption; widths follow tiny.py (SDXL 32 + 64, Flux T5 48 and CLIP 32, SD3.5 160 = T5's width,
 # Z-Image Qwen3 32, Qwen-Image Qwen2.5-VL 32); with a TEXT_MASK the sequences hold each caption's kept tokens only
 TEXT_SHAPES = {
@@ -36,6 +36,7 @@ TEXT_SHAPES = {
     Family.SD3: {"prompt_embeds": (77 + 256, 160), "pooled_prompt_embeds": (128,)},  # CLIPs' 77, then T5's 256
     Family.CHROMA: {"prompt_embeds": (512, 48), TEXT_MASK: (512, 1)},
     Family.ZIMAGE: {"prompt_embeds": (512, 32), TEXT_MASK: (512, 1)},
+    Family.FLUX2: {"prompt_embeds": (512, 48)},  # three layers of Mistral3's 16, the padding kept
     Family.FLUX2_KLEIN: {"prompt_embeds": (512, 48)},  # three layers of Qwen3's 16, the padding kept
     Family.QWENIMAGE: {"prompt_embeds": (1024, 32), TEXT_MASK: (1024, 1)},
 }
@@ -47,17 +48,21 @@ SEQUENCE_TOKENIZERS = {
     Family.SD3: ["tokenizer_3"],
     Family.CHROMA: ["tokenizer"],
     Family.ZIMAGE: ["tokenizer"],  # the caption in the tokenizer's chat template
+    Family.FLUX2: ["tokenizer"],  # the chat template's system turn: empty here, the pipeline's message in the cache
     Family.FLUX2_KLEIN: ["tokenizer"],
     Family.QWENIMAGE: ["tokenizer"],
 }
 # positions kept beside the counted tokens: SD3's 77 CLIP positions before T5's, Chroma's one padding token after,
-# FLUX.2-klein's empty thinking block (the chat with thinking disabled) after; Qwen-Image's template puts a system turn
+# FLUX.2-dev's system message (143 tokens here) before, FLUX.2-klein's empty thinking block (the chat with thinking
+# disabled) after; Qwen-Image's template puts a system turn
 # before the chat template's user turn and drops both with the user turn's opening 3 tokens
-KEPT = {Family.SD3: 77, Family.CHROMA: 1, Family.FLUX2_KLEIN: 15, Family.QWENIMAGE: -3}
+KEPT = {Family.SD3: 77, Family.CHROMA: 1, Family.FLUX2: 143, Family.FLUX2_KLEIN: 15, Family.QWENIMAGE: -3}
 # the tokens of CAPTIONS[2]: CLIP stops at 77, T5 does not (SD3.5 keeps CLIP's 77 before, Chroma one padding token
-# after), Z-Image's chat template adds 18, FLUX.2-klein's 18 + 15, Qwen-Image's template keeps 5 after the caption
+# after), Z-Image's chat template adds 18, FLUX.2-dev's 5 + 143, FLUX.2-klein's 18 + 15, Qwen-Image's template keeps 5
+# after the caption
 LONG_CAPTION_TOKENS = {Family.SD: 77, Family.SDXL: 77, Family.FLUX: 102, Family.SD3: 77 + 102, Family.CHROMA: 103,
-                       Family.ZIMAGE: 119, Family.FLUX2_KLEIN: 134, Family.QWENIMAGE: 106}  # fmt: skip
+                       Family.ZIMAGE: 119, Family.FLUX2: 249, Family.FLUX2_KLEIN: 134,
+                       Family.QWENIMAGE: 106}  # fmt: skip
 DENOISERS = {
     Family.SD: "UNet2DConditionModel",
     Family.SDXL: "UNet2DConditionModel",
@@ -65,6 +70,7 @@ DENOISERS = {
     Family.SD3: "SD3Transformer2DModel",
     Family.CHROMA: "ChromaTransformer2DModel",
     Family.ZIMAGE: "ZImageTransformer2DModel",
+    Family.FLUX2: "Flux2Transformer2DModel",
     Family.FLUX2_KLEIN: "Flux2Transformer2DModel",
     Family.QWENIMAGE: "QwenImageTransformer2DModel",
 }

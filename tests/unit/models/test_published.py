@@ -1,6 +1,6 @@
 """stk.models.published: the published configs of SD 1.5, SDXL base, FLUX.1-dev, SD3.5 Large and Medium, Chroma1,
-Z-Image, FLUX.2-klein 4B and 9B and Qwen-Image build, on the meta device, the architectures with the published
-parameter counts; and stk.models.tiny builds a loadable pipeline around them."""
+Z-Image, FLUX.2-dev, FLUX.2-klein 4B and 9B and Qwen-Image build, on the meta device, the architectures with the
+published parameter counts; and stk.models.tiny builds a loadable pipeline around them."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ COUNTS = {
     "chroma1": ("8.9B", 83_819_683),  # the card's "8.9 billion"; the VAE is FLUX.1's
     # the card says 6B; the transformer's safetensors index totals 24,619,634,944 bytes of float32; FLUX.1's VAE
     "zimage": (6_154_908_736, 83_819_683),
+    # the card's "32B" (32.22B); the VAE is FLUX.2's (below)
+    "flux2-dev": ("32B", 84_046_372),
     # the sizes FLUX.2-klein is named by (no exact count published); the VAE is FLUX.2's: 84,046,115 parameters and its
     # batch norm's running mean and variance (2 x 128) and batch count
     "flux2-klein-4b": ("4B", 84_046_372),
