@@ -32,7 +32,7 @@ EXPORTED_LATENTS = {
     Family.SD3: (1, 16, 8, 8),
     Family.CHROMA: (1, 16, 64),  # packed 2x2
     Family.ZIMAGE: (1, 16, 8, 8),
-    Family.FLUX2: (1, 8, 8, 8),  # unpatchified
+    Family.FLUX2: (1, 16, 32),  # packed 2x2 (Flux2Pipeline returns its tokens)
     Family.FLUX2_KLEIN: (1, 8, 8, 8),  # unpatchified
     Family.QWENIMAGE: (1, 16, 64),  # packed 2x2
 }
