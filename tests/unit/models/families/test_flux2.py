@@ -6,28 +6,21 @@ shares with FLUX.2-klein (the latents' normalisation) is checked in test_flux2_k
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from diffusers import Flux2Pipeline
-from diffusers.training_utils import compute_loss_weighting_for_sd3
-from peft import LoraConfig
-from peft.tuners.lora import LoraLayer
-from PIL import Image
+from support.flux2_example import GUIDANCE_SCALE, assert_default_lora_targets_are_the_examples, example_step
 from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
+from support.samples import rendered_sample
 
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
 from stk.train.batch import StepInputs, collate_text
-from stk.train.embeddings import embed_captions
-from stk.train.lora import LoraSettings, add_lora
 from stk.train.objectives import objective_for
-from stk.train.render import ValidationRenderer
 from stk.train.validation import ValidationPlan
 
 SPEC = spec_for(Family.FLUX2)
@@ -61,7 +54,7 @@ def test_the_embeddings_are_the_pipelines_encode_prompt(model: str) -> None:
 
 def test_one_step_is_train_dreambooth_lora_flux2(model: str) -> None:
     """On the pipeline's own embeddings: the loss and gradients of the example's step, the guidance-distilled
-    transformer given the example's default --guidance_scale (stk's default too)."""
+    transformer given the example's default --guidance_scale (stk-train's default too)."""
     pipe = Flux2Pipeline.from_pretrained(model)
     encoders = SPEC.encoders.load(model, CPU, torch.float32)
     with torch.no_grad():
@@ -72,41 +65,9 @@ def test_one_step_is_train_dreambooth_lora_flux2(model: str) -> None:
         original_size=torch.tensor([[64, 48]] * 2),
         crop_top_left=torch.zeros(2, 2, dtype=torch.long),
     )
-    args_guidance_scale = 3.5  # the example's --guidance_scale default
-    assert pipe.transformer.config.guidance_embeds
-
-    def reference(transformer: torch.nn.Module, batch: StepInputs, noise: torch.Tensor, sigmas: torch.Tensor):
-        # stk's latents and noise are in the VAE's layout: patchified here, as the example patchifies its latents
-        model_input = Flux2Pipeline._patchify_latents(batch.latents)
-        noise = Flux2Pipeline._patchify_latents(noise)
-        model_input_ids = Flux2Pipeline._prepare_latent_ids(model_input).to(device=model_input.device)
-        timesteps = sigmas * 1000  # the example indexes the scheduler's timesteps; stk draws them continuously
-        sigmas = sigmas.view(-1, 1, 1, 1)
-        noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-        packed_noisy_model_input = Flux2Pipeline._pack_latents(noisy_model_input)
-        guidance = torch.full([1], args_guidance_scale)
-        guidance = guidance.expand(model_input.shape[0])
-        model_pred = transformer(
-            hidden_states=packed_noisy_model_input,
-            timestep=timesteps / 1000,
-            guidance=guidance,
-            encoder_hidden_states=prompt_embeds,
-            txt_ids=text_ids,
-            img_ids=model_input_ids,
-            return_dict=False,
-        )[0]
-        model_pred = model_pred[:, : packed_noisy_model_input.size(1) :]
-        model_pred = Flux2Pipeline._unpack_latents_with_ids(model_pred, model_input_ids)
-        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
-        target = noise - model_input
-        loss = torch.mean(
-            (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
-            1,
-        )
-        return loss.mean()
-
     objective = objective_for(Family.FLUX2, model)
-    assert objective.guidance_scale == args_guidance_scale
+    assert pipe.transformer.config.guidance_embeds and objective.guidance_scale == GUIDANCE_SCALE
+    reference = example_step(Flux2Pipeline, prompt_embeds, text_ids)
     assert_matches_reference(objective, objective.load_denoiser(torch.float32), reference, inputs)
 
 
@@ -128,20 +89,7 @@ def test_the_guidance_reaches_the_transformer(model: str) -> None:
 
 
 def test_the_default_lora_targets_are_the_examples_layers(model: str) -> None:
-    """The example's target_modules list the single blocks' `attn.to_out` by index (up to 48); stk's `attn.to_out`
-    adapts the same layers at any depth (not the double blocks' list of that name)."""
-    objective = objective_for(Family.FLUX2, model)
-    ours = objective.load_denoiser(torch.float32)
-    add_lora(ours, LoraSettings(rank=4), Family.FLUX2, seed=0)
-    target_modules = ["to_k", "to_q", "to_v", "to_out.0"] + [  # noqa: RUF005 (the example's lines)
-        "to_qkv_mlp_proj",
-        *[f"single_transformer_blocks.{i}.attn.to_out" for i in range(48)],
-    ]
-    theirs = objective.load_denoiser(torch.float32)
-    theirs.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=target_modules))
-    adapted = [{n for n, m in d.named_modules() if isinstance(m, LoraLayer)} for d in (ours, theirs)]
-    assert adapted[0] == adapted[1]
-    assert any(n.startswith("single_transformer_blocks.") and n.endswith("attn.to_out") for n in adapted[0])
+    assert_default_lora_targets_are_the_examples(Family.FLUX2, model, single_blocks=48)
 
 
 def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
@@ -165,18 +113,16 @@ def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> Non
     the transformer's input) gives the image that Flux2Pipeline makes from the prompt's text."""
     assert not SPEC.sampling.negative_prompt and SPEC.sampling.guidance > 1
     prompt = CAPTIONS[1]
-    encoders = SPEC.encoders.load(model, CPU, torch.float32)
-    embeddings = embed_captions([prompt], lambda caption: None, lambda: encoders)
-    objective = objective_for(Family.FLUX2, model)
     plan = ValidationPlan(prompts=(prompt,), every=0, steps=2, guidance=4.0, width=64, height=48, seed=5)
-    renderer = ValidationRenderer(plan, objective, objective.load_denoiser(torch.float32), embeddings, CPU,
-                                  torch.float32, 0, 1)  # fmt: skip
-    (sample,) = renderer.render(contextlib.nullcontext()).pngs.values()
-    image = np.asarray(Image.open(io.BytesIO(sample)), dtype=np.int16)
+    image = rendered_sample(Family.FLUX2, model, plan)
 
     pipe = Flux2Pipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
-    own = pipe(prompt=prompt, num_inference_steps=2, guidance_scale=4.0, width=64, height=48,
-               generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
+    own, other = (
+        pipe(prompt=prompt, num_inference_steps=2, guidance_scale=guidance, width=64, height=48,
+             generator=torch.Generator().manual_seed(5)).images[0]
+        for guidance in (4.0, 1.5)
+    )  # fmt: skip
     assert image.shape == (48, 64, 3) and image.std() > 0
     assert np.abs(image - np.asarray(own, dtype=np.int16)).max() <= 1
+    assert not np.array_equal(np.asarray(own), np.asarray(other)), "the guidance reached the pipeline"

@@ -6,29 +6,21 @@ embeddings are the pipeline's own."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline
-from diffusers.training_utils import compute_loss_weighting_for_sd3
-from peft import LoraConfig
-from peft.tuners.lora import LoraLayer
-from PIL import Image
+from support.flux2_example import assert_default_lora_targets_are_the_examples, example_step
 from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
+from support.samples import rendered_sample
 
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
-from stk.prompts import EMPTY_CAPTION
 from stk.train.batch import StepInputs, collate_text
-from stk.train.embeddings import embed_captions
-from stk.train.lora import LoraSettings, add_lora
 from stk.train.objectives import objective_for
-from stk.train.render import ValidationRenderer
 from stk.train.validation import ValidationPlan
 
 SPEC = spec_for(Family.FLUX2_KLEIN)
@@ -82,57 +74,13 @@ def test_one_step_is_train_dreambooth_lora_flux2_klein(model: str) -> None:
     torch.testing.assert_close(Flux2KleinPipeline._patchify_latents(inputs.latents), example_input)
     assert not torch.allclose(latents_bn_mean, torch.zeros_like(latents_bn_mean))  # the statistics matter here
 
-    def reference(transformer: torch.nn.Module, batch: StepInputs, noise: torch.Tensor, sigmas: torch.Tensor):
-        # stk's latents and noise are in the VAE's layout: patchified here, as the example patchifies its latents
-        model_input = Flux2KleinPipeline._patchify_latents(batch.latents)
-        noise = Flux2KleinPipeline._patchify_latents(noise)
-        model_input_ids = Flux2KleinPipeline._prepare_latent_ids(model_input).to(device=model_input.device)
-        timesteps = sigmas * 1000  # the example indexes the scheduler's timesteps; stk draws them continuously
-        sigmas = sigmas.view(-1, 1, 1, 1)
-        noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-        packed_noisy_model_input = Flux2KleinPipeline._pack_latents(noisy_model_input)
-        if transformer.config.guidance_embeds:  # noqa: SIM108 (the example's lines)
-            guidance = torch.full([1], 3.5).expand(model_input.shape[0])
-        else:
-            guidance = None
-        model_pred = transformer(
-            hidden_states=packed_noisy_model_input,
-            timestep=timesteps / 1000,
-            guidance=guidance,
-            encoder_hidden_states=prompt_embeds,
-            txt_ids=text_ids,
-            img_ids=model_input_ids,
-            return_dict=False,
-        )[0]
-        model_pred = model_pred[:, : packed_noisy_model_input.size(1) :]
-        model_pred = Flux2KleinPipeline._unpack_latents_with_ids(model_pred, model_input_ids)
-        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
-        target = noise - model_input
-        loss = torch.mean(
-            (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
-            1,
-        )
-        return loss.mean()
-
+    reference = example_step(Flux2KleinPipeline, prompt_embeds, text_ids)
     objective = objective_for(Family.FLUX2_KLEIN, model)
     assert_matches_reference(objective, objective.load_denoiser(torch.float32), reference, inputs)
 
 
 def test_the_default_lora_targets_are_the_examples_layers(model: str) -> None:
-    """The example's target_modules list the single blocks' `attn.to_out` by index (up to 24); stk's `attn.to_out`
-    adapts the same layers at any depth (not the double blocks' list of that name)."""
-    objective = objective_for(Family.FLUX2_KLEIN, model)
-    ours = objective.load_denoiser(torch.float32)
-    add_lora(ours, LoraSettings(rank=4), Family.FLUX2_KLEIN, seed=0)
-    target_modules = ["to_k", "to_q", "to_v", "to_out.0"] + [  # noqa: RUF005 (the example's lines)
-        "to_qkv_mlp_proj",
-        *[f"single_transformer_blocks.{i}.attn.to_out" for i in range(24)],
-    ]
-    theirs = objective.load_denoiser(torch.float32)
-    theirs.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=target_modules))
-    adapted = [{n for n, m in d.named_modules() if isinstance(m, LoraLayer)} for d in (ours, theirs)]
-    assert adapted[0] == adapted[1]
-    assert any(n.startswith("single_transformer_blocks.") and n.endswith("attn.to_out") for n in adapted[0])
+    assert_default_lora_targets_are_the_examples(Family.FLUX2_KLEIN, model, single_blocks=24)
 
 
 def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
@@ -155,14 +103,8 @@ def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> Non
     image that Flux2KleinPipeline makes from the prompt's text, with the empty caption as its negative."""
     assert SPEC.sampling.negative_prompt and SPEC.sampling.guidance > 1
     prompt = CAPTIONS[1]
-    encoders = SPEC.encoders.load(model, CPU, torch.float32)
-    embeddings = embed_captions([prompt, EMPTY_CAPTION], lambda caption: None, lambda: encoders)
-    objective = objective_for(Family.FLUX2_KLEIN, model)
     plan = ValidationPlan(prompts=(prompt,), every=0, steps=2, guidance=4.0, width=64, height=48, seed=5)
-    renderer = ValidationRenderer(plan, objective, objective.load_denoiser(torch.float32), embeddings, CPU,
-                                  torch.float32, 0, 1)  # fmt: skip
-    (sample,) = renderer.render(contextlib.nullcontext()).pngs.values()
-    image = np.asarray(Image.open(io.BytesIO(sample)), dtype=np.int16)
+    image = rendered_sample(Family.FLUX2_KLEIN, model, plan)
 
     pipe = Flux2KleinPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
