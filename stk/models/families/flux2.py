@@ -49,6 +49,7 @@ from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 from stk.models.latents import LatentNorm
+from stk.models.model_json import read_model_json
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
@@ -190,6 +191,8 @@ class Flux2DevEncoders(Flux2Encoders):
         mistral = load_text_encoder(
             model, "", AutoTokenizer, Mistral3ForConditionalGeneration, device, dtype, max_length=MAX_SEQUENCE_LENGTH
         )
+        if mistral.tokenizer.chat_template is None:  # a processor saved before chat_template.jinja: its older file
+            mistral.tokenizer.chat_template = read_model_json(model, "tokenizer/chat_template.json")["chat_template"]
         return cls(model, load_vae(model, device, dtype, VAE_CLASS), (mistral,))
 
     def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -6,6 +6,8 @@ shares with FLUX.2-klein (the latents' normalisation) is checked in test_flux2_k
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
 from support.samples import rendered_sample
 
+from stk.errors import InputError
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
 from stk.train.batch import StepInputs, collate_text
@@ -50,6 +53,22 @@ def test_the_embeddings_are_the_pipelines_encode_prompt(model: str) -> None:
     chat_tokens = [pipe.tokenizer.apply_chat_template(c, return_dict=True)["input_ids"] for c in chats]
     assert [e.length for e in embeddings] == [len(ids) for ids in chat_tokens]
     assert embeddings[0].length != embeddings[1].length
+
+
+def test_a_chat_template_saved_the_older_way_is_read_and_none_is_refused(model: str, tmp_path: Path) -> None:
+    """A PixtralProcessor saved before chat_template.jinja kept its template in tokenizer/chat_template.json, which
+    the tokenizer alone does not read: stk reads it there; with neither file, a clear error."""
+    older = tmp_path / "older"
+    shutil.copytree(model, older)
+    template = (older / "tokenizer" / "chat_template.jinja").read_text(encoding="utf-8")
+    (older / "tokenizer" / "chat_template.jinja").unlink()
+    (older / "tokenizer" / "chat_template.json").write_text(json.dumps({"chat_template": template}), encoding="utf-8")
+    ours, theirs = (SPEC.encoders.load(m, CPU, torch.float32).encode_text(CAPTIONS[:1])[0] for m in (str(older), model))
+    assert ours.length == theirs.length
+    np.testing.assert_array_equal(ours.arrays["prompt_embeds"], theirs.arrays["prompt_embeds"])
+    (older / "tokenizer" / "chat_template.json").unlink()
+    with pytest.raises(InputError, match=r"has no tokenizer/chat_template\.json"):
+        SPEC.encoders.load(str(older), CPU, torch.float32)
 
 
 def test_one_step_is_train_dreambooth_lora_flux2(model: str) -> None:
