@@ -242,4 +242,5 @@ SPEC = FamilySpec(
     patch_size=PATCH,
     pack=pack,
     vae_class=VAE_CLASS,
+    text_encoders_in_train=False,  # its text encoder loads in stk-cache only
 )
