@@ -19,10 +19,12 @@ Shared: the VAE, the latents' normalisation, packing and position ids, and the t
 FLUX.2-dev (train_dreambooth_lora_flux2.py):
 - Text (Flux2Pipeline._get_mistral_3_small_prompt_embeds): each caption as a chat, the pipeline's SYSTEM_MESSAGE as
   the system turn and the caption as the user's (its `format_input`), in the chat template, padded to 512 tokens;
-  the hidden states of layers 10, 20 and 30 of Mistral-Small-3 (Mistral3ForConditionalGeneration, the whole model
-  as the pipeline loads it) side by side, 3 x 5120. The pipeline's tokenizer/ is a PixtralProcessor; stk loads its
-  tokenizer alone (the processor's image half needs torchvision and takes no part in text) with the chat template
-  saved beside it: for text alone the processor's apply_chat_template is its tokenizer's.
+  the hidden states of layers 10, 20 and 30 of Mistral-Small-3 (3.2-24B-Instruct's weights, 3.1's processor, as
+  diffusers' scripts/convert_flux2_to_diffusers.py builds the pipeline; Mistral3ForConditionalGeneration, the whole
+  model as the pipeline loads it) side by side, 3 x 5120. The pipeline's tokenizer/ is a PixtralProcessor; stk loads
+  its tokenizer alone (the processor's image half needs torchvision and takes no part in text) with the chat
+  template saved beside it (chat_template.jinja, or an older processor's chat_template.json): for text alone the
+  processor's apply_chat_template is its tokenizer's.
 - Sigmas: the scheduler's (FLUX.1's, dynamic shifting by image size).
 - Samples: the pipeline's defaults, 50 steps at embedded guidance 4, no negative prompt (guidance-distilled).
 """
