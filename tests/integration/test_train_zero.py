@@ -118,7 +118,8 @@ MATRIX = [
     # of unequal length padded together (dropout to the empty caption); Z-Image's list-in transformer fully trained
     # with an EMA under ZeRO-2; FLUX.2-klein fully trained in bf16 with a cosine schedule under ZeRO-2 (its VAE's
     # batch-norm statistics normalise the cached latents); a LoRA in QwenImagePipeline under ZeRO-3 with masked
-    # captions and dropout (its video VAE's one-frame latents). To keep the suite under 30 minutes they replace SD's
+    # captions and dropout (its video VAE's one-frame latents); FLUX.2-dev fully trained with an EMA under ZeRO-3, as
+    # its 32B need (built partitioned, the EMA partitioned alike). To keep the suite under 30 minutes they replace SD's
     # plain ZeRO-3 cell (SDXL's covers a UNet's), FLUX.1's ZeRO-3 LoRA (Chroma's covers its blocks) and FLUX.1's
     # ZeRO-2 bf16 cell (FLUX.2-klein's).
     ("zero1", Family.SD3, ["--lora-rank", "4", "--grad-accum", "2"]),
@@ -126,6 +127,7 @@ MATRIX = [
     ("zero2", Family.ZIMAGE, ["--ema-decay", "0.9"]),
     ("zero2", Family.FLUX2_KLEIN, ["--lr-schedule", "cosine", "--precision", "bf16"]),
     ("zero3", Family.QWENIMAGE, ["--lora-rank", "4", "--caption-dropout", "0.5"]),
+    ("zero3", Family.FLUX2, ["--ema-decay", "0.9"]),
     (
         "zero2-offload",
         Family.SD,
