@@ -130,7 +130,7 @@ def fit_problem(need: Footprint, free: int, two_pass: bool, device: str) -> str 
     if on_host:
         return (
             f"{sizes} and a {need.vae / GB:.1f} GB VAE do not fit on {where}: use a host with more memory, or "
-            "fewer ranks on it"
+            f"fewer ranks on it ({TWO_PASS} does not help on the CPU: both stay in host memory)"
         )
     if need.text > room:
         return (

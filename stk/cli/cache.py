@@ -75,8 +75,8 @@ def _defaults(name: str) -> Any:
 @click.option("--text-batch-size", default=_defaults("text_batch_size"), type=click.IntRange(1), show_envvar=True,
               help="Captions per batch; captions of similar token counts are batched together.")  # fmt: skip
 @click.option("--two-pass", is_flag=True, show_envvar=True,
-              help="Encode the captions with the text encoders alone on the device, then the images with the VAE "
-                   "alone: for an LLM text encoder that does not fit beside the VAE. The cache is the same.")  # fmt: skip
+              help="Encode the captions with the text encoders alone on the device, then the images with the "
+                   "VAE alone: for an LLM text encoder that does not fit beside the VAE. Same cache.")  # fmt: skip
 @click.option("--shard-size", default=_defaults("shard_size") // 2**20, type=click.IntRange(1), show_envvar=True,
               help="Shard size limit, MiB.")  # fmt: skip
 @click.option("--threads", default=_defaults("threads"), type=click.IntRange(1, 256), show_envvar=True,
