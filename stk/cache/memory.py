@@ -21,6 +21,8 @@ import torch
 
 from stk.errors import InputError
 from stk.log import get_logger
+from stk.models.model_json import read_model_json
+from stk.models.weightfiles import component_folder, weight_files
 
 __all__ = ["Footprint", "TextPass", "check_fits", "fit_problem", "footprint", "free_memory", "load_failure", "measured"]
 
@@ -55,37 +57,25 @@ def _safetensors_parameters(path: Path) -> int:
     return total
 
 
-def component_bytes(folder: Path, itemsize: int) -> int:
-    """Weights of one component folder at `itemsize` bytes a parameter: parameter counts from its safetensors
-    headers (every shard), else the size of its other weight files as stored."""
-    shards = sorted(folder.glob("*.safetensors"))
-    if shards:
-        return sum(_safetensors_parameters(p) for p in shards) * itemsize
-    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-
-
-def _local_folder(model: str) -> Path | None:
-    """The pipeline directory: `model` itself, or a hub id's snapshot in the hub cache (None when not there)."""
-    if Path(model).is_dir():
-        return Path(model)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception:  # not cached, or not a hub id: the load reports it
-        return None
+def _component_bytes(model: str, subfolder: str, itemsize: int) -> int | None:
+    """Weights of one component at `itemsize` bytes a parameter, from its safetensors files' headers; None when it
+    has none on this machine (the load says why, or loads other files)."""
+    folder = component_folder(model, subfolder)
+    files = weight_files(folder) if folder is not None else None
+    return None if files is None else sum(_safetensors_parameters(p) for p in files) * itemsize
 
 
 def footprint(model: str, dtype: torch.dtype) -> Footprint | None:
-    """The text encoders' (every `text_encoder*/`) and the VAE's weights in `dtype`, from the files on disk;
-    None when the pipeline is not on disk."""
-    folder = _local_folder(model)
-    if folder is None:
-        return None
+    """The text encoders' (each `text_encoder*` component of model_index.json) and the VAE's weights in `dtype`,
+    from their files; None where a component has no safetensors files here."""
+    index = read_model_json(model, "model_index.json")
+    names = [name for name, value in index.items() if name.startswith("text_encoder") and value and value[0]]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    text = sum(component_bytes(p, itemsize) for p in sorted(folder.glob("text_encoder*")) if p.is_dir())
-    vae = component_bytes(folder / "vae", itemsize) if (folder / "vae").is_dir() else 0
-    return Footprint(text, vae)
+    sizes = [_component_bytes(model, name, itemsize) for name in [*sorted(names), "vae"]]
+    if any(size is None for size in sizes):
+        return None
+    known = [size or 0 for size in sizes]
+    return Footprint(sum(known[:-1]), known[-1])
 
 
 def _cgroup_free() -> int | None:
