@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from stk import storage
+from stk.cache.memory import TextPass
 from stk.models import Encoders
 from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
 from stk.shards import LatentRecord, ShardWriter, TextRecord
@@ -31,6 +32,7 @@ class Counters:
     images: int = 0
     captions: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
+    text: TextPass = field(default_factory=TextPass)  # the text pass's time and memory peak
 
     def error(self, path: str, kind: str, reason: str, key: str | None = None) -> None:
         """One errors.jsonl row; `key` (of the latent or text embedding not stored) lets verify

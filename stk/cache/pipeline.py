@@ -3,6 +3,7 @@ encode on every rank into its own shards, then list the shards in the manifest o
 
 from __future__ import annotations
 
+import gc
 import time
 import uuid
 from collections import Counter
@@ -14,14 +15,16 @@ import torch
 from stk import storage
 from stk.cache.encode import Counters, encode_latents, encode_texts
 from stk.cache.inspect import cache_lease
+from stk.cache.memory import check_fits, load_failure, measured
 from stk.cache.parts import PartRecorder, read_parts, remove_parts
-from stk.cache.plan import assign, latent_batches, local_work_dir, text_batches
+from stk.cache.plan import assign, latent_batches, local_work_dir, text_batches, text_costs, token_counts
 from stk.errors import InputError, check_max_errors, parse_max_errors
 from stk.lease import leased
 from stk.log import get_logger
 from stk.metadata import to_json_lines
 from stk.models import Encoders, Family, detect_family, load_encoders
 from stk.models.alignment import check_aligned, model_alignment
+from stk.models.load import compute_dtype
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION, read_prompts
 from stk.scan.reader import ScanTable, read_buckets, read_scan
@@ -32,6 +35,7 @@ from stk.shards.keys import text_key
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
+from stk.train.stopping import is_out_of_memory
 from stk.world import World, split_work
 
 __all__ = ["CacheOptions", "CacheSummary", "run_cache"]
@@ -47,7 +51,8 @@ class CacheOptions:
     family: Family | None = None
     device: str | None = None
     batch_size: int = 16
-    text_batch_size: int = 64
+    text_batch_size: int = 64  # captions per batch, batched by token count
+    two_pass: bool = False  # captions with the text encoders alone on the device, then images with the VAE alone
     shard_size: int = 512 * 1024 * 1024
     threads: int = 4
     settings: EncodeSettings = field(default_factory=EncodeSettings)
@@ -73,13 +78,20 @@ class CacheSummary:
     ranks: int
     seconds: float
     images_per_second: float
+    captions_per_second: float  # encoded captions over the longest rank's text pass
+    text_peak_memory_gib: float  # the most any rank's text pass used, of the memory text_peak_memory_of names
+    text_peak_memory_of: str  # "cuda allocated" (the device's, weights included) or "process peak RSS" (CPU)
+    two_pass: bool
 
     def line(self) -> str:
+        passes = "two passes" if self.two_pass else "one pass"
         return (
             f"{self.images} images, {self.captions} distinct captions: encoded {self.encoded_images} images and "
             f"{self.encoded_captions} captions ({self.reused_images} + {self.reused_captions} already cached), "
             f"{self.errors} errors, {self.shards_written} shards ({self.bytes_written / 2**20:.1f} MiB) in "
-            f"{self.seconds:.1f} s ({self.images_per_second:.1f} images/s on {self.ranks} rank(s))"
+            f"{self.seconds:.1f} s ({self.images_per_second:.1f} images/s, {self.captions_per_second:.1f} captions/s "
+            f"on {self.ranks} rank(s), {passes}; text pass peak {self.text_peak_memory_gib:.2f} GiB, "
+            f"{self.text_peak_memory_of})"
         )
 
 
@@ -187,7 +199,12 @@ def _check_inputs(opts: CacheOptions) -> ScanTable:
 
 
 def _plan(
-    opts: CacheOptions, scan: ScanTable, config: CacheConfig, prompts: list[str] | None, world: World
+    opts: CacheOptions,
+    scan: ScanTable,
+    config: CacheConfig,
+    encoders: Encoders,
+    prompts: list[str] | None,
+    world: World,
 ) -> tuple[_Plan, list[_Share]]:
     manifest = _prepare_manifest(opts, config, prompts)
     done_latents: set[str] = set()
@@ -205,9 +222,10 @@ def _plan(
     todo_jobs = [job for job in jobs if job.key not in done_latents]
     todo_captions = {k: c for k, c in captions.items() if k not in done_texts}
     lat = latent_batches(todo_jobs, opts.batch_size)
-    txt = text_batches(todo_captions, opts.text_batch_size)
+    tokens = token_counts(encoders.text, todo_captions)
+    txt = text_batches(todo_captions, opts.text_batch_size, tokens)
     lat_owner = assign([sum(j.pixels for j in b) for b in lat], world.size)
-    txt_owner = assign([len(b) for b in txt], world.size)
+    txt_owner = assign(text_costs(txt, tokens), world.size)
     log.info(
         "%d images (%d cached), %d distinct captions (%d cached): %d + %d batches on %d rank(s)",
         len(jobs), len(jobs) - len(todo_jobs), len(captions), len(captions) - len(todo_captions),
@@ -227,7 +245,18 @@ def _plan(
 
 
 def _load(opts: CacheOptions, world: World) -> tuple[Encoders, CacheConfig]:
-    encoders = load_encoders(opts.model, opts.family, device=_device(opts.device, world))
+    """The encoders on this rank's device, or with --two-pass on the CPU until their pass (in the dtype of the
+    device: the same weights, so the same `Encoders.config()` and interchangeable caches); refused in one line
+    when they cannot fit the device, before or while they load."""
+    device = _device(opts.device, world)
+    dtype = compute_dtype(device)
+    need = check_fits(opts.model, device, dtype, opts.two_pass, world.local_size)
+    try:
+        encoders = load_encoders(opts.model, opts.family, torch.device("cpu") if opts.two_pass else device, dtype)
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise load_failure(opts.model, device, need, opts.two_pass) from exc
+        raise
     buckets = CacheConfig.scan_buckets(read_buckets(opts.scan_dir))
     return encoders, CacheConfig(encoders.family.value, encoders.config(), opts.settings, buckets, encoders.norm)
 
@@ -241,11 +270,31 @@ def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, plan: _P
     total = sum(len(b) for b in latent) + sum(len(b) for b in text)
     work_dir = local_work_dir(opts.cache, world.rank)
     writer = ShardWriter(opts.cache, work_dir, writer_name, opts.shard_size, recorder, plan.header)
+    device = _device(opts.device, world)
     with Progress(world, total=total, unit="sample", desc=f"cache (rank 0 of {world.size})") as progress:
-        encode_texts(encoders, text, writer, opts.settings, counters, progress.update)
+        if opts.two_pass:
+            encoders.place(text=device, vae=torch.device("cpu"))
+        with measured(device) as counters.text:
+            encode_texts(encoders, text, writer, opts.settings, counters, progress.update)
+        log.info(
+            "text pass: %d captions in %.1f s (%.1f captions/s), peak %.2f GiB (%s)",
+            counters.captions, counters.text.seconds, counters.captions / max(counters.text.seconds, 1e-9),
+            counters.text.peak_bytes / 2**30, counters.text.peak_of,
+        )  # fmt: skip
+        if opts.two_pass:
+            _vae_pass(encoders, device)
         encode_latents(encoders, latent, writer, opts.settings, opts.threads, counters, progress.update)
     writer.close()
     return recorder.finished, counters
+
+
+def _vae_pass(encoders: Encoders, device: torch.device) -> None:
+    """--two-pass: the text encoders' weights dropped (device and host), then the VAE onto the device."""
+    encoders.place(text=torch.device("meta"), vae=device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    log.info("text encoders released; the VAE is on %s for the images", device)
 
 
 def _list_shards(opts: CacheOptions, config: CacheConfig, done: list[_Done]) -> list[ShardInfo]:
@@ -257,8 +306,9 @@ def _list_shards(opts: CacheOptions, config: CacheConfig, done: list[_Done]) -> 
     remove_parts(read_parts(opts.cache)[1])
     for rank, (finished, c) in enumerate(done):
         log.info(
-            "rank %d: %d images, %d captions, %d errors, %d shard(s), %.1f MiB",
-            rank, c.images, c.captions, len(c.errors), len(finished), sum(i.bytes for i in finished) / 2**20,
+            "rank %d: %d images, %d captions (%.1f s, peak %.2f GiB), %d errors, %d shard(s), %.1f MiB",
+            rank, c.images, c.captions, c.text.seconds, c.text.peak_bytes / 2**30, len(c.errors), len(finished),
+            sum(i.bytes for i in finished) / 2**20,
         )  # fmt: skip
     return infos
 
@@ -271,6 +321,8 @@ def _finish(
     storage.write_atomic(storage.join(opts.cache, ERRORS), to_json_lines(errors).encode())
     seconds = time.monotonic() - started
     encoded = sum(c.images for _, c in done)
+    captions = sum(c.captions for _, c in done)
+    text_seconds = max(c.text.seconds for _, c in done)
     summary = CacheSummary(
         cache=opts.cache,
         model=opts.model,
@@ -278,7 +330,7 @@ def _finish(
         images=plan.images,
         captions=plan.captions,
         encoded_images=encoded,
-        encoded_captions=sum(c.captions for _, c in done),
+        encoded_captions=captions,
         reused_images=plan.reused_images,
         reused_captions=plan.reused_captions,
         errors=len(errors),
@@ -287,6 +339,10 @@ def _finish(
         ranks=world.size,
         seconds=round(seconds, 3),
         images_per_second=round(encoded / seconds, 2) if seconds > 0 else 0.0,
+        captions_per_second=round(captions / text_seconds, 2) if text_seconds > 0 else 0.0,
+        text_peak_memory_gib=round(max(c.text.peak_bytes for _, c in done) / 2**30, 3),
+        text_peak_memory_of=done[0][1].text.peak_of,
+        two_pass=opts.two_pass,
     )
     log.info(summary.line())
     _check_errors(opts, errors, plan.images, plan.root)
@@ -310,7 +366,7 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
         encoders, config = world.run_everywhere(lambda: _load(opts, world))
         return split_work(
             world,
-            lambda: _plan(opts, scans[0], config, prompts, world),
+            lambda: _plan(opts, scans[0], config, encoders, prompts, world),
             lambda plan, share: _encode_share(opts, world, encoders, plan, share),
             lambda plan, done: _finish(opts, world, config, plan, done, started),
             # a disk failure as its StkError naming the rank; nothing unfinished is listed

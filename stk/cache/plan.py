@@ -1,7 +1,8 @@
 """What to encode, and which rank encodes it.
 
 Work is cut into batches that do not depend on the number of ranks (one bucket per latent
-batch, captions in sorted order), and whole batches go to ranks balanced by pixels. Every
+batch; captions ordered by token count, so an LLM text encoder pads little), and whole batches go
+to ranks balanced by pixels and tokens. Every
 sample is therefore encoded in the same batch whatever the rank count, which is what makes 1
 rank and N ranks give bitwise-equal tensors on CPU.
 """
@@ -10,11 +11,18 @@ from __future__ import annotations
 
 import heapq
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from stk import storage
 from stk.shards.jobs import ImageJob
 
-__all__ = ["assign", "latent_batches", "local_work_dir", "text_batches"]
+if TYPE_CHECKING:
+    from stk.models.components import TextEncoder
+
+__all__ = ["assign", "latent_batches", "local_work_dir", "text_batches", "text_costs", "token_counts"]
+
+TOKENIZE_CHUNK = 4096  # captions per tokenizer call: fast tokenizers batch them, memory stays small
 
 
 def latent_batches(jobs: list[ImageJob], batch_size: int) -> list[list[ImageJob]]:
@@ -34,10 +42,33 @@ def latent_batches(jobs: list[ImageJob], batch_size: int) -> list[list[ImageJob]
     return batches
 
 
-def text_batches(captions: dict[str, str], batch_size: int) -> list[list[tuple[str, str]]]:
-    """(key, caption) pairs in key order, cut into batches."""
-    items = sorted(captions.items())
+def token_counts(encoders: Sequence[TextEncoder], captions: dict[str, str]) -> dict[str, int]:
+    """Each caption's length in tokens, by key: the most any of the family's tokenizers gives, capped at what that
+    encoder reads (its max_length). Tokenizing is cheap next to encoding; no model runs."""
+    keys = list(captions)
+    counts = dict.fromkeys(keys, 0)
+    for encoder in encoders:
+        for start in range(0, len(keys), TOKENIZE_CHUNK):
+            chunk = keys[start : start + TOKENIZE_CHUNK]
+            ids = encoder.tokenizer([captions[k] for k in chunk], truncation=True, max_length=encoder.max_length)
+            for key, tokens in zip(chunk, ids["input_ids"], strict=True):
+                counts[key] = max(counts[key], len(tokens))
+    return counts
+
+
+def text_batches(
+    captions: dict[str, str], batch_size: int, tokens: dict[str, int] | None = None
+) -> list[list[tuple[str, str]]]:
+    """(key, caption) pairs cut into batches of `batch_size` captions, ordered by token count (`tokens`, by key)
+    and then key: captions of similar length share a batch, so one padded to the longest pads little. Without
+    `tokens`, in key order."""
+    items = sorted(captions.items(), key=lambda kv: ((tokens or {}).get(kv[0], 0), kv[0]))
     return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+def text_costs(batches: list[list[tuple[str, str]]], tokens: dict[str, int]) -> list[int]:
+    """A caption batch's cost for `assign`: its captions times its longest one's tokens (what a padded batch runs)."""
+    return [len(batch) * max(1, *(tokens.get(key, 0) for key, _ in batch)) for batch in batches]
 
 
 def assign(costs: list[int], ranks: int) -> list[list[int]]:

@@ -32,7 +32,8 @@ Examples:
   stk-cache info s3://bucket/cache | jq .samples
 
 \b
-Exit codes: 0 done; 2 bad option; 3 scan, model or cache unusable (another config: --force);
+Exit codes: 0 done; 2 bad option; 3 scan, model or cache unusable (another config: --force), or the
+text encoders do not fit the device (the line names their size, and --two-pass where it helps);
 4 more images failed than --max-errors (see CACHE/errors.jsonl); 6 damaged data: a scan table,
 manifest or shard that cannot be read (the line names the fix), or verify found missing or
 damaged shards or samples; 7 another stk-cache holds --out; 69 a full or read-only disk, S3 down
@@ -72,7 +73,10 @@ def _defaults(name: str) -> Any:
 @click.option("--batch-size", default=_defaults("batch_size"), type=click.IntRange(1), show_envvar=True,
               help="Images per VAE batch.")  # fmt: skip
 @click.option("--text-batch-size", default=_defaults("text_batch_size"), type=click.IntRange(1), show_envvar=True,
-              help="Captions per batch.")  # fmt: skip
+              help="Captions per batch; captions of similar token counts are batched together.")  # fmt: skip
+@click.option("--two-pass", is_flag=True, show_envvar=True,
+              help="Encode the captions with the text encoders alone on the device, then the images with the "
+                   "VAE alone: for an LLM text encoder that does not fit beside the VAE. Same cache.")  # fmt: skip
 @click.option("--shard-size", default=_defaults("shard_size") // 2**20, type=click.IntRange(1), show_envvar=True,
               help="Shard size limit, MiB.")  # fmt: skip
 @click.option("--threads", default=_defaults("threads"), type=click.IntRange(1, 256), show_envvar=True,

@@ -74,6 +74,15 @@ class Encoders(abc.ABC):
     def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Batched outputs named as text_outputs, and the real token count per caption."""
 
+    def place(self, text: torch.device, vae: torch.device) -> None:
+        """Move the text encoders and the VAE (stk-cache --two-pass keeps one model on the GPU at a time); the
+        "meta" device drops a component's weights, freeing its memory on the device and the host."""
+        for encoder in self.text:
+            module: torch.nn.Module = encoder.model
+            module.to(text)
+        self.vae.to(vae)
+        self.device = torch.device(vae)
+
     def encode_images(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, 3, H, W) in [-1, 1] on any device -> (mean, logvar) of the latent distribution, unscaled and
         unshifted, float32 on the CPU. Both, not a sample, so the trainer can draw a fresh sample every epoch."""

@@ -7,7 +7,12 @@ import torch
 from stk.models.base import Encoders
 from stk.models.families import Family, detect_family, spec_for
 
-__all__ = ["load_encoders"]
+__all__ = ["compute_dtype", "load_encoders"]
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA (fp16 overflows in SDXL's VAE), float32 elsewhere (CPUs lack fast half precision)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def load_encoders(
@@ -19,16 +24,15 @@ def load_encoders(
     """The VAE and text encoders of `model` (a local diffusers directory or a hub id), frozen for inference.
 
     `family` defaults to the one model_index.json names; `device` to the current CUDA device, else the CPU; `dtype`
-    to bfloat16 on CUDA (fp16 overflows in SDXL's VAE) and float32 elsewhere (CPUs lack fast half precision). The
-    meta `device` asks for the encoders' identity only (`Encoders.config()`): the VAE loads on the CPU, the text
-    encoders are built without their weights, whose digests their files give.
+    to `compute_dtype(device)`. The meta `device` asks for the encoders' identity only (`Encoders.config()`): the VAE
+    loads on the CPU, the text encoders are built without their weights, whose digests their files give.
     """
     family = Family(family) if family is not None else detect_family(model)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = compute_dtype(device)
     return spec_for(family).encoders.load(model, device, dtype)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -124,21 +125,34 @@ def test_a_shared_caption_is_encoded_and_stored_once(scanned: Scanned, built: Ca
     assert shard_rows(cache.path) == (40, len(distinct))  # no caption stored twice in any shard
 
 
+# --two-pass: each rank's captions with the text encoder alone, then its images with the VAE alone; the same cache
+@pytest.mark.parametrize("passes", [[], ["--two-pass"]], ids=["one-pass", "two-pass"])
 def test_two_ranks_give_the_same_keys_and_bitwise_equal_tensors(
-    models: dict[Family, str], scanned: Scanned, built: Callable[[Family], Built], tmp_path: Path
+    models: dict[Family, str], scanned: Scanned, built: Callable[[Family], Built], tmp_path: Path, passes: list[str]
 ) -> None:
     one = built(Family.SD)
     out = tmp_path / "two"
-    proc = run_cache([scanned.scan, "--model", models[Family.SD], "--out", out, *FP32, *ONE_BAD], mpi=2)
+    proc = run_cache([scanned.scan, "--model", models[Family.SD], "--out", out, *FP32, *ONE_BAD, *passes], mpi=2)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     summary = summary_of(proc)
-    assert summary["ranks"] == 2
+    assert summary["ranks"] == 2 and summary["two_pass"] == bool(passes) and not one.summary["two_pass"]
     for name in ("images", "captions", "encoded_images", "encoded_captions", "errors"):
         assert summary[name] == one.summary[name], name
+    # the text pass's speed and memory peak: in the JSON, the summary line and each rank's progress log
+    assert summary["captions_per_second"] > 0 and summary["text_peak_memory_of"] == "process peak RSS"
+    assert summary["text_peak_memory_gib"] > 0.05  # a Python process with torch loaded, at least
+    assert "captions/s" in proc.stderr and f"text pass peak {summary['text_peak_memory_gib']:.2f} GiB" in proc.stderr
+    assert "text pass: " in proc.stderr  # rank 0's, as it goes; then every rank's, at the end
+    assert ("text encoders released" in proc.stderr) == bool(passes)
+    assert all(
+        re.search(rf"rank {r}: \d+ images, \d+ captions \([\d.]+ s, peak [\d.]+ GiB\)", proc.stderr) for r in (0, 1)
+    )
 
     manifest = Manifest.load(str(out))
-    assert manifest is not None
+    one_manifest = Manifest.load(str(one.path))
+    assert manifest is not None and one_manifest is not None
+    assert manifest.config == one_manifest.config  # the encoders' identity: either cache resumes the other
     assert {entry["name"].split("-")[1] for entry in manifest.shards} == {"r00000", "r00001"}
     assert sorted(os.listdir(out / "shards")) == sorted(entry["name"] for entry in manifest.shards)
     assert (out / "errors.jsonl").read_text() == (one.path / "errors.jsonl").read_text()

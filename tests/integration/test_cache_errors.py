@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import math
 import shutil
+import struct
 import threading
 import time
 import uuid
@@ -50,6 +52,19 @@ def test_a_missing_scan_a_directory_that_is_no_model_or_of_no_known_family_or_an
     assert "pipeline 'WanPipeline' is not one stk knows" in lines[0] and "--family sd|sdxl|flux|sd3" in lines[0]
     assert not (tmp_path / "cache2").exists()
 
+    # a text encoder larger than this host's memory (a real checkpoint file, sparse: 1 TiB of zeros taking no disk),
+    # for --device cpu: refused from its safetensors header in one line naming its size, before any weight loads
+    huge = tmp_path / "huge-model"
+    shutil.copytree(models[Family.SD], huge)
+    weights = huge / "text_encoder" / "model.safetensors"
+    write_sparse_safetensors(weights, "text_model.embeddings.token_embedding.weight", [2**28, 1024])
+    proc = run_cache([scanned.scan, "--model", huge, "--out", tmp_path / "cache-huge", "--device", "cpu"])
+    lines = error_lines(proc)
+    assert proc.returncode == 3 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{huge}: 1099.5 GB of text encoders and a 0.0 GB VAE do not fit on cpu, which has " in lines[0]
+    assert "use a host with more memory" in lines[0] and "--two-pass does not help on the CPU" in lines[0]
+    assert not (tmp_path / "cache-huge" / "shards").exists()
+
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n \n")
     proc = run_cache([scanned.scan, "--model", models[Family.SD], "--out", tmp_path / "cache3",
@@ -57,6 +72,16 @@ def test_a_missing_scan_a_directory_that_is_no_model_or_of_no_known_family_or_an
     lines = error_lines(proc)
     assert proc.returncode == 3 and len(lines) == 1 and f"{empty}: no prompts in it (one per line)" in lines[0]
     assert not (tmp_path / "cache3").exists()
+
+
+def write_sparse_safetensors(path: Path, name: str, shape: list[int]) -> None:
+    """A float32 safetensors file of one tensor, its data a hole: the file has its full size but no blocks."""
+    size = 4 * math.prod(shape)
+    header = json.dumps({name: {"dtype": "F32", "shape": shape, "data_offsets": [0, size]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + size)
 
 
 def test_a_truncated_scan_table_a_missing_or_an_empty_shard_are_exit_6_naming_the_file_and_the_fix(

@@ -1,10 +1,12 @@
-"""Keys and work planning for stk-cache: pure functions, no models."""
+"""Keys and work planning for stk-cache: pure functions; token counts with a tiny model's real tokenizers."""
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
-from stk.cache.plan import assign, latent_batches, text_batches
+from stk.cache.plan import assign, latent_batches, text_batches, text_costs, token_counts
+from stk.models import Family, build_tiny_model, load_encoders
 from stk.scan.reader import ScanTable
 from stk.shards.jobs import ImageJob, jobs_for
 from stk.shards.keys import latent_key, text_key
@@ -58,6 +60,30 @@ def test_latent_batches_hold_one_bucket_and_do_not_depend_on_input_order() -> No
 def test_text_batches_are_sorted_by_key() -> None:
     batches = text_batches({"k3": "c", "k1": "a", "k2": "b"}, 2)
     assert batches == [[("k1", "a"), ("k2", "b")], [("k3", "c")]]
+
+
+def test_text_batches_group_captions_of_similar_token_counts_whatever_the_input_order() -> None:
+    captions = {f"k{i:02d}": "word " * n for i, n in enumerate([30, 2, 31, 3, 29, 1, 2, 30])}
+    tokens = {key: len(caption.split()) for key, caption in captions.items()}
+    batches = text_batches(captions, 4, tokens)
+    assert [[tokens[k] for k, _ in b] for b in batches] == [[1, 2, 2, 3], [29, 30, 30, 31]]
+    assert text_batches(dict(reversed(captions.items())), 4, tokens) == batches  # the rank count cannot change it
+    assert [len(b) for b in text_batches(captions, 3, tokens)] == [3, 3, 2]  # --text-batch-size: captions a batch
+    # ranks share batches by what a padded batch runs: its captions times its longest caption's tokens
+    assert text_costs(batches, tokens) == [4 * 3, 4 * 31]
+    assert text_costs([[("none", "")]], {}) == [1]
+
+
+def test_token_counts_are_the_longest_over_the_family_tokenizers_capped_at_their_length(tmp_path: Path) -> None:
+    encoders = load_encoders(build_tiny_model(Family.FLUX, str(tmp_path / "flux")), Family.FLUX, "cpu")  # CLIP + T5
+    clip, t5 = encoders.text
+    captions = {"short": "a cat", "long": "a photo of " * 200, "empty": ""}
+    counts = token_counts(encoders.text, captions)
+    assert counts["long"] == max(clip.max_length, t5.max_length)  # truncated as the encoder reads it
+    for key, caption in captions.items():
+        lengths = [len(e.tokenizer(caption, truncation=True, max_length=e.max_length)["input_ids"]) for e in (clip, t5)]
+        assert counts[key] == max(lengths), key
+    assert counts["empty"] < counts["short"] < counts["long"]
 
 
 def test_assign_balances_cost_and_covers_every_batch_once() -> None:
