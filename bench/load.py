@@ -7,9 +7,9 @@ weights, written with save_pretrained:
 
   * flux1: FLUX.1's (3072 hidden, 24 heads; 2 + 2 blocks: 1.03B parameters), in bf16 (as FLUX.1-dev ships) and in
     fp32 (as SDXL's UNet ships);
-  * flux2: FLUX.2-dev's (Flux2Transformer2DModel: 6144 hidden = 48 heads x 128, mlp ratio 3, joint_attention_dim
-    15360, 128 input channels; 1 + 1 blocks: 2.29B parameters), in bf16 only, as FLUX.2-dev ships (an fp32 copy
-    would not fit beside diffusers' load on a 24 GiB machine).
+  * flux2: FLUX.2-dev's published config (stk/models/configs/flux2-dev: Flux2Transformer2DModel, 6144 hidden = 48
+    heads x 128, mlp ratio 3, joint_attention_dim 15360, 128 input channels; 1 + 1 blocks: 2.29B parameters), in
+    bf16 only, as FLUX.2-dev ships (an fp32 copy would not fit beside diffusers' load on a 24 GiB machine).
 
 Each load runs in a fresh process and reports its RSS high-water mark (VmHWM) above the RSS it had before loading
 (interpreter, torch, diffusers and DeepSpeed imported; under ZeRO-3 also the process group and DeepSpeed's
@@ -38,6 +38,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from stk.models.published import published_config
 
 TARGETS = {"stk": 1.3, "zero3": 0.6}
 PYTHON = sys.executable
@@ -107,16 +109,11 @@ FLUX1 = dict(
     _class_name="FluxTransformer2DModel", attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
     pooled_projection_dim=768, in_channels=64, guidance_embeds=True,
 )  # fmt: skip
-# FLUX.2-dev's published widths: diffusers' scripts/convert_flux2_to_diffusers.py, get_flux2_transformer_config
-# ("flux2-dev"; guidance_embeds is the class's default, true).
-FLUX2_DEV = dict(
-    _class_name="Flux2Transformer2DModel", patch_size=1, in_channels=128, attention_head_dim=128,
-    num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
-    axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True,
-)  # fmt: skip
+# FLUX.2-dev's published config (stk/models/configs/flux2-dev), blocks set by --double and --single
+FLUX2_DEV = published_config("flux2-dev", "denoiser")
 ARCHS = {
     "flux1": Arch("flux", FLUX1, "FluxPipeline", ("bf16", "fp32"), (2, 2)),
-    "flux2": Arch("flux2-klein", FLUX2_DEV, "Flux2Pipeline", ("bf16",), (1, 1)),  # FLUX.2-klein's family: same class
+    "flux2": Arch("flux2", FLUX2_DEV, "Flux2Pipeline", ("bf16",), (1, 1)),
 }
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 

@@ -101,7 +101,7 @@ def bench_load() -> ModuleType:
 
 @pytest.mark.integration
 def test_under_zero3_no_rank_holds_a_flux2_transformer_whole(tmp_path):
-    """FLUX.2-dev's layout (FLUX.2-klein's class) at a quarter of its width, 2 double + 6 single blocks: 376M
+    """FLUX.2-dev's layout at a quarter of its width, 2 double + 6 single blocks: 376M
     parameters, 718 MiB in bf16, no layer over 6% of it. What a rank holds in host memory beyond its own partition
     (which a GPU keeps in its own memory) stays under half the model: a rank that held the whole model at any moment
     would be at or over half. Measured as bench/load.py measures: the RSS high-water mark above the RSS after
@@ -110,7 +110,7 @@ def test_under_zero3_no_rank_holds_a_flux2_transformer_whole(tmp_path):
     bench = bench_load()
     folder = bench.build(tmp_path, bench.ARCHS["flux2"], 2, 6, num_attention_heads=12)["bf16"]
     size = bench.bf16_mib(folder)
-    rows = bench.measure("zero3", folder, tmp_path, Family.FLUX2_KLEIN.value)
+    rows = bench.measure("zero3", folder, tmp_path, Family.FLUX2.value)
     assert len(rows) == 2
     beyond = [(row["peak"] - row["before"] - row["held"]) / size for row in rows]
     assert all(share < 0.5 for share in beyond), (size, rows)
