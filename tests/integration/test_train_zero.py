@@ -107,21 +107,21 @@ def check_lora(out: Path, model: str, family: Family, extra: list[str]) -> None:
 # the last: its resolution cannot be allocated (a round that fails, as one out of memory does), which must cost the
 # samples only.
 MATRIX = [
-    ("zero1", Family.SDXL, ["--grad-accum", "2", "--lora-rank", "4", "--lora-dropout", "0.1"]),
     ("zero2", Family.SDXL, ["--no-gradient-checkpointing"]),  # the other cells checkpoint (the default)
     # the Flux cache holds the prompts (stk-cache --validation-prompts, support/fixtures.py): no text encoder loads; W&B
     ("zero1", Family.FLUX, ["--caption-dropout", "0.5", "--report-to", "wandb"]),
     # one cell per newer family, each on another stage: SD3.5's LoRA (the position table a buffer beside it) under
-    # ZeRO-1 with accumulation; a LoRA in ChromaPipeline (FLUX.1's blocks) under ZeRO-3 with accumulation and captions
-    # of unequal length padded together (dropout to the empty caption); Z-Image's list-in transformer fully trained
-    # with an EMA under ZeRO-2; FLUX.2-klein fully trained in bf16 with a warm-up and a cosine schedule under ZeRO-2
-    # (its VAE's batch-norm statistics normalise the cached latents); a LoRA in QwenImagePipeline under ZeRO-3 with
-    # masked captions and dropout (its video VAE's one-frame latents); FLUX.2-dev fully trained with Lion and an EMA
-    # under ZeRO-3, as its 32B need (built partitioned, the EMA partitioned alike). To keep the suite under 30 minutes
-    # they replace cells of the older families that these cover: SD's and SDXL's ZeRO-3 (a UNet under ZeRO-3: the
-    # worldsize test's LoRA and test_train_weights.py's partitioned load), SD's ZeRO-2 (SDXL's), FLUX.1's ZeRO-3 LoRA
-    # (Chroma's covers its blocks) and FLUX.1's ZeRO-2 bf16 cell (FLUX.2-klein's).
-    ("zero1", Family.SD3, ["--lora-rank", "4", "--grad-accum", "2"]),
+    # ZeRO-1 with accumulation and dropout (the loaded LoRA must be deterministic); a LoRA in ChromaPipeline (FLUX.1's
+    # blocks) under ZeRO-3 with accumulation and captions of unequal length padded together (dropout to the empty
+    # caption); Z-Image's list-in transformer fully trained with an EMA under ZeRO-2; FLUX.2-klein fully trained in bf16
+    # with a warm-up and a cosine schedule under ZeRO-2 (its VAE's batch-norm statistics normalise the cached latents);
+    # a LoRA in QwenImagePipeline under ZeRO-3 with masked captions and dropout (its video VAE's one-frame latents);
+    # FLUX.2-dev fully trained with Lion and an EMA under ZeRO-3, as its 32B need (built partitioned, the EMA
+    # partitioned alike). To keep the suite under 30 minutes they replace cells of the older families that these cover:
+    # SDXL's ZeRO-1 LoRA (SD3.5's here, SDXL's LoRA in test_train_lora.py), SD's and SDXL's ZeRO-3 (a UNet under ZeRO-3:
+    # the worldsize test's LoRA and test_train_weights.py's partitioned load), SD's ZeRO-2 (SDXL's), FLUX.1's ZeRO-3
+    # LoRA (Chroma's covers its blocks) and FLUX.1's ZeRO-2 bf16 cell (FLUX.2-klein's).
+    ("zero1", Family.SD3, ["--lora-rank", "4", "--grad-accum", "2", "--lora-dropout", "0.1"]),
     ("zero3", Family.CHROMA, ["--lora-rank", "4", "--caption-dropout", "0.5", "--grad-accum", "2"]),
     ("zero2", Family.ZIMAGE, ["--ema-decay", "0.9"]),
     ("zero2", Family.FLUX2_KLEIN, ["--lr-schedule", "cosine", "--warmup-steps", "1", "--precision", "bf16"]),
