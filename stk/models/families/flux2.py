@@ -51,6 +51,7 @@ from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 from stk.models.latents import LatentNorm
+from stk.models.layouts import Blocks, Fuse, block_layout, peft_entries
 from stk.models.model_json import read_model_json
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HIDDEN_STATES_LAYERS",
+    "KOHYA_LORA",
     "LORA_TARGETS",
     "MAX_SEQUENCE_LENGTH",
     "PATCH",
@@ -80,6 +82,31 @@ MAX_SEQUENCE_LENGTH = 512  # the pipelines' default max_sequence_length
 VAE_CLASS = AutoencoderKLFlux2
 TINY_TEXT_WIDTH = 16
 HIDDEN_STATES_LAYERS = (10, 20, 30)  # Flux2Pipeline's default text_encoder_out_layers (the example's too)
+
+# FLUX.2's own layer names (black-forest-labs/flux2) under `diffusion_model.`, as ComfyUI and ai-toolkit store a LoRA
+# and diffusers' `_convert_non_diffusers_flux2_lora_to_diffusers` reads it back: q, k and v one `qkv` layer, the single
+# blocks' fused projection `linear1` as diffusers has it too; lora_A/lora_B with the scale folded in, as that reader
+# takes no alpha.
+KOHYA_LORA = block_layout(
+    (
+        Blocks(
+            "transformer_blocks.", "double_blocks.",
+            renames=(
+                ("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"),
+                ("ff.linear_in", "img_mlp.0"), ("ff.linear_out", "img_mlp.2"),
+                ("ff_context.linear_in", "txt_mlp.0"), ("ff_context.linear_out", "txt_mlp.2"),
+            ),
+            fusions=(
+                Fuse("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+                Fuse("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+            ),
+        ),
+        Blocks("single_transformer_blocks.", "single_blocks.",
+               renames=(("attn.to_qkv_mlp_proj", "linear1"), ("attn.to_out", "linear2"))),
+    ),
+    top=(("x_embedder", "img_in"), ("context_embedder", "txt_in"), ("proj_out", "final_layer.linear")),
+    entries=peft_entries,
+)  # fmt: skip
 
 # The examples' default target_modules: the double blocks' attention projections (`to_q/k/v`, `to_out.0`), the single
 # blocks' fused input projection (`to_qkv_mlp_proj`) and their output projection, which the examples list by index
@@ -245,4 +272,5 @@ SPEC = FamilySpec(
     pack=pack,
     vae_class=VAE_CLASS,
     text_encoders_in_train=False,  # its text encoder loads in stk-cache only
+    kohya_lora=KOHYA_LORA,
 )

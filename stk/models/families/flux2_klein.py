@@ -102,5 +102,6 @@ SPEC = FamilySpec(
     patch_size=flux2.PATCH,
     pack=flux2.pack,
     vae_class=flux2.VAE_CLASS,
+    kohya_lora=flux2.KOHYA_LORA,
     text_encoders_in_train=False,  # its text encoder loads in stk-cache only
 )

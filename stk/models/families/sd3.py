@@ -38,6 +38,7 @@ from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.layouts import Blocks, Fuse, block_layout
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
@@ -50,6 +51,30 @@ PATCH = 2
 
 # diffusers' train_dreambooth_lora_sd3.py, target_modules without --lora_layers: both streams' attention projections.
 # Medium's second image attention (`attn2`) is not among them, as there.
+# SD3.5's own layer names (Stability's MM-DiT, ComfyUI's) under `diffusion_model.`: each block a joint block of an image
+# (x_block) and a text (context_block) half, q, k and v one `qkv`; SD3.5 Medium's second image attention `attn2`.
+# diffusers has no reader of them for SD3 (SD3LoraLoaderMixin reads its own names only).
+KOHYA_LORA = block_layout(
+    (
+        Blocks(
+            "transformer_blocks.", "joint_blocks.",
+            renames=(
+                ("attn.to_out.0", "x_block.attn.proj"), ("attn.to_add_out", "context_block.attn.proj"),
+                ("attn2.to_out.0", "x_block.attn2.proj"),
+                ("ff.net.0.proj", "x_block.mlp.fc1"), ("ff.net.2", "x_block.mlp.fc2"),
+                ("ff_context.net.0.proj", "context_block.mlp.fc1"), ("ff_context.net.2", "context_block.mlp.fc2"),
+                ("norm1.linear", "x_block.adaLN_modulation.1"),
+            ),
+            fusions=(
+                Fuse("x_block.attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+                Fuse("context_block.attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+                Fuse("x_block.attn2.qkv", ("attn2.to_q", "attn2.to_k", "attn2.to_v")),
+            ),
+        ),
+    ),
+    top=(("pos_embed.proj", "x_embedder.proj"), ("context_embedder", "context_embedder"),
+         ("proj_out", "final_layer.linear")),
+)  # fmt: skip
 LORA_TARGETS = (
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
@@ -155,4 +180,5 @@ SPEC = FamilySpec(
     tiny=_tiny,
     patch_size=PATCH,
     precondition_outputs=True,
+    kohya_lora=KOHYA_LORA,
 )

@@ -35,6 +35,7 @@ from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.layouts import Blocks, Fuse, block_layout
 from stk.models.textmask import TEXT_MASK, masked_prompts, text_mask
 
 if TYPE_CHECKING:
@@ -45,6 +46,18 @@ __all__ = ["MAX_SEQUENCE_LENGTH", "SPEC", "ZImageEncoders"]
 MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline's default max_sequence_length
 TRAIN_TIMESTEPS = 1000  # the pipeline's timestep scale: t = 1000 sigma, given to the transformer as (1000 - t) / 1000
 PATCH = 2  # the transformer's all_patch_size: 2x2 latent patches per token
+# Z-Image's own layer names (Tongyi-MAI's, ComfyUI's) under `diffusion_model.`: q, k and v are one `attention.qkv`,
+# `to_out.0` is `attention.out`, as diffusers' `_convert_non_diffusers_z_image_lora_to_diffusers` reads them back.
+_ZIMAGE_BLOCK = dict(
+    renames=(
+        ("attention.to_out.0", "attention.out"),
+        *((f"feed_forward.{w}", f"feed_forward.{w}") for w in ("w1", "w2", "w3")),
+        ("adaLN_modulation.0", "adaLN_modulation.0"),
+    ),
+    fusions=(Fuse("attention.qkv", ("attention.to_q", "attention.to_k", "attention.to_v")),),
+)
+KOHYA_LORA = block_layout(tuple(Blocks(f"{kind}.", f"{kind}.", **_ZIMAGE_BLOCK)  # type: ignore[arg-type]
+                                for kind in ("layers", "noise_refiner", "context_refiner")))  # fmt: skip
 LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")  # the example's default target_modules (no --lora_layers)
 
 
@@ -159,4 +172,5 @@ SPEC = FamilySpec(
     tiny=_tiny,
     patch_size=PATCH,
     sample_inputs=_sample_inputs,
+    kohya_lora=KOHYA_LORA,
 )
