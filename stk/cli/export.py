@@ -23,7 +23,8 @@ checkpoint holds DeepSpeed's shards: export its final/). What each format holds:
   kohya        a LoRA under kohya/ComfyUI's keys: lora_unet_... (SD, SDXL); diffusion_model....
                with the model's own layer names (FLUX.1, SD3.5, Chroma, Z-Image, FLUX.2, Qwen-Image)
   single-file  a full fine-tune as one .safetensors in the original layout, read back by
-               from_single_file; families: {", ".join(single_file_families())} (LDM: UNet, VAE, text encoders)
+               from_single_file; families: {", ".join(single_file_families())}
+               (SD, SDXL: the LDM checkpoint, UNet, VAE and text encoders; the others: the transformer)
 Adapters and formats: {"; ".join(f"{kind}: {', '.join(f.value for f in fits)}" for kind, fits in FORMATS.items())}.
 
 \b

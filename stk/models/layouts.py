@@ -5,8 +5,11 @@ and renames by prefix."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,10 +22,12 @@ __all__ = [
     "KohyaLora",
     "LoraLayer",
     "block_layout",
+    "block_weights",
     "fused",
     "kohya_entries",
     "peft_entries",
     "prefixed",
+    "read_component",
     "renamed",
 ]
 
@@ -135,6 +140,7 @@ def block_layout(
     top: tuple[tuple[str, str], ...] = (),
     prefix: str = DIFFUSION_MODEL,
     entries: Entries = kohya_entries,
+    swaps: tuple[str, ...] = (),
 ) -> KohyaLora:
     """A family whose original checkpoint names its blocks and layers otherwise (FLUX.1, SD3, FLUX.2): each adapted
     layer renamed, or fused with its siblings, under `prefix`; a layer that has no original name is an InputError."""
@@ -145,7 +151,10 @@ def block_layout(
         for name, layer in layers.items():
             kind = next((b for b in blocks if name.startswith(b.diffusers)), None)
             if kind is None:
-                out.update(entries(prefix + renamed(name, top), layer))
+                original = renamed(name, top)
+                if original in swaps:  # the output rows' halves the other way round (`_swapped`)
+                    layer = LoraLayer(down=layer.down, up=_swapped(layer.up), scale=layer.scale)
+                out.update(entries(prefix + original, layer))
                 continue
             index, _, inner = name[len(kind.diffusers) :].partition(".")
             block = f"{kind.original}{index}."
@@ -167,3 +176,57 @@ def block_layout(
 
 def _no_name(name: str) -> InputError:
     return InputError(f"layer {name}: it has no name in this format; export it as diffusers")
+
+
+def read_component(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A diffusers or transformers component folder: its config and its weights (every safetensors shard)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(shard))
+    return config, state
+
+
+def _swapped(value: torch.Tensor) -> torch.Tensor:
+    """The two halves of an adaptive norm's projection the other way round: the originals put shift before scale,
+    diffusers scale before shift (diffusers' `swap_scale_shift`, its own inverse)."""
+    first, second = value.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def block_weights(
+    blocks: tuple[Blocks, ...],
+    top: tuple[tuple[str, str], ...],
+    state: Mapping[str, torch.Tensor],
+    swaps: tuple[str, ...] = (),
+    norms: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """A denoiser's weights under the original checkpoint's names, by the same `Blocks` as its LoRA layout: layers
+    renamed, fused parts concatenated by rows; a layer with no rename keeps its name, as diffusers' readers keep
+    what they do not rename. `swaps`: original layers whose halves diffusers swaps; `norms`: original RMS norms,
+    whose weight the originals call `scale`."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[tuple[str, Fuse, str], dict[int, torch.Tensor]] = {}
+    for key, value in state.items():
+        layer, _, param = key.rpartition(".")
+        kind = next((b for b in blocks if layer.startswith(b.diffusers)), None)
+        if kind is None:
+            name = next((new + layer[len(old) :] for old, new in top if layer.startswith(old)), layer)
+        else:
+            index, _, inner = layer[len(kind.diffusers) :].partition(".")
+            block = f"{kind.original}{index}."
+            fuse = next((f for f in kind.fusions if inner in f.parts), None)
+            if fuse is not None:
+                groups.setdefault((block, fuse, param), {})[fuse.parts.index(inner)] = value
+                continue
+            name = block + dict(kind.renames).get(inner, inner)
+        if name in swaps:
+            value = _swapped(value)
+        if param == "weight" and name.rpartition(".")[2] in norms:
+            param = "scale"
+        out[f"{name}.{param}"] = value
+    for (block, fuse, param), parts in groups.items():
+        out[f"{block}{fuse.original}.{param}"] = torch.cat([parts[slot] for slot in range(len(fuse.parts))])
+    return out

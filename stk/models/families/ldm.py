@@ -6,7 +6,6 @@ UNet or VAE depth converts (the published ones and the tiny ones alike)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,9 @@ from typing import Any
 import torch
 from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 
-__all__ = ["component", "ldm_checkpoint", "ldm_unet", "ldm_vae", "open_clip"]
+from stk.models.layouts import read_component
+
+__all__ = ["ldm_checkpoint", "ldm_unet", "ldm_vae", "open_clip"]
 
 UNET = "model.diffusion_model."
 VAE = "first_stage_model."
@@ -22,17 +23,6 @@ RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_lay
           ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))  # fmt: skip
 VAE_ATTENTION = (("group_norm.", "norm."), ("to_q.", "q."), ("to_k.", "k."), ("to_v.", "v."),
                  ("to_out.0.", "proj_out."))  # fmt: skip
-
-
-def component(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A diffusers or transformers component folder: its config and its weights (every safetensors shard)."""
-    from safetensors.torch import load_file
-
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(shard))
-    return config, state
 
 
 def _unet_blocks(config: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -149,11 +139,11 @@ def ldm_checkpoint(folder: Path, text_encoders: dict[str, str], open_clip_encode
     """The pipeline in `folder` as one LDM state dict: the UNet, the VAE, and each text encoder under its prefix
     (`text_encoders`: subfolder -> prefix, weights under transformers' names; `open_clip_encoders`: converted)."""
     out: dict[str, Any] = {}
-    out.update(ldm_unet(*component(folder / "unet")))
-    out.update(ldm_vae(*component(folder / "vae")))
+    out.update(ldm_unet(*read_component(folder / "unet")))
+    out.update(ldm_vae(*read_component(folder / "vae")))
     for subfolder, prefix in text_encoders.items():
-        _, state = component(folder / subfolder)
+        _, state = read_component(folder / subfolder)
         out.update({prefix + key: value for key, value in state.items()})
     for subfolder, prefix in open_clip_encoders.items():
-        out.update(open_clip(component(folder / subfolder)[1], prefix))
+        out.update(open_clip(read_component(folder / subfolder)[1], prefix))
     return out
