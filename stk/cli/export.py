@@ -20,8 +20,8 @@ Examples:
 SOURCE is stk-train's OUTPUT/final, or one of its checkpoints (an adapter's; a full fine-tune's
 checkpoint holds DeepSpeed's shards: export its final/). What each format holds:
   diffusers    the diffusers/peft LoRA file (`pipe.load_lora_weights`), as stk-train writes it
-  kohya        a LoRA under kohya/ComfyUI's keys: lora_unet_... (SD, SDXL); diffusion_model....
-               with the model's own layer names (FLUX.1, SD3.5, Chroma, Z-Image, FLUX.2, Qwen-Image)
+  kohya        a LoRA under kohya/ComfyUI's keys: lora_unet_... (SD, SDXL, Z-Image); diffusion_model....
+               with the model's own layer names (FLUX.1, SD3.5, Chroma, FLUX.2, Qwen-Image)
   single-file  a full fine-tune as one .safetensors in the original layout, read back by
                from_single_file; families: {", ".join(single_file_families())}
                (SD, SDXL: the LDM checkpoint, UNet, VAE and text encoders; the others: the transformer)

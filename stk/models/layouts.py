@@ -141,9 +141,14 @@ def block_layout(
     prefix: str = DIFFUSION_MODEL,
     entries: Entries = kohya_entries,
     swaps: tuple[str, ...] = (),
+    underscores: bool = False,
 ) -> KohyaLora:
     """A family whose original checkpoint names its blocks and layers otherwise (FLUX.1, SD3, FLUX.2): each adapted
-    layer renamed, or fused with its siblings, under `prefix`; a layer that has no original name is an InputError."""
+    layer renamed, or fused with its siblings, under `prefix` (kohya's `lora_unet_` takes `underscores` for dots);
+    a layer that has no original name is an InputError."""
+
+    def put(out: dict[str, torch.Tensor], name: str, layer: LoraLayer) -> None:
+        out.update(entries(prefix + (name.replace(".", "_") if underscores else name), layer))
 
     def convert(layers: Mapping[str, LoraLayer]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -154,7 +159,7 @@ def block_layout(
                 original = renamed(name, top)
                 if original in swaps:  # the output rows' halves the other way round (`_swapped`)
                     layer = LoraLayer(down=layer.down, up=_swapped(layer.up), scale=layer.scale)
-                out.update(entries(prefix + original, layer))
+                put(out, original, layer)
                 continue
             index, _, inner = name[len(kind.diffusers) :].partition(".")
             block = f"{kind.original}{index}."
@@ -165,10 +170,10 @@ def block_layout(
             original = dict(kind.renames).get(inner)
             if original is None:
                 raise _no_name(name)
-            out.update(entries(prefix + block + original, layer))
+            put(out, block + original, layer)
         for (block, fuse), present in groups.items():
             parts = [present.get(slot) for slot in range(len(fuse.parts))]
-            out.update(entries(prefix + block + fuse.original, fused(parts, fuse.widths(present))))
+            put(out, block + fuse.original, fused(parts, fuse.widths(present)))
         return out
 
     return convert

@@ -48,7 +48,8 @@ TRAIN_TIMESTEPS = 1000  # the pipeline's timestep scale: t = 1000 sigma, given t
 PATCH = 2  # the transformer's all_patch_size: 2x2 latent patches per token
 # Z-Image's own layer names (Tongyi-MAI's, ComfyUI's), the inverse of diffusers' convert_z_image_transformer_
 # checkpoint_to_diffusers: q, k and v are one `attention.qkv`, `to_out.0` is `attention.out`; the other layers keep
-# their names. A LoRA goes under `diffusion_model.`, as `_convert_non_diffusers_z_image_lora_to_diffusers` reads it.
+# their names. A LoRA takes kohya's form of them (`lora_unet_layers_0_attention_qkv`): the one in which diffusers'
+# `_convert_non_diffusers_z_image_lora_to_diffusers` splits a fused qkv (a `diffusion_model.` one it keeps fused).
 RENAMES = (
     ("attention.to_out.0", "attention.out"),
     ("attention.norm_q", "attention.q_norm"),
@@ -61,7 +62,7 @@ BLOCKS = tuple(
     Blocks(f"{kind}.", f"{kind}.", RENAMES, (QKV,)) for kind in ("layers", "noise_refiner", "context_refiner")
 )
 TOP = (("all_x_embedder.2-1", "x_embedder"), ("all_final_layer.2-1", "final_layer"))
-KOHYA_LORA = block_layout(BLOCKS, TOP)
+KOHYA_LORA = block_layout(BLOCKS, TOP, prefix="lora_unet_", underscores=True)
 
 
 def single_file(folder: Path) -> dict[str, torch.Tensor]:
