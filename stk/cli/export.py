@@ -15,10 +15,11 @@ Examples:
   stk-export run1/final lora.safetensors --format kohya
   stk-export run1/checkpoints/step-00001000 lora-1000.safetensors --format kohya
   stk-export run1/final model.safetensors --format single-file
+  stk-export run1/checkpoints/step-00001000 model-1000.safetensors --format single-file --model ./sdxl
 
 \b
-SOURCE is stk-train's OUTPUT/final, or one of its checkpoints (an adapter's; a full fine-tune's
-checkpoint holds DeepSpeed's shards: export its final/). What each format holds:
+SOURCE is stk-train's OUTPUT/final, or one of its checkpoints (a full fine-tune's holds the
+denoiser alone, as DeepSpeed's shards: --model names the pipeline for the rest). Formats:
   diffusers    the diffusers/peft LoRA file (`pipe.load_lora_weights`), as stk-train writes it
   kohya        a LoRA under kohya/ComfyUI's keys: lora_unet_... (SD, SDXL, Z-Image); diffusion_model....
                with the model's own layer names (FLUX.1, SD3.5, Chroma, FLUX.2, Qwen-Image)
@@ -29,7 +30,8 @@ Adapters and formats: {"; ".join(f"{kind}: {', '.join(f.value for f in fits)}" f
 
 \b
 Exit codes: 0 written; 2 bad option; 3 SOURCE is not a final/ or checkpoint, the format cannot
-hold what it holds, or OUT exists (nothing is overwritten); 69 the disk failed.
+hold what it holds, a full fine-tune's checkpoint without --model, or OUT exists (nothing is
+overwritten); 69 the disk failed.
 """
 
 
@@ -42,10 +44,13 @@ hold what it holds, or OUT exists (nothing is overwritten); 69 the disk failed.
 @click.option("--family", type=click.Choice(family_names()), default=None, show_envvar=True,
               help="The model family, where SOURCE does not record it (an adapter's final/ without its run's "
                    "checkpoints) [default: from the run].")  # fmt: skip
+@click.option("--model", default=None, show_envvar=True,
+              help="A full fine-tune's checkpoint: the pipeline the run trained (its --model), for the components "
+                   "the checkpoint does not hold.")  # fmt: skip
 @verbosity_options
-def main(source: str, out: str, format_: str, family: str | None, verbose: int, quiet: bool) -> None:
+def main(source: str, out: str, format_: str, family: str | None, model: str | None, verbose: int, quiet: bool) -> None:
     """Write what stk-train trained (SOURCE) as OUT, in a format other tools load."""
-    opts = ExportOptions(source, out, Format(format_), Family(family) if family else None)
+    opts = ExportOptions(source, out, Format(format_), Family(family) if family else None, model)
 
     def body(world: World) -> int:
         export(opts)

@@ -12,6 +12,7 @@ from stk.export.adapters import adapter_kind, write_adapter
 from stk.export.formats import Format, check_format
 from stk.export.single import write_single_file
 from stk.export.source import read_source
+from stk.export.weights import pipeline_of
 from stk.log import get_logger
 from stk.models.families import Family
 from stk.storage.failures import storage_errors
@@ -27,6 +28,7 @@ class ExportOptions:
     out: str  # the file to write; must not exist
     format: Format = Format.DIFFUSERS
     family: Family | None = None  # where the source does not record it (an adapter's final/ on its own)
+    model: str | None = None  # the pipeline a full fine-tune's checkpoint was trained from (its other components)
 
 
 def export(opts: ExportOptions) -> str:
@@ -46,8 +48,8 @@ def export(opts: ExportOptions) -> str:
             if source.adapter is not None:
                 write_adapter(source.adapter, source.family.value, opts.format, tmp)
             else:
-                assert source.pipeline is not None
-                write_single_file(source.pipeline, source.family.value, tmp)
+                with pipeline_of(source, opts.model, out.parent) as pipeline:
+                    write_single_file(pipeline, source.family.value, tmp)
             tmp.rename(out)
         finally:
             tmp.unlink(missing_ok=True)

@@ -1,6 +1,6 @@
 """What a folder given to stk-export holds, as stk-train writes it: OUTPUT/final (the adapter's diffusers file, or
 the whole pipeline of a full fine-tune), or a checkpoint (its stk-run.json; an adapter's checkpoint holds the adapter
-as final/ does, in lora/)."""
+as final/ does, in lora/; a full fine-tune's, DeepSpeed's shards of the denoiser)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Source:
     path: Path
     family: Family
     adapter: Path | None  # the adapter's diffusers file; None for a full fine-tune
-    pipeline: Path | None  # the diffusers pipeline folder of a full fine-tune
+    pipeline: Path | None  # the diffusers pipeline folder of a full fine-tune's final/; None for its checkpoint
 
 
 def _family_of_run(checkpoint: Path) -> Family | None:
@@ -58,10 +58,7 @@ def read_source(path: str, family: Family | None) -> Source:
         recorded = _family_of_run(folder)
         if (folder / CHECKPOINT_ADAPTER / ADAPTER_FILE).is_file():
             return _adapter(folder, folder / CHECKPOINT_ADAPTER / ADAPTER_FILE, family or recorded)
-        raise InputError(
-            f"{path}: a checkpoint of a full fine-tune holds DeepSpeed's shards, not a model: "
-            "export OUTPUT/final, which the run writes when it finishes"
-        )
+        return Source(folder, _known(folder, family or recorded), adapter=None, pipeline=None)
     if (folder / ADAPTER_FILE).is_file():
         return _adapter(folder, folder / ADAPTER_FILE, family or _family_beside(folder))
     raise InputError(
@@ -69,7 +66,11 @@ def read_source(path: str, family: Family | None) -> Source:
     )
 
 
-def _adapter(folder: Path, file: Path, family: Family | None) -> Source:
+def _known(folder: Path, family: Family | None) -> Family:
     if family is None:
-        raise InputError(f"{folder}: the adapter's family is not recorded beside it; {family_hint()}")
-    return Source(folder, family, adapter=file, pipeline=None)
+        raise InputError(f"{folder}: the model's family is not recorded beside it; {family_hint()}")
+    return family
+
+
+def _adapter(folder: Path, file: Path, family: Family | None) -> Source:
+    return Source(folder, _known(folder, family), adapter=file, pipeline=None)

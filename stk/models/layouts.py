@@ -215,7 +215,10 @@ def block_weights(
     out: dict[str, torch.Tensor] = {}
     groups: dict[tuple[str, Fuse, str], dict[int, torch.Tensor]] = {}
     for key, value in state.items():
-        layer, _, param = key.rpartition(".")
+        layer, dot, param = key.rpartition(".")
+        if not dot:  # a parameter of the model itself (Z-Image's pad tokens): named alike
+            out[key] = value
+            continue
         kind = next((b for b in blocks if layer.startswith(b.diffusers)), None)
         if kind is None:
             name = next((new + layer[len(old) :] for old, new in top if layer.startswith(old)), layer)

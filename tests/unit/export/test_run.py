@@ -75,9 +75,11 @@ def test_a_full_fine_tune_names_single_file(tmp_path: Path) -> None:
         export(ExportOptions(str(final), str(tmp_path / "out.safetensors"), Format.KOHYA))
 
 
-def test_a_full_fine_tunes_checkpoint_points_at_final(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match=r"holds DeepSpeed's shards.*export OUTPUT/final"):
-        read_source(str(checkpoint(tmp_path / "step-00000004", adapter=False)), None)
+def test_a_full_fine_tunes_checkpoint_needs_the_model(tmp_path: Path) -> None:
+    folder = checkpoint(tmp_path / "step-00000004", adapter=False)
+    with pytest.raises(InputError, match=r"holds the denoiser alone; give --model"):
+        export(ExportOptions(str(folder), str(tmp_path / "out.safetensors"), Format.SINGLE_FILE))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
 
 
 def test_the_family_comes_from_the_checkpoint_or_the_runs_latest(tmp_path: Path) -> None:
