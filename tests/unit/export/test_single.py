@@ -5,6 +5,7 @@ readers of theirs fix FLUX.1's published widths, or (SD3) were not checked again
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import diffusers
@@ -17,6 +18,12 @@ from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
 
 SINGLE_FILE = [f for f in Family if spec_for(f).single_file is not None]
+
+
+def configs_only(final: str, into: Path) -> str:
+    """final/ without its weights: what `from_single_file(config=...)` reads configs from, so that every weight it
+    loads comes from the single file."""
+    return str(shutil.copytree(final, into, ignore=shutil.ignore_patterns("*.safetensors", "*.bin")))
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, what: str) -> None:
@@ -33,15 +40,18 @@ def test_from_single_file_reads_the_same_weights(family: Family, tmp_path: Path)
     export(ExportOptions(final, str(out), Format.SINGLE_FILE))
     spec = spec_for(family)
     reader = getattr(diffusers, spec.single_file_class)
+    configs = configs_only(final, tmp_path / "configs")
     if reader is spec.pipeline_class:  # the whole pipeline
-        single = reader.from_single_file(str(out), config=final, local_files_only=True)
+        single = reader.from_single_file(str(out), config=configs, local_files_only=True)
         own = spec.pipeline_class.from_pretrained(final)
         for name, component in own.components.items():
             if isinstance(component, torch.nn.Module):
                 assert_same_weights(getattr(single, name), component, name)
     else:  # the denoiser
         assert reader is spec.denoiser_class
-        read = reader.from_single_file(str(out), config=final, subfolder=spec.denoiser_subfolder, local_files_only=True)
+        read = reader.from_single_file(
+            str(out), config=configs, subfolder=spec.denoiser_subfolder, local_files_only=True
+        )
         assert_same_weights(read, reader.from_pretrained(final, subfolder=spec.denoiser_subfolder), spec.title)
 
 
