@@ -167,10 +167,10 @@ def block_layout(
             if fuse is not None:
                 groups.setdefault((block, fuse), {})[fuse.parts.index(inner)] = layer
                 continue
-            original = dict(kind.renames).get(inner)
-            if original is None:
+            inside = dict(kind.renames).get(inner)
+            if inside is None:
                 raise _no_name(name)
-            put(out, block + original, layer)
+            put(out, block + inside, layer)
         for (block, fuse), present in groups.items():
             parts = [present.get(slot) for slot in range(len(fuse.parts))]
             put(out, block + fuse.original, fused(parts, fuse.widths(present)))

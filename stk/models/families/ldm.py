@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING as _MAPPING
 
 from stk.models.layouts import read_component
 
@@ -19,6 +19,7 @@ __all__ = ["ldm_checkpoint", "ldm_unet", "ldm_vae", "open_clip"]
 
 UNET = "model.diffusion_model."
 VAE = "first_stage_model."
+MAPPING: dict[str, Any] = _MAPPING  # diffusers' fixed names, diffusers -> LDM, per component
 RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"), ("conv2", "out_layers.3"),
           ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))  # fmt: skip
 VAE_ATTENTION = (("group_norm.", "norm."), ("to_q.", "q."), ("to_k.", "k."), ("to_v.", "v."),
@@ -58,7 +59,7 @@ def _replace(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
 
 def ldm_unet(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The UNet's weights under their LDM names."""
-    names = DIFFUSERS_TO_LDM_MAPPING["unet"]
+    names = MAPPING["unet"]
     fixed = {**names["layers"], **names["addition_embed_type"]}
     blocks = list(_unet_blocks(config))
     out = {}
@@ -94,7 +95,7 @@ def _vae_blocks(config: dict[str, Any]) -> Iterator[tuple[str, str]]:
 def ldm_vae(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The VAE's weights under their LDM names; the mid-block attention's linear weights as the 1x1 convolutions
     the LDM VAE has."""
-    fixed = DIFFUSERS_TO_LDM_MAPPING["vae"]
+    fixed = MAPPING["vae"]
     blocks = list(_vae_blocks(config))
     out = {}
     for key, value in state.items():
@@ -115,7 +116,7 @@ def ldm_vae(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str,
 def open_clip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """A CLIPTextModelWithProjection's weights in OpenCLIP's layout (SDXL's second text encoder): q, k and v in one
     `in_proj`, the projection transposed, as `convert_open_clip_checkpoint` splits them again."""
-    names = DIFFUSERS_TO_LDM_MAPPING["openclip"]
+    names = MAPPING["openclip"]
     inner = tuple((old, new) for old, new in names["transformer"].items() if not old.startswith("transformer."))
     out = {prefix + ldm: state[key] for key, ldm in names["layers"].items() if key in state}
     out[prefix + "text_projection"] = out[prefix + "text_projection"].T.contiguous()
