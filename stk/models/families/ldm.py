@@ -6,7 +6,7 @@ UNet or VAE depth converts (the published ones and the tiny ones alike)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,22 +57,41 @@ def _replace(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
-def ldm_unet(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The UNet's weights under their LDM names."""
-    names = MAPPING["unet"]
-    fixed = {**names["layers"], **names["addition_embed_type"]}
-    blocks = list(_unet_blocks(config))
+def _split(key: str, blocks: list[tuple[str, str]], what: str) -> tuple[str, str, str]:
+    """(diffusers prefix, LDM prefix, the rest) of a key inside one of `blocks`."""
+    for prefix, ldm in blocks:
+        if key.startswith(prefix):
+            return prefix, ldm, key[len(prefix) :]
+    raise ValueError(f"{what}: {key} has no LDM name")
+
+
+# (the block's diffusers prefix, the rest of the key, the weight) -> the rest and the weight as LDM has them
+Inside = Callable[[str, str, torch.Tensor], tuple[str, torch.Tensor]]
+
+
+def _ldm_names(
+    state: dict[str, torch.Tensor], fixed: dict[str, str], blocks: list[tuple[str, str]], what: str, inside: Inside
+) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in state.items():
         name = fixed.get(key)
         if name is None:
-            prefix, ldm = next((p for p in blocks if key.startswith(p[0])), (None, None))
-            if prefix is None or ldm is None:
-                raise ValueError(f"unet: {key} has no LDM name")
-            rest = key[len(prefix) :]
-            name = ldm + (_replace(rest, RESNET) if ".resnets." in prefix else rest)
-        out[UNET + name] = value
+            prefix, ldm, rest = _split(key, blocks, what)
+            rest, value = inside(prefix, rest, value)
+            name = ldm + rest
+        out[name] = value
     return out
+
+
+def _unet_inside(prefix: str, rest: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+    return (_replace(rest, RESNET) if ".resnets." in prefix else rest), value
+
+
+def ldm_unet(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The UNet's weights under their LDM names."""
+    fixed = {**MAPPING["unet"]["layers"], **MAPPING["unet"]["addition_embed_type"]}
+    named = _ldm_names(state, fixed, list(_unet_blocks(config)), "unet", _unet_inside)
+    return {UNET + name: value for name, value in named.items()}
 
 
 def _vae_blocks(config: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -92,25 +111,18 @@ def _vae_blocks(config: dict[str, Any]) -> Iterator[tuple[str, str]]:
             yield f"{part}.mid_block.resnets.{j}.", f"{part}.mid.block_{j + 1}."
 
 
+def _vae_inside(prefix: str, rest: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The mid-block attention's linear weights as the 1x1 convolutions the LDM VAE has."""
+    rest = rest.replace("conv_shortcut", "nin_shortcut")
+    if prefix.endswith("attentions.0."):
+        return _replace(rest, VAE_ATTENTION), value.reshape(*value.shape, 1, 1) if value.ndim == 2 else value
+    return rest, value
+
+
 def ldm_vae(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The VAE's weights under their LDM names; the mid-block attention's linear weights as the 1x1 convolutions
-    the LDM VAE has."""
-    fixed = MAPPING["vae"]
-    blocks = list(_vae_blocks(config))
-    out = {}
-    for key, value in state.items():
-        name = fixed.get(key)
-        if name is None:
-            prefix, ldm = next((p for p in blocks if key.startswith(p[0])), (None, None))
-            if prefix is None or ldm is None:
-                raise ValueError(f"vae: {key} has no LDM name")
-            rest = key[len(prefix) :].replace("conv_shortcut", "nin_shortcut")
-            if prefix.endswith("attentions.0."):
-                rest = _replace(rest, VAE_ATTENTION)
-                value = value.reshape(*value.shape, 1, 1) if value.ndim == 2 else value
-            name = ldm + rest
-        out[VAE + name] = value
-    return out
+    """The VAE's weights under their LDM names."""
+    named = _ldm_names(state, MAPPING["vae"], list(_vae_blocks(config)), "vae", _vae_inside)
+    return {VAE + name: value for name, value in named.items()}
 
 
 def open_clip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
