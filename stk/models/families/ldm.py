@@ -148,6 +148,17 @@ def open_clip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
     return out
 
 
+def _text_encoder(folder: Path) -> dict[str, torch.Tensor]:
+    """A CLIP text encoder's weights under the names of transformers' wrapped CLIPTextModel (`text_model.…`), which
+    LDM checkpoints hold; transformers 5.6 flattened the class, and its files name them without `text_model.`."""
+    own = ("text_model.", "text_projection.")
+    return {
+        key if key.startswith(own) else "text_model." + key: value
+        for key, value in read_component(folder)[1].items()
+        if not key.endswith("position_ids")
+    }
+
+
 def ldm_checkpoint(folder: Path, text_encoders: dict[str, str], open_clip_encoders: dict[str, str]) -> dict[str, Any]:
     """The pipeline in `folder` as one LDM state dict: the UNet, the VAE, and each text encoder under its prefix
     (`text_encoders`: subfolder -> prefix, weights under transformers' names; `open_clip_encoders`: converted)."""
@@ -155,8 +166,7 @@ def ldm_checkpoint(folder: Path, text_encoders: dict[str, str], open_clip_encode
     out.update(ldm_unet(*read_component(folder / "unet")))
     out.update(ldm_vae(*read_component(folder / "vae")))
     for subfolder, prefix in text_encoders.items():
-        _, state = read_component(folder / subfolder)
-        out.update({prefix + key: value for key, value in state.items()})
+        out.update({prefix + key: value for key, value in _text_encoder(folder / subfolder).items()})
     for subfolder, prefix in open_clip_encoders.items():
-        out.update(open_clip(read_component(folder / subfolder)[1], prefix))
+        out.update(open_clip(_text_encoder(folder / subfolder), prefix))
     return out
