@@ -1,7 +1,7 @@
 """stk-export --format single-file read back by diffusers' `from_single_file`: the same weights as the final/ pipeline
 it came from (what stk-train's full fine-tune writes: the source pipeline with its denoiser), every component of SD's
 and SDXL's LDM checkpoint, the transformer of the DiT families'. FLUX.1, Chroma and SD3.5 have none: diffusers'
-readers of theirs fix FLUX.1's published widths, or (SD3) were not checked against a tiny transformer."""
+readers of FLUX.1's and Chroma's fix FLUX.1's published widths; SD3.5's layout is not written yet."""
 
 from __future__ import annotations
 
