@@ -1,7 +1,7 @@
 """stk-export --format single-file read back by diffusers' `from_single_file`: the same weights as the final/ pipeline
 it came from (what stk-train's full fine-tune writes: the source pipeline with its denoiser), every component of SD's
-and SDXL's LDM checkpoint, the transformer of the DiT families'. FLUX.1, Chroma and SD3.5 have none: diffusers'
-readers of FLUX.1's and Chroma's fix FLUX.1's published widths; SD3.5's layout is not written yet."""
+and SDXL's LDM checkpoint, the transformer of the DiT families'. FLUX.1 and Chroma have none: diffusers' readers of
+their original layout fix FLUX.1's published widths, which no tiny transformer has."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def test_from_single_file_reads_the_same_weights(family: Family, tmp_path: Path)
 
 def test_families_without_a_single_file_layout_are_named(tmp_path: Path) -> None:
     final = build_tiny_model(Family.FLUX, str(tmp_path / "final"))
-    with pytest.raises(InputError, match=r"no single-file layout for Flux .* families that have one: sd, sdxl, zimage"):
+    named = r"no single-file layout for Flux .* families that have one: sd, sdxl, sd3, zimage"
+    with pytest.raises(InputError, match=named):
         export(ExportOptions(final, str(tmp_path / "m.safetensors"), Format.SINGLE_FILE))
     assert not (tmp_path / "m.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["final"]  # no temporary file left
