@@ -4,11 +4,13 @@ refused because they would load other adapter weights (tests/unit/train/test_che
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
-from support.commands import FAST, run_train, summary_of
+from support.commands import FAST, run_train, stk_export, summary_of
 from support.train_outputs import SAMPLING, metrics, sample_pngs, samples_match
 
 from stk.models import Family
@@ -53,3 +55,19 @@ def test_ten_lora_steps_equal_five_then_resume_five(setups, tmp_path):
         pipe = DiffusionPipeline.from_pretrained(model)
         pipe.load_lora_weights(straight / weights)
         assert samples_match(pipe, sample_pngs(straight, 10), guidance=5.0) == close, weights
+    # stk-export of the run's final/ and of a checkpoint, the family read from their records: kohya/ComfyUI keys that
+    # diffusers' own converter loads to the same weights (the same prediction per family: tests/unit/export)
+    last = straight / "checkpoints" / "step-00000010"
+    for source, same_as in ((straight / "final", straight / "final"), (last, straight / "final-no-ema")):
+        out = tmp_path / f"{source.name}.safetensors"
+        assert stk_export(source, out, "--format", "kohya").returncode == 0
+        own, kohya = fused_unet(model, same_as, LORA_WEIGHTS), fused_unet(model, tmp_path, out.name)
+        assert own.keys() == kohya.keys() and all(torch.allclose(kohya[k], own[k], atol=1e-6) for k in own), source
+
+
+def fused_unet(model: str, folder: Path, weight_name: str) -> dict[str, torch.Tensor]:
+    """The UNet's weights with the LoRA in `folder` loaded by diffusers and fused into them."""
+    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe.load_lora_weights(str(folder), weight_name=weight_name)
+    pipe.fuse_lora()
+    return {k: v for k, v in pipe.unet.state_dict().items() if "base_layer" in k}

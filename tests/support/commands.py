@@ -20,6 +20,7 @@ BIN = Path(sys.executable).parent
 STK_LAUNCH = str(REPO / "bin" / "stk-launch")
 MPIEXEC = BIN / "mpiexec"
 SCAN = [sys.executable, "-m", "stk.cli.scan"]
+EXPORT = [sys.executable, "-m", "stk.cli.export"]
 
 RunScan = Callable[..., "subprocess.CompletedProcess[str]"]
 Mount = Callable[[str, str], Path]
@@ -115,6 +116,11 @@ def run_train(
 
 
 TRAIN_IMAGES = 24  # one 64x64 bucket (sides 64-80 px at alignment 64)
+
+
+def stk_export(*args: object) -> subprocess.CompletedProcess[str]:
+    """stk-export as users run it (one process, never under MPI)."""
+    return subprocess.run([*EXPORT, *map(str, args)], capture_output=True, text=True, env=scan_env(), timeout=120)
 
 
 def one_error(proc: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:

@@ -40,7 +40,15 @@ from transformers import T5EncoderModel, T5Tokenizer
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families.flux import LORA_TARGETS, PATCH, T5_MAX_LENGTH, TINY_BLOCKS, pack_latents, position_ids
+from stk.models.families.flux import (
+    KOHYA_LORA,
+    LORA_TARGETS,
+    PATCH,
+    T5_MAX_LENGTH,
+    TINY_BLOCKS,
+    pack_latents,
+    position_ids,
+)
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 from stk.models.textmask import TEXT_MASK, masked_sample_inputs, text_mask
@@ -165,4 +173,5 @@ SPEC = FamilySpec(
     patch_size=PATCH,
     pack=pack_latents,
     sample_inputs=_sample_inputs,
+    kohya_lora=KOHYA_LORA,  # FLUX.1's names; ChromaPipeline reads them through FLUX.1's converter
 )

@@ -21,11 +21,13 @@ from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.sd import ATTENTION_TARGETS
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.layouts import Blocks, Fuse, block_layout
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
 
 __all__ = [
+    "KOHYA_LORA",
     "LORA_TARGETS",
     "PATCH",
     "SPEC",
@@ -47,6 +49,34 @@ LORA_TARGETS = (
     *(f"attn.{name}" for name in ATTENTION_TARGETS),
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+)  # fmt: skip
+
+# FLUX.1's own layer names (black-forest-labs/flux) under `diffusion_model.`, as ComfyUI loads a FLUX LoRA and
+# diffusers' `_convert_kohya_flux_lora_to_diffusers` reads it back; q, k and v are one `qkv` layer there, and the single
+# blocks' q, k, v and MLP one `linear1` (the MLP 4x as wide: FluxSingleTransformerBlock's mlp_ratio). Chroma's blocks
+# are these without the modulation layers.
+KOHYA_LORA = block_layout(
+    (
+        Blocks(
+            "transformer_blocks.", "double_blocks.",
+            renames=(
+                ("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"),
+                ("ff.net.0.proj", "img_mlp.0"), ("ff.net.2", "img_mlp.2"),
+                ("ff_context.net.0.proj", "txt_mlp.0"), ("ff_context.net.2", "txt_mlp.2"),
+                ("norm1.linear", "img_mod.lin"), ("norm1_context.linear", "txt_mod.lin"),
+            ),
+            fusions=(
+                Fuse("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+                Fuse("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+            ),
+        ),
+        Blocks(
+            "single_transformer_blocks.", "single_blocks.",
+            renames=(("proj_out", "linear2"), ("norm.linear", "modulation.lin")),
+            fusions=(Fuse("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), units=(1, 1, 1, 4)),),
+        ),
+    ),
+    top=(("x_embedder", "img_in"), ("context_embedder", "txt_in"), ("proj_out", "final_layer.linear")),
 )  # fmt: skip
 
 # the tiny transformer's blocks and widths (16 latent channels packed 2x2); Chroma's are Flux's
@@ -151,4 +181,5 @@ SPEC = FamilySpec(
     tiny=_tiny,
     patch_size=PATCH,
     pack=pack_latents,
+    kohya_lora=KOHYA_LORA,
 )

@@ -51,23 +51,28 @@ from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 from stk.models.latents import LatentNorm
+from stk.models.layouts import Blocks, Fuse, block_layout, block_weights, peft_entries, read_component
 from stk.models.model_json import read_model_json
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
 
 __all__ = [
+    "BLOCKS",
     "HIDDEN_STATES_LAYERS",
+    "KOHYA_LORA",
     "LORA_TARGETS",
     "MAX_SEQUENCE_LENGTH",
     "PATCH",
     "SPEC",
+    "TOP",
     "VAE_CLASS",
     "Flux2DevEncoders",
     "Flux2Encoders",
     "denoise",
     "pack",
     "patchify",
+    "single_file",
     "stacked_hidden_states",
     "tiny_pipeline",
     "tiny_text_width",
@@ -80,6 +85,68 @@ MAX_SEQUENCE_LENGTH = 512  # the pipelines' default max_sequence_length
 VAE_CLASS = AutoencoderKLFlux2
 TINY_TEXT_WIDTH = 16
 HIDDEN_STATES_LAYERS = (10, 20, 30)  # Flux2Pipeline's default text_encoder_out_layers (the example's too)
+
+# FLUX.2's own layer names (black-forest-labs/flux2), the inverse of diffusers' convert_flux2_transformer_checkpoint_to_
+# diffusers: q, k and v one `qkv` layer; the single blocks' fused projection `linear1` as diffusers has it too.
+BLOCKS = (
+    Blocks(
+        "transformer_blocks.",
+        "double_blocks.",
+        renames=(
+            ("attn.to_out.0", "img_attn.proj"),
+            ("attn.to_add_out", "txt_attn.proj"),
+            ("ff.linear_in", "img_mlp.0"),
+            ("ff.linear_out", "img_mlp.2"),
+            ("ff_context.linear_in", "txt_mlp.0"),
+            ("ff_context.linear_out", "txt_mlp.2"),
+            ("attn.norm_q", "img_attn.norm.query_norm"),
+            ("attn.norm_k", "img_attn.norm.key_norm"),
+            ("attn.norm_added_q", "txt_attn.norm.query_norm"),
+            ("attn.norm_added_k", "txt_attn.norm.key_norm"),
+        ),
+        fusions=(
+            Fuse("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+            Fuse("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+        ),
+    ),
+    Blocks(
+        "single_transformer_blocks.",
+        "single_blocks.",
+        renames=(
+            ("attn.to_qkv_mlp_proj", "linear1"),
+            ("attn.to_out", "linear2"),
+            ("attn.norm_q", "norm.query_norm"),
+            ("attn.norm_k", "norm.key_norm"),
+        ),
+    ),
+)
+TOP = (
+    ("x_embedder", "img_in"),
+    ("context_embedder", "txt_in"),
+    ("proj_out", "final_layer.linear"),
+    ("time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+    ("time_guidance_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+    ("time_guidance_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+    ("time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+    ("double_stream_modulation_img.linear", "double_stream_modulation_img.lin"),
+    ("double_stream_modulation_txt.linear", "double_stream_modulation_txt.lin"),
+    ("single_stream_modulation.linear", "single_stream_modulation.lin"),
+    ("norm_out.linear", "final_layer.adaLN_modulation.1"),
+)
+SWAPS = ("final_layer.adaLN_modulation.1",)  # shift before scale there, scale before shift in diffusers
+# A LoRA under them and `diffusion_model.`, as ComfyUI and ai-toolkit store one and diffusers'
+# `_convert_non_diffusers_flux2_lora_to_diffusers` reads it back: lora_A/lora_B, the scale folded in (no alpha).
+KOHYA_LORA = block_layout(BLOCKS, TOP, entries=peft_entries, swaps=SWAPS)
+
+
+def single_file(folder: Path) -> dict[str, torch.Tensor]:
+    """The transformer of the pipeline in `folder` as BFL's checkpoint holds it (Flux2Transformer2DModel
+    .from_single_file, ComfyUI's diffusion_models/)."""
+    state = read_component(folder / "transformer")[1]
+    return block_weights(
+        BLOCKS, TOP, state, swaps=("final_layer.adaLN_modulation.1",), norms=("query_norm", "key_norm")
+    )
+
 
 # The examples' default target_modules: the double blocks' attention projections (`to_q/k/v`, `to_out.0`), the single
 # blocks' fused input projection (`to_qkv_mlp_proj`) and their output projection, which the examples list by index
@@ -245,4 +312,7 @@ SPEC = FamilySpec(
     pack=pack,
     vae_class=VAE_CLASS,
     text_encoders_in_train=False,  # its text encoder loads in stk-cache only
+    kohya_lora=KOHYA_LORA,
+    single_file=single_file,
+    single_file_class="Flux2Transformer2DModel",
 )

@@ -102,5 +102,8 @@ SPEC = FamilySpec(
     patch_size=flux2.PATCH,
     pack=flux2.pack,
     vae_class=flux2.VAE_CLASS,
+    kohya_lora=flux2.KOHYA_LORA,
+    single_file=flux2.single_file,
+    single_file_class="Flux2Transformer2DModel",
     text_encoders_in_train=False,  # its text encoder loads in stk-cache only
 )

@@ -44,6 +44,7 @@ from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.sd import ATTENTION_TARGETS
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.layouts import DIFFUSION_MODEL, prefixed, read_component
 from stk.models.textmask import TEXT_MASK, masked_sample_inputs, text_mask
 
 if TYPE_CHECKING:
@@ -180,4 +181,9 @@ SPEC = FamilySpec(
     vae_class=AutoencoderKLQwenImage,
     guidance_argument="true_cfg_scale",  # QwenImagePipeline's guidance_scale is for guidance-distilled models only
     text_encoders_in_train=False,  # its text encoder loads in stk-cache only
+    # Qwen-Image's own layer names are diffusers' (ComfyUI's too); `_convert_non_diffusers_qwen_lora_to_diffusers`
+    kohya_lora=prefixed(DIFFUSION_MODEL),
+    # and its checkpoint is the transformer's own weights (from_single_file maps them as they are)
+    single_file=lambda folder: read_component(folder / "transformer")[1],
+    single_file_class="QwenImageTransformer2DModel",
 )

@@ -17,15 +17,20 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
+from stk.models.families.ldm import ldm_checkpoint
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.layouts import prefixed
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
 
-__all__ = ["ATTENTION_TARGETS", "SD_BETAS", "SPEC", "SDEncoders", "call_unet"]
+__all__ = ["ATTENTION_TARGETS", "KOHYA_UNET", "SD_BETAS", "SPEC", "SDEncoders", "call_unet"]
 
 ATTENTION_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora(_sdxl).py
+# kohya's names for a UNet's layers: `lora_unet_` and diffusers' name with `_` for `.`, as kohya's SD scripts write them
+# and ComfyUI and diffusers (`_convert_non_diffusers_lora_to_diffusers`) read them for SD and SDXL alike
+KOHYA_UNET = prefixed("lora_unet_", dots=False)
 SD_BETAS: dict[str, Any] = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
 
 
@@ -93,4 +98,8 @@ SPEC = FamilySpec(
     sampling=Sampling(steps=30, guidance=7.5, negative_prompt=True),
     published=("sd15",),  # runwayml/stable-diffusion-v1-5
     tiny=_tiny,
+    kohya_lora=KOHYA_UNET,
+    # SD 1.x's LDM checkpoint (its OpenAI CLIP under transformers' names); SD 2.x's OpenCLIP layout is not written
+    single_file=lambda folder: ldm_checkpoint(folder, {"text_encoder": "cond_stage_model.transformer."}, {}),
+    single_file_class="StableDiffusionPipeline",
 )

@@ -38,6 +38,7 @@ from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.layouts import Blocks, Fuse, block_layout, block_weights, read_component
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
@@ -47,6 +48,61 @@ __all__ = ["SPEC", "T5_MAX_LENGTH", "SD3Encoders"]
 T5_MAX_LENGTH = 256  # StableDiffusion3Pipeline's default max_sequence_length
 TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: the transformer takes timestep = sigma * 1000
 PATCH = 2
+
+# SD3.5's own layer names (Stability's MM-DiT, ComfyUI's), the inverse of diffusers' convert_sd3_transformer_checkpoint_
+# to_diffusers: each block a joint block of an image (x_block) and a text (context_block) half, q, k and v one `qkv`;
+# SD3.5 Medium's second image attention `attn2`. A LoRA goes under `diffusion_model.`; diffusers has no reader of
+# those for SD3 (SD3LoraLoaderMixin reads its own names only).
+BLOCKS = (
+    Blocks(
+        "transformer_blocks.",
+        "joint_blocks.",
+        renames=(
+            ("attn.to_out.0", "x_block.attn.proj"),
+            ("attn.to_add_out", "context_block.attn.proj"),
+            ("attn2.to_out.0", "x_block.attn2.proj"),
+            ("ff.net.0.proj", "x_block.mlp.fc1"),
+            ("ff.net.2", "x_block.mlp.fc2"),
+            ("ff_context.net.0.proj", "context_block.mlp.fc1"),
+            ("ff_context.net.2", "context_block.mlp.fc2"),
+            ("norm1.linear", "x_block.adaLN_modulation.1"),
+            ("norm1_context.linear", "context_block.adaLN_modulation.1"),
+            ("attn.norm_q", "x_block.attn.ln_q"),
+            ("attn.norm_k", "x_block.attn.ln_k"),
+            ("attn.norm_added_q", "context_block.attn.ln_q"),
+            ("attn.norm_added_k", "context_block.attn.ln_k"),
+            ("attn2.norm_q", "x_block.attn2.ln_q"),
+            ("attn2.norm_k", "x_block.attn2.ln_k"),
+        ),
+        fusions=(
+            Fuse("x_block.attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+            Fuse("context_block.attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+            Fuse("x_block.attn2.qkv", ("attn2.to_q", "attn2.to_k", "attn2.to_v")),
+        ),
+    ),
+)
+TOP = (
+    ("pos_embed.proj", "x_embedder.proj"), ("context_embedder", "context_embedder"),
+    ("time_text_embed.timestep_embedder.linear_1", "t_embedder.mlp.0"),
+    ("time_text_embed.timestep_embedder.linear_2", "t_embedder.mlp.2"),
+    ("time_text_embed.text_embedder.linear_1", "y_embedder.mlp.0"),
+    ("time_text_embed.text_embedder.linear_2", "y_embedder.mlp.2"),
+    ("norm_out.linear", "final_layer.adaLN_modulation.1"), ("proj_out", "final_layer.linear"),
+)  # fmt: skip
+FINAL_NORM = "final_layer.adaLN_modulation.1"  # shift before scale there, scale before shift in diffusers
+KOHYA_LORA = block_layout(BLOCKS, TOP, swaps=(FINAL_NORM,))
+
+
+def single_file(folder: Path) -> dict[str, torch.Tensor]:
+    """The transformer of the pipeline in `folder` as Stability's checkpoint names it (SD3Transformer2DModel
+    .from_single_file, ComfyUI's diffusion_models/): the last block's text modulation swapped like the final norm's
+    (that block's text half only modulates), the position table as `pos_embed`."""
+    state = read_component(folder / "transformer")[1]
+    table = state.pop("pos_embed.pos_embed")
+    last = max(int(key.split(".")[1]) for key in state if key.startswith("transformer_blocks."))
+    swaps = (FINAL_NORM, f"joint_blocks.{last}.context_block.adaLN_modulation.1")
+    return {"pos_embed": table, **block_weights(BLOCKS, TOP, state, swaps=swaps)}
+
 
 # diffusers' train_dreambooth_lora_sd3.py, target_modules without --lora_layers: both streams' attention projections.
 # Medium's second image attention (`attn2`) is not among them, as there.
@@ -155,4 +211,7 @@ SPEC = FamilySpec(
     tiny=_tiny,
     patch_size=PATCH,
     precondition_outputs=True,
+    kohya_lora=KOHYA_LORA,
+    single_file=single_file,
+    single_file_class="SD3Transformer2DModel",
 )

@@ -18,8 +18,9 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
+from stk.models.families.ldm import ldm_checkpoint
 from stk.models.families.registry import Family
-from stk.models.families.sd import ATTENTION_TARGETS, SD_BETAS, call_unet
+from stk.models.families.sd import ATTENTION_TARGETS, KOHYA_UNET, SD_BETAS, call_unet
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
 
 if TYPE_CHECKING:
@@ -114,4 +115,11 @@ SPEC = FamilySpec(
     sampling=Sampling(steps=30, guidance=5.0, negative_prompt=True),
     published=("sdxl",),  # stabilityai/stable-diffusion-xl-base-1.0
     tiny=_tiny,
+    kohya_lora=KOHYA_UNET,
+    single_file=lambda folder: ldm_checkpoint(
+        folder,
+        {"text_encoder": "conditioner.embedders.0.transformer."},
+        {"text_encoder_2": "conditioner.embedders.1.model."},
+    ),
+    single_file_class="StableDiffusionXLPipeline",
 )

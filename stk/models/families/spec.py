@@ -15,6 +15,7 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 if TYPE_CHECKING:
     from stk.models.base import Encoders
     from stk.models.families.registry import Family
+    from stk.models.layouts import KohyaLora
     from stk.train.batch import StepInputs
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "FamilySpec",
     "SampleInputs",
     "Sampling",
+    "SingleFile",
     "TinyBuilder",
     "as_given",
     "unpacked",
@@ -47,6 +49,8 @@ Denoise = Callable[[DenoiseSettings, torch.nn.Module, torch.Tensor, torch.Tensor
 # (scratch folder for tokenizer files, a denoiser module or None, a VAE module or None) -> the pipeline's components,
 # tiny random-weight ones where None is given.
 TinyBuilder = Callable[[Path, Any, Any], dict[str, Any]]
+# A saved pipeline's folder -> its weights as one state dict in the model's original layout (stk-export).
+SingleFile = Callable[[Path], dict[str, torch.Tensor]]
 # One sample image's embeddings (batch 1; the negative prompt's prefixed `negative_`) -> the pipeline's call arguments.
 SampleInputs = Callable[[dict[str, torch.Tensor]], dict[str, Any]]
 
@@ -96,6 +100,11 @@ class FamilySpec:
     # stk-train may load the text encoders (for prompts the cache lacks, and --vae-on-the-fly); False where they are an
     # LLM of billions of parameters, which only stk-cache loads: the cache must hold every caption and prompt
     text_encoders_in_train: bool = True
+    # stk-export: a LoRA under kohya/ComfyUI's names (None: the family has none), and the whole fine-tuned model as one
+    # file in the original layout (None where diffusers' from_single_file cannot read one back)
+    kohya_lora: KohyaLora | None = None
+    single_file: SingleFile | None = None
+    single_file_class: str = ""  # the diffusers class whose from_single_file reads it back (for the docs and tests)
 
     def alignment(self, vae_scale_factor: int) -> int:
         """Pixels that an image's sides must be multiples of, for a VAE of `vae_scale_factor`."""

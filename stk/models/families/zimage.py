@@ -35,6 +35,7 @@ from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.layouts import Blocks, Fuse, block_layout, block_weights, read_component
 from stk.models.textmask import TEXT_MASK, masked_prompts, text_mask
 
 if TYPE_CHECKING:
@@ -45,6 +46,31 @@ __all__ = ["MAX_SEQUENCE_LENGTH", "SPEC", "ZImageEncoders"]
 MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline's default max_sequence_length
 TRAIN_TIMESTEPS = 1000  # the pipeline's timestep scale: t = 1000 sigma, given to the transformer as (1000 - t) / 1000
 PATCH = 2  # the transformer's all_patch_size: 2x2 latent patches per token
+# Z-Image's own layer names (Tongyi-MAI's, ComfyUI's), the inverse of diffusers' convert_z_image_transformer_
+# checkpoint_to_diffusers: q, k and v are one `attention.qkv`, `to_out.0` is `attention.out`; the other layers keep
+# their names. A LoRA takes kohya's form of them (`lora_unet_layers_0_attention_qkv`): the one in which diffusers'
+# `_convert_non_diffusers_z_image_lora_to_diffusers` splits a fused qkv (a `diffusion_model.` one it keeps fused).
+RENAMES = (
+    ("attention.to_out.0", "attention.out"),
+    ("attention.norm_q", "attention.q_norm"),
+    ("attention.norm_k", "attention.k_norm"),
+    *((f"feed_forward.{w}", f"feed_forward.{w}") for w in ("w1", "w2", "w3")),
+    ("adaLN_modulation.0", "adaLN_modulation.0"),
+)
+QKV = Fuse("attention.qkv", ("attention.to_q", "attention.to_k", "attention.to_v"))
+BLOCKS = tuple(
+    Blocks(f"{kind}.", f"{kind}.", RENAMES, (QKV,)) for kind in ("layers", "noise_refiner", "context_refiner")
+)
+TOP = (("all_x_embedder.2-1", "x_embedder"), ("all_final_layer.2-1", "final_layer"))
+KOHYA_LORA = block_layout(BLOCKS, TOP, prefix="lora_unet_", underscores=True)
+
+
+def single_file(folder: Path) -> dict[str, torch.Tensor]:
+    """The transformer of the pipeline in `folder` as Tongyi-MAI's checkpoint names it (ZImageTransformer2DModel
+    .from_single_file, ComfyUI's diffusion_models/)."""
+    return block_weights(BLOCKS, TOP, read_component(folder / "transformer")[1])
+
+
 LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")  # the example's default target_modules (no --lora_layers)
 
 
@@ -159,4 +185,7 @@ SPEC = FamilySpec(
     tiny=_tiny,
     patch_size=PATCH,
     sample_inputs=_sample_inputs,
+    kohya_lora=KOHYA_LORA,
+    single_file=single_file,
+    single_file_class="ZImageTransformer2DModel",
 )

@@ -1,0 +1,76 @@
+"""What a folder given to stk-export holds, as stk-train writes it: OUTPUT/final (the adapter's diffusers file, or
+the whole pipeline of a full fine-tune), or a checkpoint (its stk-run.json; an adapter's checkpoint holds the adapter
+as final/ does, in lora/; a full fine-tune's, DeepSpeed's shards of the denoiser)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from stk.errors import InputError
+from stk.models.families import Family, detect_family, family_hint
+
+__all__ = ["Source", "read_source"]
+
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # stk.train.lora.LORA_WEIGHTS: what save_lora writes
+RUN_SETTINGS = "stk-run.json"  # stk.train.checkpoint.SETTINGS: a checkpoint's record
+CHECKPOINT_ADAPTER = "lora"  # the adapter's folder in a checkpoint (stk.train.trainable.LoraAdapter.save_beside)
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    family: Family
+    adapter: Path | None  # the adapter's diffusers file; None for a full fine-tune
+    pipeline: Path | None  # the diffusers pipeline folder of a full fine-tune's final/; None for its checkpoint
+
+
+def _family_of_run(checkpoint: Path) -> Family | None:
+    """The family a checkpoint's stk-run.json records, or None where it has none."""
+    try:
+        settings = json.loads((checkpoint / RUN_SETTINGS).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{checkpoint / RUN_SETTINGS}: cannot be read ({exc}); is the checkpoint complete?") from exc
+    family = settings.get("family")
+    return Family(family) if family in {f.value for f in Family} else None
+
+
+def _family_beside(final: Path) -> Family | None:
+    """A final/'s family from its run's latest checkpoint (OUTPUT/checkpoints/latest names it), where there is one."""
+    checkpoints = final.parent / "checkpoints"
+    try:
+        tag = (checkpoints / "latest").read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return _family_of_run(checkpoints / tag) if (checkpoints / tag / RUN_SETTINGS).is_file() else None
+
+
+def read_source(path: str, family: Family | None) -> Source:
+    """The folder `path` as stk-export reads it; InputError (exit 3) for a folder that is neither a final/ nor a
+    checkpoint, and for an adapter whose family neither `family` nor its run's checkpoints tell."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InputError(f"{path}: no such folder; give stk-train's OUTPUT/final or a checkpoint folder")
+    if (folder / "model_index.json").is_file():
+        return Source(folder, family or detect_family(str(folder)), adapter=None, pipeline=folder)
+    if (folder / RUN_SETTINGS).is_file():
+        recorded = _family_of_run(folder)
+        if (folder / CHECKPOINT_ADAPTER / ADAPTER_FILE).is_file():
+            return _adapter(folder, folder / CHECKPOINT_ADAPTER / ADAPTER_FILE, family or recorded)
+        return Source(folder, _known(folder, family or recorded), adapter=None, pipeline=None)
+    if (folder / ADAPTER_FILE).is_file():
+        return _adapter(folder, folder / ADAPTER_FILE, family or _family_beside(folder))
+    raise InputError(
+        f"{path}: not an stk-train final/ or checkpoint (no model_index.json, {ADAPTER_FILE} or {RUN_SETTINGS})"
+    )
+
+
+def _known(folder: Path, family: Family | None) -> Family:
+    if family is None:
+        raise InputError(f"{folder}: the model's family is not recorded beside it; {family_hint()}")
+    return family
+
+
+def _adapter(folder: Path, file: Path, family: Family | None) -> Source:
+    return Source(folder, _known(folder, family), adapter=file, pipeline=None)
