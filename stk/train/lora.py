@@ -5,9 +5,9 @@ LyCORIS adapters, LoHa and LoKr, and DoRA come from peft too (LoHaConfig, LoKrCo
 the same targets; LoHa and LoKr are saved in peft's own format (`save_peft`), which load_lora_weights does not read.
 
 Under ZeRO-3 the adapter's parameters are partitioned like any other, so saving gathers them (and only them)
-first; every rank takes part, rank 0 writes. LoHa, LoKr and DoRA read their base layer's weight outside that
-layer's forward (its shape, or its norm), so under ZeRO-3 each adapted layer gathers its base weight for its whole
-forward (`add_lora`).
+first; every rank takes part, rank 0 writes. LoHa, LoKr and DoRA read weights outside the forward of the module
+that holds them (the base layer's shape or norm, their own factors), so under ZeRO-3 each adapted layer gathers all
+of its weights for its whole forward (`add_lora`).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ class LoraSettings:
 
     @property
     def reads_base_weight(self) -> bool:
-        """Whether the adapter reads its base layer's weight outside that layer's forward (LoHa and LoKr its shape,
-        DoRA its norm): under ZeRO-3 the weight must then stay gathered for the adapted layer's whole forward."""
+        """Whether the adapter reads weights outside the forward of the module that holds them (LoHa and LoKr the base
+        weight's shape and their factors, DoRA the base weight's norm and lora_A's shape): under ZeRO-3 the adapted
+        layer's weights must then stay gathered for its whole forward."""
         return self.adapter != "lora" or self.dora
 
     @property
@@ -181,8 +182,9 @@ def add_lora(denoiser: Any, settings: LoraSettings, family: Family, seed: int) -
     if whole:
         import deepspeed
 
-        for layer in layers:
-            deepspeed.zero.register_external_parameter(layer, layer.get_base_layer().weight)
+        for layer in layers:  # the base layer's weights and the adapter's, read by the adapted layer's own forward
+            for param in layer.parameters():
+                deepspeed.zero.register_external_parameter(layer, param)
     return len(layers)
 
 

@@ -69,8 +69,10 @@ def _fresh_op_builds() -> Iterator[None]:
 @pytest.fixture
 def one_rank() -> Iterator[None]:
     """A torch.distributed world of this process alone, started as stk-train starts it; the environment it exports
-    (RANK, MASTER_ADDR, ...) put back after."""
-    with mock.patch.dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR)):
+    (RANK, MASTER_ADDR, ...) put back after, and the clone of the world's group DeepSpeed keeps (made once per
+    process, for the first world) its own, so that a later test's world gets a clone of itself."""
+    world_group = mock.patch("deepspeed.utils.groups._WORLD_GROUP", None)
+    with mock.patch.dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR)), world_group:
         init_distributed(DistEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "here"), backend="gloo")
         try:
             yield

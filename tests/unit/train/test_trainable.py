@@ -43,15 +43,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(Family.SD, str(tmp_path_factory.mktemp("model") / "sd"))
 
 
-def engine_for(model: str, settings: LoraSettings, preset: str = "zero3") -> tuple[Trainable, StepModel]:
+def engine_for(model: str, settings: LoraSettings) -> tuple[Trainable, StepModel]:
     """The tiny SD denoiser with the adapter, in a DeepSpeed engine of this rank alone (built partitioned under
     ZeRO-3, as stk-train builds it)."""
     opts = TrainOptions(model=model, output_dir="unused", batch_size=1, seed=SEED, lora=settings,
                         optimizer=OptimizerSettings(lr=1e-2))  # fmt: skip
     trainable, objective = trainable_for(opts), objective_for(Family.SD, model)
-    config = engine_config(opts, load_deepspeed_config(preset), "fp32")
-    zero3 = config if preset == "zero3" else None
-    denoiser = objective.load_denoiser(torch.float32, World(), zero3)
+    config = engine_config(opts, load_deepspeed_config("zero3"), "fp32")
+    denoiser = objective.load_denoiser(torch.float32, World(), config)
     trainable.add(denoiser, objective, SEED)
     engine = build_engine(denoiser, opts, config, "fp32", total_steps=10)
     return trainable, StepModel(objective, engine, None, torch.device("cpu"), torch.float32, LatentNorm(SCALE))
