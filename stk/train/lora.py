@@ -178,7 +178,8 @@ def add_lora(denoiser: Any, settings: LoraSettings, family: Family, seed: int) -
     with torch.random.fork_rng(devices=[]), _gathered(whole):
         torch.manual_seed(seed)
         denoiser.add_adapter(config)
-    layers = [layer for layer in denoiser.modules() if isinstance(layer, BaseTunerLayer)]
+    modules_now: list[torch.nn.Module] = list(denoiser.modules())
+    layers = [layer for layer in modules_now if isinstance(layer, BaseTunerLayer)]
     if whole:
         import deepspeed
 

@@ -44,8 +44,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def engine_for(model: str, settings: LoraSettings) -> tuple[Trainable, StepModel]:
-    """The tiny SD denoiser with the adapter, in a DeepSpeed engine of this rank alone (built partitioned under
-    ZeRO-3, as stk-train builds it)."""
+    """The tiny SD denoiser with the adapter, in a DeepSpeed engine of this rank alone, built partitioned under
+    ZeRO-3 as stk-train builds it. The adapter's weights are under the preset's persistence threshold, as a real
+    adapter's are: DeepSpeed fetches them at their module's first forward (after a resume too), not when another
+    module reads them, which DoRA does (lora_A's shape)."""
     opts = TrainOptions(model=model, output_dir="unused", batch_size=1, seed=SEED, lora=settings,
                         optimizer=OptimizerSettings(lr=1e-2))  # fmt: skip
     trainable, objective = trainable_for(opts), objective_for(Family.SD, model)
