@@ -13,6 +13,7 @@ from support.fixtures import (  # noqa: F401  (fixtures, found by name)
     format_corpus,
     keep_logging,
     mount,
+    one_rank,
     receiver,
     run_scan,
     s3_server,

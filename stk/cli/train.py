@@ -16,7 +16,7 @@ from stk.errors import InputError
 from stk.models import Family
 from stk.models.families import family_names
 from stk.train.dsconfig import PRECISIONS, PRESETS
-from stk.train.lora import LoraSettings
+from stk.train.lora import ADAPTERS, LoraSettings
 from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
@@ -34,7 +34,7 @@ Examples:
 Outputs (in --output-dir, which every rank must share): checkpoints/ (DeepSpeed, `latest` moved
 only after every rank saved), metrics.jsonl (one line per step), tensorboard/, samples/step-N/
 (with --validation-prompt), final/ (diffusers model; with --ema-decay the EMA, final-no-ema/ the
-raw weights; with --lora-rank the LoRA file).
+raw weights; with --lora-rank the adapter's files).
 A summary JSON line goes to stdout.
 
 \b
@@ -239,15 +239,27 @@ def _default(name: str) -> Any:
               help="Recompute the denoiser's activations in the backward pass instead of keeping them: far less "
                    "memory, one more forward pass of each block, the same math.")  # fmt: skip
 @click.option("--lora-rank", default=default_of(LoraSettings, "rank"), type=int, show_envvar=True,
-              help="Train a LoRA of this rank on the frozen model instead of every weight (0: full fine-tune). "
-                   "OUTPUT/final and each checkpoint's lora/ then hold pytorch_lora_weights.safetensors, "
-                   "for pipe.load_lora_weights.")  # fmt: skip
+              help="Train an adapter (--adapter) of this rank on the frozen model instead of every weight (0: full "
+                   "fine-tune). LoRA: the inner width of its two factors; LoHa: that of each of its two pairs of "
+                   "factors; LoKr: that of the Kronecker product's second factor (a full matrix where the rank is at "
+                   "least half its side). OUTPUT/final and each checkpoint's lora/ then hold the adapter.")  # fmt: skip
+@click.option("--adapter", type=click.Choice(ADAPTERS), default=default_of(LoraSettings, "adapter"),
+              show_envvar=True,
+              help="lora: pytorch_lora_weights.safetensors, for pipe.load_lora_weights. loha, lokr (LyCORIS, through "
+                   "peft): adapter_config.json and adapter_model.safetensors, for peft's PeftModel.from_pretrained "
+                   "on the pipeline's denoiser (load_lora_weights does not read them).")  # fmt: skip
+@click.option("--dora", is_flag=True, show_envvar=True,
+              help="With --adapter lora: DoRA (peft's use_dora), the weights' magnitude trained apart from their "
+                   "direction; saved as a LoRA is, for pipe.load_lora_weights.")  # fmt: skip
 @click.option("--lora-alpha", default=None, type=int, show_envvar=True,
-              help="The adapter's output is scaled by alpha / rank [default: the rank].")  # fmt: skip
-@click.option("--lora-dropout", default=default_of(LoraSettings, "dropout"), type=float, show_envvar=True)
+              help="Each --adapter's update is scaled by alpha / rank [default: the rank].")  # fmt: skip
+@click.option("--lora-dropout", default=default_of(LoraSettings, "dropout"), type=float, show_envvar=True,
+              help="LoRA: dropout on the adapter's input. LoHa, LoKr: peft's rank dropout, rows of the weight "
+                   "update dropped. Training only.")  # fmt: skip
 @click.option("--lora-targets", default=None, show_envvar=True,
-              help="Comma list of the layers to adapt, each by its name or the end of it (to_q,to_v) "
-                   "[default: the attention projections; for Flux also its feed-forward layers].")  # fmt: skip
+              help="Comma list of the layers to adapt (for each --adapter), each by its name or the end of it "
+                   "(to_q,to_v) [default: the attention projections; for Flux also its feed-forward "
+                   "layers].")  # fmt: skip
 @click.option("--local-cache-dir", default=None, show_envvar=True,
               help="Node-local directory for whole S3 shards, may be shared by the node's ranks "
                    "[default: a temp dir per rank].")  # fmt: skip
@@ -330,6 +342,8 @@ def _settings(options: dict[str, Any]) -> dict[str, Any]:
             pop("lora_alpha"),
             pop("lora_dropout"),
             tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else (),
+            adapter=pop("adapter"),
+            dora=pop("dora"),
         ),
         "loss": LossSettings(**{name: pop(name) for name in loss}),
         "validation": ValidationSettings(

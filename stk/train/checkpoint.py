@@ -49,7 +49,9 @@ LATEST = "latest"
 SETTINGS = "stk-run.json"
 FILES = "files"  # the key of stk-run.json that lists the checkpoint's files with their digests
 # Weights of another family, or another adapter (or none), cannot be loaded, whatever the user says.
-FIXED_SETTINGS = ("family", "lora_rank", "lora_targets")
+FIXED_SETTINGS = ("family", "adapter", "dora", "lora_rank", "lora_targets")
+# What a record written before the adapter had a kind held: a plain LoRA (compared only when the run trains one).
+_BEFORE_ADAPTER_KINDS = {"adapter": "lora", "dora": False}
 # How the effective batch is split: another split of the same effective batch is the same run.
 SPLIT_SETTINGS = ("world_size", "grad_accum")
 _TAG = re.compile(r"^step-(\d{8,})$")
@@ -245,6 +247,7 @@ class CheckpointDir:
         `override` (and always for FIXED_SETTINGS). Another split of the same effective batch is no
         change. Checkpoints without the record are not checked."""
         saved = self.saved_settings(resume)
+        saved = {**_BEFORE_ADAPTER_KINDS, **saved} if saved else saved
         changed = [k for k in current if k in saved and saved[k] != current[k]]
         if effective_batch(saved) == effective_batch(current):
             changed = [k for k in changed if k not in SPLIT_SETTINGS]

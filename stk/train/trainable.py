@@ -11,11 +11,11 @@ from typing import Any
 from stk.log import get_logger
 from stk.train.engine import full_state_dict
 from stk.train.export import export_pipeline
-from stk.train.lora import LoraSettings, add_lora, check_targets, lora_state_dict, save_lora
+from stk.train.lora import LoraSettings, add_lora, check_targets, lora_state_dict, save_lora, save_peft
 from stk.train.objectives import Objective
 from stk.train.options import TrainOptions
 
-__all__ = ["FullWeights", "LoraAdapter", "Trainable", "trainable_for"]
+__all__ = ["FullWeights", "LoraAdapter", "PeftAdapter", "Trainable", "trainable_for"]
 
 log = get_logger("train")
 
@@ -55,21 +55,21 @@ class FullWeights(Trainable):
 
 
 class LoraAdapter(Trainable):
-    """A LoRA through peft on the frozen denoiser: checkpoints hold the adapter (and lora/, to try mid-run), final/
-    is the adapter as `pipe.load_lora_weights` reads it."""
+    """A LoRA (or DoRA) through peft on the frozen denoiser: checkpoints hold the adapter (and lora/, to try
+    mid-run), final/ is the adapter as `pipe.load_lora_weights` reads it."""
 
     frozen_base = True
-    what = "LoRA"
 
     def __init__(self, settings: LoraSettings) -> None:
         self.settings = settings
+        self.what = settings.name
 
     def check(self, objective: Objective) -> None:
         check_targets(self.settings, objective)
 
     def add(self, denoiser: Any, objective: Objective, seed: int) -> None:
         layers = add_lora(denoiser, self.settings, objective.family, seed)
-        log.info("LoRA of rank %d (alpha %d) on %d layers; the base weights frozen", self.settings.rank,
+        log.info("%s of rank %d (alpha %d) on %d layers; the base weights frozen", self.what, self.settings.rank,
                  self.settings.scale_alpha, layers)  # fmt: skip
 
     def save_beside(self, engine: Any, objective: Objective, folder: str, rank: int) -> list[str]:
@@ -86,12 +86,24 @@ class LoraAdapter(Trainable):
         if rank == 0:
             assert state is not None
             config = engine.module.peft_config["default"]
-            save_lora(objective.pipeline_class, objective.denoiser_subfolder, config, state, out)
+            self._write(objective, config, state, out)
+
+    def _write(self, objective: Objective, config: Any, state: dict[str, Any], out: str) -> None:
+        save_lora(objective.pipeline_class, objective.denoiser_subfolder, config, state, out)
+
+
+class PeftAdapter(LoraAdapter):
+    """A LyCORIS adapter (LoHa, LoKr) through peft, trained and checkpointed as the LoRA is; final/ and each
+    checkpoint's lora/ hold it in peft's format (adapter_config.json, adapter_model.safetensors), for
+    `PeftModel.from_pretrained` on the pipeline's denoiser: load_lora_weights does not read these adapters."""
+
+    def _write(self, objective: Objective, config: Any, state: dict[str, Any], out: str) -> None:
+        save_peft(config, state, out)
 
 
 def trainable_for(opts: TrainOptions) -> Trainable:
     """What `opts` trains; its settings checked (InputError), before any model loads."""
     opts.lora.check()
-    if opts.lora.enabled:
-        return LoraAdapter(opts.lora)
-    return FullWeights()
+    if not opts.lora.enabled:
+        return FullWeights()
+    return LoraAdapter(opts.lora) if opts.lora.adapter == "lora" else PeftAdapter(opts.lora)

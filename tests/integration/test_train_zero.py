@@ -75,57 +75,77 @@ def trained_module(model: str, family: Family, settings: LoraSettings, checkpoin
     add_lora(denoiser, settings, family, seed=0)
     saved = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
     buffers = dict(denoiser.named_buffers())  # DeepSpeed keeps the module's buffers (SD3's position table)
-    assert saved and all(".lora_A." in k or ".lora_B." in k or k in buffers for k in saved), "frozen weights saved"
+    adapter = {name for name, p in denoiser.named_parameters() if p.requires_grad}
+    assert saved and all(k in adapter or k in buffers for k in saved), "frozen weights saved"
     missing, unexpected = denoiser.load_state_dict(saved, strict=False)
-    assert not unexpected and not [k for k in missing if "lora_" in k]
+    assert not unexpected and not adapter & set(missing)
     return denoiser.eval()
+
+
+def adapter_of(extra: list[str]) -> LoraSettings:
+    """The adapter a cell's options train."""
+    rank = int(extra[extra.index("--lora-rank") + 1])
+    alpha = int(extra[extra.index("--lora-alpha") + 1]) if "--lora-alpha" in extra else rank
+    kind = extra[extra.index("--adapter") + 1] if "--adapter" in extra else "lora"
+    return LoraSettings(rank, alpha, adapter=kind, dora="--dora" in extra)
 
 
 def check_lora(out: Path, model: str, family: Family, extra: list[str]) -> None:
     """final/ holds the adapter alone, as each checkpoint's lora/ does; the family's pipeline loads it with
-    load_lora_weights and then gives what the trained module gives, not what the base gives."""
-    assert sorted(p.name for p in (out / "final").iterdir()) == [LORA_WEIGHTS]  # the adapter, not a 12B model
+    load_lora_weights (LoHa and LoKr: peft's PeftModel on the pipeline's denoiser) and then gives what the trained
+    module gives, not what the base gives."""
+    settings = adapter_of(extra)
+    files = [LORA_WEIGHTS] if settings.adapter == "lora" else ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (out / "final").iterdir()) == files  # the adapter, not a 12B model
     checkpoint = out / "checkpoints" / latest(out)
-    assert load_file(checkpoint / "lora" / LORA_WEIGHTS).keys() == load_file(out / "final" / LORA_WEIGHTS).keys()
-    rank = int(extra[extra.index("--lora-rank") + 1])
-    alpha = int(extra[extra.index("--lora-alpha") + 1]) if "--lora-alpha" in extra else rank
-    with safe_open(out / "final" / LORA_WEIGHTS, "pt") as f:  # alpha travels with the weights
-        assert json.loads(f.metadata()["lora_adapter_metadata"])[f"{denoiser_folder(family)}.lora_alpha"] == alpha
+    assert load_file(checkpoint / "lora" / files[-1]).keys() == load_file(out / "final" / files[-1]).keys()
+    if settings.adapter == "lora":  # alpha travels with the weights
+        with safe_open(out / "final" / LORA_WEIGHTS, "pt") as f:
+            metadata = json.loads(f.metadata()["lora_adapter_metadata"])
+        assert metadata[f"{denoiser_folder(family)}.lora_alpha"] == settings.scale_alpha
+        assert metadata[f"{denoiser_folder(family)}.use_dora"] == settings.dora
 
     pipe = DiffusionPipeline.from_pretrained(model)
     base = prediction(getattr(pipe, denoiser_folder(family)), family, model)
-    pipe.load_lora_weights(out / "final")
-    loaded = prediction(getattr(pipe, denoiser_folder(family)), family, model)
-    again = prediction(getattr(pipe, denoiser_folder(family)), family, model)
-    assert torch.equal(loaded, again), "the loaded LoRA is not deterministic (dropout left on?)"
-    trained = prediction(trained_module(model, family, LoraSettings(rank, alpha), checkpoint), family, model)
+    if settings.adapter == "lora":
+        pipe.load_lora_weights(out / "final")
+        denoiser = getattr(pipe, denoiser_folder(family))
+    else:
+        from peft import PeftModel
+
+        denoiser = PeftModel.from_pretrained(getattr(pipe, denoiser_folder(family)), str(out / "final")).eval()
+    loaded = prediction(denoiser, family, model)
+    again = prediction(denoiser, family, model)
+    assert torch.equal(loaded, again), "the loaded adapter is not deterministic (dropout left on?)"
+    trained = prediction(trained_module(model, family, settings, checkpoint), family, model)
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"
+    assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the adapter changed nothing"
 
 
-# Cells that train a LoRA load it into the family's pipeline. Every cell makes samples at step 0 and 3 (the end), but
-# the last: its resolution cannot be allocated (a round that fails, as one out of memory does), which must cost the
-# samples only.
+# Cells that train an adapter load it into the family's pipeline (LoHa and LoKr through peft). Every cell makes
+# samples at step 0 and 3 (the end), but the last: its resolution cannot be allocated (a round that fails, as one out
+# of memory does), which must cost the samples only.
 MATRIX = [
     ("zero2", Family.SDXL, ["--no-gradient-checkpointing"]),  # the other cells checkpoint (the default)
     # the Flux cache holds the prompts (stk-cache --validation-prompts, support/fixtures.py): no text encoder loads; W&B
     ("zero1", Family.FLUX, ["--caption-dropout", "0.5", "--report-to", "wandb"]),
-    # one cell per newer family, each on another stage: SD3.5's LoRA (the position table a buffer beside it) under
-    # ZeRO-1 with accumulation and dropout (the loaded LoRA must be deterministic); a LoRA in ChromaPipeline (FLUX.1's
-    # blocks) under ZeRO-3 with accumulation and captions of unequal length padded together (dropout to the empty
-    # caption); Z-Image's list-in transformer fully trained with an EMA under ZeRO-2; FLUX.2-klein fully trained in bf16
-    # with a warm-up and a cosine schedule under ZeRO-2 (its VAE's batch-norm statistics normalise the cached latents);
-    # a LoRA in QwenImagePipeline under ZeRO-3 with masked captions and dropout (its video VAE's one-frame latents);
-    # FLUX.2-dev fully trained with Lion and an EMA under ZeRO-3, as its 32B need (built partitioned, the EMA
+    # one cell per newer family, each on another stage: SD3.5's LoKr (the position table a buffer beside it) under
+    # ZeRO-1 with accumulation and rank dropout (the loaded adapter must be deterministic); a DoRA in ChromaPipeline
+    # (FLUX.1's blocks) under ZeRO-3 with accumulation and captions of unequal length padded together (dropout to the
+    # empty caption); Z-Image's list-in transformer fully trained with an EMA under ZeRO-2; FLUX.2-klein fully trained
+    # in bf16 with a warm-up and a cosine schedule under ZeRO-2 (its VAE's batch-norm statistics normalise the cached
+    # latents); a LoHa in QwenImagePipeline under ZeRO-3 with masked captions and dropout (its video VAE's one-frame
+    # latents); FLUX.2-dev fully trained with Lion and an EMA under ZeRO-3, as its 32B need (built partitioned, the EMA
     # partitioned alike). To keep the suite under 30 minutes they replace cells of the older families that these cover:
-    # SDXL's ZeRO-1 LoRA (SD3.5's here, SDXL's LoRA in test_train_lora.py), SD's and SDXL's ZeRO-3 (a UNet under ZeRO-3:
-    # the worldsize test's LoRA and test_train_weights.py's partitioned load), SD's ZeRO-2 (SDXL's), FLUX.1's ZeRO-3
-    # LoRA (Chroma's covers its blocks) and FLUX.1's ZeRO-2 bf16 cell (FLUX.2-klein's).
-    ("zero1", Family.SD3, ["--lora-rank", "4", "--grad-accum", "2", "--lora-dropout", "0.1"]),
-    ("zero3", Family.CHROMA, ["--lora-rank", "4", "--caption-dropout", "0.5", "--grad-accum", "2"]),
+    # SDXL's ZeRO-1 LoRA (SDXL's LoRA in test_train_lora.py), SD's and SDXL's ZeRO-3 (a UNet under ZeRO-3: the worldsize
+    # test's LoRA and test_train_weights.py's partitioned load), SD's ZeRO-2 (SDXL's), FLUX.1's ZeRO-3 LoRA (Chroma's
+    # covers its blocks) and FLUX.1's ZeRO-2 bf16 cell (FLUX.2-klein's). LoKr, DoRA and LoHa took over cells that
+    # trained a LoRA (a LoRA under ZeRO-3: test_train_lora.py; in each family's pipeline: its unit tests).
+    ("zero1", Family.SD3, ["--lora-rank", "4", "--grad-accum", "2", "--adapter", "lokr", "--lora-dropout", "0.1"]),
+    ("zero3", Family.CHROMA, ["--lora-rank", "4", "--caption-dropout", "0.5", "--grad-accum", "2", "--dora"]),
     ("zero2", Family.ZIMAGE, ["--ema-decay", "0.9"]),
     ("zero2", Family.FLUX2_KLEIN, ["--lr-schedule", "cosine", "--warmup-steps", "1", "--precision", "bf16"]),
-    ("zero3", Family.QWENIMAGE, ["--lora-rank", "4", "--caption-dropout", "0.5"]),
+    ("zero3", Family.QWENIMAGE, ["--lora-rank", "4", "--caption-dropout", "0.5", "--adapter", "loha"]),
     ("zero3", Family.FLUX2, ["--ema-decay", "0.9", "--optimizer", "lion", "--lr", "1e-4"]),
     (
         "zero2-offload",

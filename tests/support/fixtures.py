@@ -12,8 +12,10 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
+import torch
 
 from stk.datagen import (
     FormatSample,
@@ -22,6 +24,8 @@ from stk.datagen import (
     generate_format_samples,
 )
 from stk.models import Family, build_tiny_model
+from stk.slurm import free_port
+from stk.train.distributed import DistEnv, init_distributed
 from support.alert_receiver import Receiver
 from support.commands import (
     EXTENSIONS_DIR,
@@ -60,6 +64,20 @@ def _fresh_op_builds() -> Iterator[None]:
     yield
     if FRESH_EXTENSIONS_DIR:
         shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A torch.distributed world of this process alone, started as stk-train starts it; the environment it exports
+    (RANK, MASTER_ADDR, ...) put back after, and the clone of the world's group DeepSpeed keeps (made once per
+    process, for the first world) its own, so that a later test's world gets a clone of itself."""
+    world_group = mock.patch("deepspeed.utils.groups._WORLD_GROUP", None)
+    with mock.patch.dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR)), world_group:
+        init_distributed(DistEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "here"), backend="gloo")
+        try:
+            yield
+        finally:
+            torch.distributed.destroy_process_group()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 
 from stk.models import Family
 from stk.models.textmask import TEXT_MASK
-from stk.train.batch import StepInputs
+from stk.train.batch import Batch, StepInputs
 
 # The tiny models' text embedding shapes per sample (stk.models.tiny) and latent channels. A TEXT_MASK of ones
 # (a family that masks padding) masks nothing.
@@ -25,6 +25,20 @@ TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
 }
 CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16,
             Family.FLUX2: 8, Family.FLUX2_KLEIN: 8, Family.QWENIMAGE: 16}  # fmt: skip
+
+
+def cached_batch(keys: list[str], seed: int) -> Batch:
+    """A cached micro-batch of the tiny SD model: a latent distribution (mean, logvar) and text embeddings."""
+    g = torch.Generator().manual_seed(seed)
+    size = (len(keys), CHANNELS[Family.SD], 8, 8)
+    return Batch(
+        keys=keys,
+        original_size=torch.tensor([[64, 64]] * len(keys)),
+        crop_top_left=torch.zeros(len(keys), 2, dtype=torch.int64),
+        mean=torch.randn(size, generator=g),
+        logvar=torch.randn(size, generator=g) - 3,
+        text={name: torch.randn(len(keys), *shape, generator=g) for name, shape in TEXT[Family.SD].items()},
+    )
 
 
 def unused_parameters(family: Family, denoiser: torch.nn.Module) -> set[str]:

@@ -298,10 +298,26 @@ def saved_lora(saved: tuple[CheckpointDir, Resume], tmp_path: Path) -> tuple[Che
         (LoraSettings(), "lora-rank 16 -> 0"),
         (LoraSettings(rank=8), "lora-rank 16 -> 8, lora-alpha 16 -> 8"),  # alpha: the rank, unless given
         (LoraSettings(rank=16, targets=("to_q",)), "lora-targets ['to_k', 'to_out.0', 'to_q', 'to_v'] -> ['to_q']"),
+        (LoraSettings(rank=16, adapter="loha"), "adapter lora -> loha"),
+        (LoraSettings(rank=16, dora=True), "dora False -> True"),
     ],
 )
 def test_a_lora_checkpoint_resumed_with_other_adapter_weights_is_refused_even_with_override(saved_lora, lora, differs):
     checkpoints, resume = saved_lora
+    with pytest.raises(InputError, match=re.escape(f"it holds other weights ({differs})")):
+        checkpoints.check_settings(resume, settings(lora=lora), override=True)
+
+
+@pytest.mark.parametrize(("lora", "differs"), [(LoraSettings(rank=16, adapter="lokr"), "adapter lora -> lokr"),
+                                               (LoraSettings(rank=16), None)])  # fmt: skip
+def test_a_record_from_before_adapter_kinds_holds_a_plain_lora(saved, tmp_path, lora, differs):
+    checkpoints, resume = saved
+    record = settings(lora=LoraSettings(rank=16))
+    del record["adapter"], record["dora"]
+    (tmp_path / "checkpoints" / "step-00000005" / "stk-run.json").write_text(json.dumps(record))
+    if differs is None:
+        assert checkpoints.check_settings(resume, settings(lora=lora), override=False) == []
+        return
     with pytest.raises(InputError, match=re.escape(f"it holds other weights ({differs})")):
         checkpoints.check_settings(resume, settings(lora=lora), override=True)
 

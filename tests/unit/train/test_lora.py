@@ -24,6 +24,10 @@ RANK = 4
         (LoraSettings(rank=-1), "--lora-rank -1"),
         (LoraSettings(rank=4, alpha=0), "--lora-alpha 0"),
         (LoraSettings(rank=4, dropout=1.0), "--lora-dropout 1.0"),
+        (LoraSettings(rank=4, adapter="oft"), "--adapter oft: give one of lora, loha, lokr"),
+        (LoraSettings(rank=4, adapter="lokr", dora=True), "--dora with --adapter lokr: DoRA is a kind of LoRA"),
+        (LoraSettings(adapter="loha"), "--adapter loha: give --lora-rank"),
+        (LoraSettings(dora=True), "--adapter lora --dora: give --lora-rank"),
     ],
 )
 def test_impossible_settings_are_refused(settings, message):

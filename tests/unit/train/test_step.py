@@ -4,21 +4,15 @@ same cached latents and the step's generator."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
-from support.commands import EXTENSIONS_DIR
-from support.tiny_batches import CHANNELS, TEXT
+from support.tiny_batches import cached_batch
 
 from stk.models import Family, build_tiny_model
 from stk.models.latents import LatentNorm
-from stk.slurm import free_port
 from stk.train.batch import Batch, StepInputs
-from stk.train.distributed import DistEnv, init_distributed
 from stk.train.dsconfig import load_deepspeed_config
 from stk.train.engine import build_engine, engine_config
 from stk.train.objectives import objective_for
@@ -28,32 +22,6 @@ from stk.train.step import StepModel, batch_digest, step_generator, train_step
 
 SCALE = 0.18215  # the tiny SD VAE's scaling factor
 SEED = 3
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A torch.distributed world of this process alone, started as stk-train starts it; the environment it exports
-    (RANK, MASTER_ADDR, ...) put back after."""
-    with mock.patch.dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR)):
-        init_distributed(DistEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "here"), backend="gloo")
-        try:
-            yield
-        finally:
-            torch.distributed.destroy_process_group()
-
-
-def batch(keys: list[str], seed: int) -> Batch:
-    """A cached micro-batch of the tiny SD model: a latent distribution (mean, logvar) and text embeddings."""
-    g = torch.Generator().manual_seed(seed)
-    size = (len(keys), CHANNELS[Family.SD], 8, 8)
-    return Batch(
-        keys=keys,
-        original_size=torch.tensor([[64, 64]] * len(keys)),
-        crop_top_left=torch.zeros(len(keys), 2, dtype=torch.int64),
-        mean=torch.randn(size, generator=g),
-        logvar=torch.randn(size, generator=g) - 3,
-        text={name: torch.randn(len(keys), *shape, generator=g) for name, shape in TEXT[Family.SD].items()},
-    )
 
 
 def direct_loss(model: StepModel, micro: Batch, step: int, slot: int) -> float:
@@ -77,7 +45,8 @@ def test_train_step_runs_the_objective_on_the_engine_and_steps_the_optimizer(one
     config = engine_config(opts, load_deepspeed_config("zero2"), "fp32")
     engine = build_engine(objective.load_denoiser(torch.float32), opts, config, "fp32", total_steps=2)
     model = StepModel(objective, engine, None, torch.device("cpu"), torch.float32, LatentNorm(SCALE))
-    micro = [batch(["a", "b"], 0), batch(["c", "d"], 1), batch(["e", "f"], 2), batch(["g", "h"], 3)]
+    micro = [cached_batch(["a", "b"], 0), cached_batch(["c", "d"], 1), cached_batch(["e", "f"], 2),
+             cached_batch(["g", "h"], 3)]  # fmt: skip
     before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
     expected = [direct_loss(model, micro[0], 0, 0), direct_loss(model, micro[1], 0, 1)]  # slot: micro x ranks + rank
