@@ -20,7 +20,8 @@ __all__ = ["adapter_kind", "lora_layers", "write_adapter"]
 
 METADATA = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 # a tensor name's mark -> the adapter type (peft's names): LoHa and LoKr are added by naming their tensors here
-KINDS = {".lora_A.": "lora", ".hada_w1_a": "loha", ".lokr_w1": "lokr"}
+# (DoRA first: it is a LoRA with a magnitude vector beside it)
+KINDS = {".lora_magnitude_vector": "dora", ".lora_A.": "lora", ".hada_w1_a": "loha", ".lokr_w1": "lokr"}
 
 
 def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -40,7 +41,7 @@ def adapter_kind(file: Path) -> str:
     for mark, kind in KINDS.items():
         if any(mark in key for key in keys):
             return kind
-    raise InputError(f"{file}: holds no adapter stk-export knows (LoRA, LoHa, LoKr tensors)")
+    raise InputError(f"{file}: holds no adapter stk-export knows (LoRA, DoRA, LoHa, LoKr tensors)")
 
 
 def _scale(config: dict[str, Any], file: Path) -> float:

@@ -1,5 +1,5 @@
 """Which output format can hold which trained thing: the one table the command's choices, its refusals and its help
-read. A new adapter type (LoHa, LoKr) is a line here and its reader in `adapters.adapter_kind`."""
+read. A new adapter type is a line here and its tensors' mark in `adapters.KINDS`."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ class Format(str, enum.Enum):
 # what was trained ("full" or an adapter type, as `adapters.adapter_kind` names it) -> the formats that hold it
 FORMATS: dict[str, tuple[Format, ...]] = {
     "lora": (Format.DIFFUSERS, Format.KOHYA),
-    "loha": (Format.DIFFUSERS,),
-    "lokr": (Format.DIFFUSERS,),
+    "dora": (Format.DIFFUSERS,),  # kohya's keys have no magnitude vector
+    # LoHa, LoKr: final/ holds peft's folder already (adapter_config.json beside the weights), which no one file holds
+    "loha": (),
+    "lokr": (),
     "full": (Format.SINGLE_FILE,),
 }
 
@@ -30,5 +32,5 @@ def check_format(trained: str, chosen: Format, source: str) -> None:
     fits = FORMATS.get(trained, ())
     if chosen not in fits:
         what = "a full fine-tune" if trained == "full" else f"a {trained} adapter"
-        names = ", ".join(f.value for f in fits) or "none"
+        names = ", ".join(f.value for f in fits) or "none (stk-train's final/ holds it in peft's format already)"
         raise InputError(f"{source}: --format {chosen.value} cannot hold {what}; formats that can: {names}")

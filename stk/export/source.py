@@ -14,6 +14,7 @@ from stk.models.families import Family, detect_family, family_hint
 __all__ = ["Source", "read_source"]
 
 ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # stk.train.lora.LORA_WEIGHTS: what save_lora writes
+PEFT_FILE = "adapter_model.safetensors"  # peft's: what stk.train.lora.save_peft writes for LoHa and LoKr
 RUN_SETTINGS = "stk-run.json"  # stk.train.checkpoint.SETTINGS: a checkpoint's record
 CHECKPOINT_ADAPTER = "lora"  # the adapter's folder in a checkpoint (stk.train.trainable.LoraAdapter.save_beside)
 
@@ -56,14 +57,21 @@ def read_source(path: str, family: Family | None) -> Source:
         return Source(folder, family or detect_family(str(folder)), adapter=None, pipeline=folder)
     if (folder / RUN_SETTINGS).is_file():
         recorded = _family_of_run(folder)
-        if (folder / CHECKPOINT_ADAPTER / ADAPTER_FILE).is_file():
-            return _adapter(folder, folder / CHECKPOINT_ADAPTER / ADAPTER_FILE, family or recorded)
+        file = _adapter_file(folder / CHECKPOINT_ADAPTER)
+        if file is not None:
+            return _adapter(folder, file, family or recorded)
         return Source(folder, _known(folder, family or recorded), adapter=None, pipeline=None)
-    if (folder / ADAPTER_FILE).is_file():
-        return _adapter(folder, folder / ADAPTER_FILE, family or _family_beside(folder))
+    file = _adapter_file(folder)
+    if file is not None:
+        return _adapter(folder, file, family or _family_beside(folder))
     raise InputError(
         f"{path}: not an stk-train final/ or checkpoint (no model_index.json, {ADAPTER_FILE} or {RUN_SETTINGS})"
     )
+
+
+def _adapter_file(folder: Path) -> Path | None:
+    """The adapter's file in `folder`: diffusers' (LoRA, DoRA) or peft's (LoHa, LoKr); None where neither is."""
+    return next((folder / name for name in (ADAPTER_FILE, PEFT_FILE) if (folder / name).is_file()), None)
 
 
 def _known(folder: Path, family: Family | None) -> Family:

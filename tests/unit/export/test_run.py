@@ -1,5 +1,5 @@
 """stk-export's refusals, each one line and exit 3 with nothing written: a folder that is not stk-train's final/ or
-checkpoint, a format that cannot hold what it holds (LoHa and LoKr name the formats that can), an output that
+checkpoint, a format that cannot hold what it holds (DoRA, LoHa and LoKr name the formats that can), an output that
 exists; and where it finds an adapter's family (a checkpoint's record, the run's latest checkpoint)."""
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from stk.models import Family
 
 
 def adapter_file(folder: Path, mark: str = "lora_A") -> Path:
-    """A final/'s adapter file with one tensor named as peft names `mark`'s (LoRA's lora_A, LoHa's hada_w1_a)."""
+    """A final/'s adapter file with one tensor named as peft names `mark`'s (LoRA's lora_A, LoHa's hada_w1_a), in the
+    file stk-train writes for it: diffusers' for LoRA and DoRA, peft's for LoHa and LoKr."""
     folder.mkdir(parents=True)
-    save_file(
-        {f"unet.down_blocks.0.attn.to_q.{mark}.weight": torch.zeros(2, 4)}, folder / "pytorch_lora_weights.safetensors"
+    name = (
+        "pytorch_lora_weights.safetensors"
+        if mark in ("lora_A", "lora_magnitude_vector")
+        else "adapter_model.safetensors"
     )
+    save_file({f"unet.down_blocks.0.attn.to_q.{mark}.weight": torch.zeros(2, 4)}, folder / name)
     return folder
 
 
@@ -53,8 +57,9 @@ def test_an_existing_output_is_one_line_exit_3(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mark", "fmt", "says"),
     [
-        ("hada_w1_a", Format.KOHYA, "cannot hold a loha adapter; formats that can: diffusers"),
-        ("lokr_w1", Format.KOHYA, "cannot hold a lokr adapter; formats that can: diffusers"),
+        ("hada_w1_a", Format.KOHYA, "cannot hold a loha adapter; formats that can: none .stk-train's final/ holds it"),
+        ("lokr_w1", Format.DIFFUSERS, "cannot hold a lokr adapter; formats that can: none .stk-train's final/ holds"),
+        ("lora_magnitude_vector", Format.KOHYA, "cannot hold a dora adapter; formats that can: diffusers"),
         ("lora_A", Format.SINGLE_FILE, "cannot hold a lora adapter; formats that can: diffusers, kohya"),
     ],
 )
