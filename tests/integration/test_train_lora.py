@@ -1,4 +1,5 @@
-"""stk-train --lora-rank: a LoRA run resumed bitwise under ZeRO-3 on 2 MPI ranks. Elsewhere: each family trained
+"""stk-train --lora-rank: a LoRA run resumed bitwise under ZeRO-3 on 2 MPI ranks; a LoRA on an int8 base
+(--base-precision) against bf16's loss curve, on one rank in this process. Elsewhere: each family trained
 under another preset and loaded with `pipe.load_lora_weights` (the ZeRO matrix, test_train.py), and the resumes
 refused because they would load other adapter weights (tests/unit/train/test_checkpoint.py)."""
 
@@ -6,11 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from click.testing import CliRunner
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
-from support.commands import FAST, run_train, summary_of
+from support.commands import FAST, clean_env, run_train, summary_of
 from support.train_outputs import SAMPLING, metrics, sample_pngs, samples_match
 
+from stk.cli.train import main as train_main
+from stk.errors import ExitCode
 from stk.models import Family
 from stk.train.lora import LORA_WEIGHTS
 
@@ -53,3 +57,40 @@ def test_ten_lora_steps_equal_five_then_resume_five(setups, tmp_path):
         pipe = DiffusionPipeline.from_pretrained(model)
         pipe.load_lora_weights(straight / weights)
         assert samples_match(pipe, sample_pngs(straight, 10), guidance=5.0) == close, weights
+
+
+# --- a quantised base -----------------------------------------------------------------------------------------------
+
+INT8_LOSS_RTOL = 0.02  # each step's loss on the int8 base within 2% of the unquantised base's (measured: TBD)
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("keep_logging")
+def test_a_lora_on_an_int8_base_follows_the_unquantised_loss_curve_and_resume_keeps_it(setups, tmp_path):
+    """The tiny FLUX.1 (every layer linear), one rank in this process through click's runner: 6 LoRA steps on its
+    int8 base follow the unquantised base's loss curve within INT8_LOSS_RTOL, on the same samples, noise and
+    initial adapter; a resume that changes the base precision is refused in one line before any model loads. The
+    int8-trained file loading into the pipeline: tests/unit/train/test_baseprecision.py."""
+    model, cache = setups(Family.FLUX)
+    args = ["--cache", cache, "--model", model, "--lora-rank", "4", "--no-validation", *FAST]
+    # the rendezvous variables a run exports go again after each run: this process's environment stays as it was
+    env = {**clean_env(DS_ACCELERATOR="cpu"), **dict.fromkeys(
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))}  # fmt: skip
+
+    def train(out: str, *extra: str) -> tuple[int, str]:
+        argv = [*map(str, args), "--output-dir", str(tmp_path / out), *extra]
+        result = CliRunner().invoke(train_main, argv, env=env, catch_exceptions=False)
+        return result.exit_code, result.stderr
+
+    for out, precision in (("bf16", "bf16"), ("int8", "int8")):
+        code, stderr = train(out, "--max-steps", "6", "--base-precision", precision)
+        assert code == 0, stderr
+    curves = {out: [r["loss"] for r in metrics(tmp_path / out) if "loss" in r] for out in ("bf16", "int8")}
+    assert len(curves["int8"]) == 6
+    assert curves["int8"] != curves["bf16"]  # the base was quantised
+    assert curves["int8"] == pytest.approx(curves["bf16"], rel=INT8_LOSS_RTOL)
+    code, stderr = train("int8", "--max-steps", "8", "--base-precision", "bf16")
+    assert code == ExitCode.INPUT, stderr
+    (line,) = [line for line in stderr.splitlines() if " ERROR " in line]
+    assert "base-precision int8 -> bf16" in line and "--override-resume" in line, line
+    assert (tmp_path / "int8" / "checkpoints" / "latest").read_text().strip() == "step-00000006"
