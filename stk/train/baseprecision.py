@@ -13,6 +13,7 @@ which partitions parameters by their storage and cannot take torchao's tensors (
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -80,5 +81,8 @@ def quantizer(base_precision: str) -> Any:
     """The per-layer hook of stk.train.weights.load_weights for `base_precision`; None when not quantised."""
     if base_precision == "bf16":
         return None
+    # peft's torchao LoRA layer warns, once per run, that it cannot merge without a requantising function: stk
+    # never merges (the adapter is saved apart from the base)
+    warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without", category=UserWarning)
     config = _config(base_precision)
     return lambda layer: quantize_layer(layer, config)
