@@ -1,11 +1,12 @@
 """--base-precision: the frozen denoiser of an adapter run held in 8 bits through torchao, so that every rank holds
 about half the bytes of a bf16 base under ZeRO 1/2 (the base is not partitioned there).
 
-Each linear layer is quantised as soon as its tensors are read (stk.train.weights calls `quantize_layer`), so the
-base never exists whole in the training dtype. int8 is torchao's weight-only int8 with a scale per output row: pure
-PyTorch, on any device. fp8 is torchao's weight-only float8 (e4m3, per row), refused below compute capability 8.9.
-Both dequantise in the forward pass, so the gradient reaches the adapters of earlier layers through the input. Only
-linear layers are quantised: the convolutions of SD/SDXL's UNet stay in the training dtype.
+Each linear layer is quantised as soon as its tensors are read (stk.train.weights calls the hook `quantizer` gives),
+so the base never exists whole in the training dtype. int8 is torchao's weight-only int8 with a scale per output row:
+pure PyTorch, on any device. fp8 is torchao's weight-only float8 (e4m3, per row), refused below compute capability
+8.9. Both dequantise for the matmul, so the gradient reaches the adapters of earlier layers through the input; fp8
+matmuls proper (torchao's dynamic-activation config) would not: torch._scaled_mm has no derivative (torch 2.13).
+Only linear layers are quantised: the convolutions of SD/SDXL's UNet stay in the training dtype.
 
 Refused before any model loads: a quantised base without an adapter (full fine-tuning trains the base), and ZeRO-3,
 which partitions parameters by their storage and cannot take torchao's tensors (DeepSpeed 0.19).
@@ -37,8 +38,8 @@ def check(base_precision: str, adapter: bool, zero_stage: int) -> None:
         raise InputError(f"{flag} quantises the frozen base of an adapter: add --lora-rank, or drop it to train "
                          "every weight")  # fmt: skip
     if zero_stage == 3:
-        raise InputError(f"{flag}: ZeRO-3 cannot partition torchao's quantised weights; use --deepspeed zero2 "
-                         "(the quantised base is small enough to be held whole on every rank)")  # fmt: skip
+        raise InputError(f"{flag}: ZeRO-3 cannot partition torchao's quantised weights; use --deepspeed zero2 or "
+                         "zero1, where every rank holds the quantised base whole")  # fmt: skip
     if base_precision == "fp8":
         _check_fp8_device()
 
