@@ -67,15 +67,20 @@ def _config(base_precision: str) -> Any:
 def quantize_layer(layer: torch.nn.Module, config: Any) -> None:
     """Quantise `layer` in place when it is a linear layer (torchao's `quantize_` with `config`); others stay.
 
-    DeepSpeed broadcasts each replicated parameter from rank 0 as bytes (`view(torch.uint8)`), which torchao's
-    tensors do not implement. Every rank quantised the same file the same way, so the weight is marked as
-    DeepSpeed marks its own per-rank base weights (`ds_optim_param`), which it leaves out of that broadcast."""
+    The quantised weight is held as a non-persistent buffer, not a parameter, because DeepSpeed 0.19 cannot take
+    torchao's tensors as parameters: it keeps a weak reference to every parameter and then moves the module with
+    `.to()`, which replaces a tensor subclass by `torch.utils.swap_tensors` and refuses while a weak reference
+    exists; and it broadcasts parameters from rank 0 as bytes (`view(torch.uint8)`), which torchao's tensors do not
+    implement. The linear layer reads `self.weight` either way; the frozen base stays out of every checkpoint (it is
+    --model's, loaded again on resume)."""
     from torchao.quantization import quantize_
 
     if not isinstance(layer, torch.nn.Linear):
         return
     quantize_(layer, config)
-    layer.weight.ds_optim_param = True  # type: ignore[attr-defined]
+    weight = layer.weight.detach()
+    del layer.weight
+    layer.register_buffer("weight", weight, persistent=False)
 
 
 def quantizer(base_precision: str) -> Any:

@@ -61,36 +61,30 @@ def test_ten_lora_steps_equal_five_then_resume_five(setups, tmp_path):
 
 # --- a quantised base -----------------------------------------------------------------------------------------------
 
-INT8_LOSS_RTOL = 0.02  # each step's loss on the int8 base within 2% of the unquantised base's (measured: TBD)
+INT8_LOSS_RTOL = 0.005  # each step's loss on the int8 base against the unquantised one; measured: 3.2e-4 at most
 
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("keep_logging")
 def test_a_lora_on_an_int8_base_follows_the_unquantised_loss_curve_and_resume_keeps_it(setups, tmp_path):
-    """The tiny FLUX.1 (every layer linear), one rank in this process through click's runner: 6 LoRA steps on its
-    int8 base follow the unquantised base's loss curve within INT8_LOSS_RTOL, on the same samples, noise and
-    initial adapter; a resume that changes the base precision is refused in one line before any model loads. The
-    int8-trained file loading into the pipeline: tests/unit/train/test_baseprecision.py."""
+    """The tiny FLUX.1 (every layer linear) on one rank: 6 LoRA steps on its int8 base follow the unquantised base's
+    loss curve within INT8_LOSS_RTOL, on the same samples, noise and initial adapter; a resume that changes the base
+    precision is refused in one line before any model loads (in this process, through click's runner: DeepSpeed
+    keeps its process groups for the process, so each training is a process of its own). The int8-trained file
+    loading into the pipeline: tests/unit/train/test_baseprecision.py."""
     model, cache = setups(Family.FLUX)
-    args = ["--cache", cache, "--model", model, "--lora-rank", "4", "--no-validation", *FAST]
-    # the rendezvous variables a run exports go again after each run: this process's environment stays as it was
-    env = {**clean_env(DS_ACCELERATOR="cpu"), **dict.fromkeys(
-        ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))}  # fmt: skip
-
-    def train(out: str, *extra: str) -> tuple[int, str]:
-        argv = [*map(str, args), "--output-dir", str(tmp_path / out), *extra]
-        result = CliRunner().invoke(train_main, argv, env=env, catch_exceptions=False)
-        return result.exit_code, result.stderr
-
-    for out, precision in (("bf16", "bf16"), ("int8", "int8")):
-        code, stderr = train(out, "--max-steps", "6", "--base-precision", precision)
-        assert code == 0, stderr
+    args = ["--cache", cache, "--model", model, "--lora-rank", 4, "--no-validation", *FAST]
+    for precision in ("bf16", "int8"):
+        proc = run_train([*args, "--output-dir", tmp_path / precision, "--max-steps", 6, "--base-precision", precision],
+                         mpi=0)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
     curves = {out: [r["loss"] for r in metrics(tmp_path / out) if "loss" in r] for out in ("bf16", "int8")}
     assert len(curves["int8"]) == 6
     assert curves["int8"] != curves["bf16"]  # the base was quantised
     assert curves["int8"] == pytest.approx(curves["bf16"], rel=INT8_LOSS_RTOL)
-    code, stderr = train("int8", "--max-steps", "8", "--base-precision", "bf16")
-    assert code == ExitCode.INPUT, stderr
-    (line,) = [line for line in stderr.splitlines() if " ERROR " in line]
+    argv = [*map(str, args), "--output-dir", str(tmp_path / "int8"), "--max-steps", "8", "--base-precision", "bf16"]
+    result = CliRunner().invoke(train_main, argv, env=clean_env(DS_ACCELERATOR="cpu"), catch_exceptions=False)
+    assert result.exit_code == ExitCode.INPUT, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert "base-precision int8 -> bf16" in line and "--override-resume" in line, line
     assert (tmp_path / "int8" / "checkpoints" / "latest").read_text().strip() == "step-00000006"
