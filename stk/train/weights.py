@@ -103,7 +103,9 @@ def load_weights(
 ) -> Any:
     """The denoiser of `config` with the weights in `files` (weight_files), in `dtype`. `on_layer` is called with each
     layer as soon as all of its own tensors are filled (stk.train.baseprecision quantises it there), and the memory
-    it frees is handed back, so the layers read so far never stay whole in `dtype`."""
+    it frees is handed back, so the layers read so far never stay whole in `dtype`. Then every tensor is copied out of
+    the file's mapping: one left mapped (a bias beside a quantised weight) keeps the file's pages read so far in the
+    process, the whole file once every layer was read."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
 
@@ -113,7 +115,8 @@ def load_weights(
     _check_names(module, reader)
     unfilled = Counter(name.rpartition(".")[0] for name in reader.where)
     for name in list(reader.where):
-        set_module_tensor_to_device(module, name, "cpu", value=reader.get(name), dtype=dtype)
+        value = reader.get(name).to(dtype, copy=on_layer is not None)
+        set_module_tensor_to_device(module, name, "cpu", value=value, dtype=dtype)
         owner = name.rpartition(".")[0]
         unfilled[owner] -= 1
         if on_layer is not None and not unfilled[owner]:
