@@ -1,15 +1,19 @@
 """The quantised frozen base (stk-train --base-precision) against bf16 on the CPU: a FLUX.1-dev transformer at full
 width (3072) with --blocks (double, single) blocks, random bf16 weights, loaded as stk-train loads it
 (stk.train.weights.load_weights, each linear layer quantised as it is read), a LoRA of rank 16 added as stk-train
-adds it, then LoRA training steps (forward, MSE, backward) at --resolution px.
+adds it, then LoRA training steps (forward, MSE, backward) at --resolution px, with gradient checkpointing as
+stk-train's default (--no-gradient-checkpointing: without).
 
     python bench/quant.py [--blocks 1,1] [--resolution 256] [--tokens 64] [--steps 3] [--threads 2]
+                          [--no-gradient-checkpointing]
 
 Each precision runs in a fresh process of this script and reports: the base's bytes (each tensor's storage, torchao's
 packed int8 data and scales included: torchao.utils.get_model_size_in_bytes), the RSS high-water mark of the load and
 of the training steps (VmHWM, started afresh after the load), and the median step time after the first. The side by
 side table ends with the int8 / bf16 ratios. Expect int8 slower on the CPU: it dequantises each weight in every
-forward and backward pass (pure PyTorch).
+forward and backward pass (pure PyTorch). The step's peak holds, besides the int8 base, the weights that torchao
+casts to bf16 for the matmul and autograd saves for the backward pass: one block's under checkpointing, every
+layer's without.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     base_bytes = get_model_size_in_bytes(denoiser)
     add_lora(denoiser, LoraSettings(rank=LORA_RANK), Family.FLUX, seed=0)
     denoiser.train()
+    if spec["checkpointing"]:
+        denoiser.enable_gradient_checkpointing()
     inputs = step_inputs(CONFIG, config, spec["resolution"], spec["tokens"], torch.bfloat16)
     reset_peak()
     held = status_bytes("VmRSS")
@@ -110,6 +116,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps; the first is left out of the time")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precisions", default="bf16,int8")
+    parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -121,7 +128,8 @@ def main() -> None:
         rows = []
         for precision in args.precisions.split(","):
             spec = {"folder": scratch, "precision": precision, "resolution": args.resolution, "tokens": args.tokens,
-                    "steps": args.steps, "threads": args.threads}  # fmt: skip
+                    "steps": args.steps, "threads": args.threads,
+                    "checkpointing": not args.no_gradient_checkpointing}  # fmt: skip
             rows.append(in_child(spec))
             print(json.dumps(rows[-1]), flush=True)
     report(rows)
