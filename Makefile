@@ -85,7 +85,7 @@ bench: install
 # carry; `make gpu-check` there installs them beside its torch and runs every part (GPU_CHECK_ARGS: --only PART).
 GPU_WHEELS := diffusers zstandard boto3 botocore s3transfer jmespath apprise requests-oauthlib oauthlib \
 	pillow-heif pillow-jxl-plugin lion-pytorch hjson pydantic pydantic-core annotated-types typing-inspection \
-	importlib-metadata
+	importlib-metadata torchao
 GPU_BUILT := deepspeed python-hostlist  # sources only on PyPI: built into pure-Python wheels here
 GPU_PLATFORMS := $(foreach n,2_28 2_27 2_17 2014,--platform manylinux$(if $(filter 2014,$(n)),2014,_$(n))_x86_64)
 GPU_SITE ?= /tmp/stk-site

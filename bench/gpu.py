@@ -30,6 +30,9 @@ Parts (in the order `make gpu-check` runs them):
            alternating: overhead in % (target < 0.1%).
   oom      stk-train with a batch far too big for the device: exit 3 with one line within seconds, no traceback,
            no hang.
+  quant    the flux part's transformer, LoRA rank 16 with checkpointing, on an fp8 base (--base-precision fp8)
+           against bf16: samples/s and peak memory of each, baseline_ratio fp8 over bf16 (target >= 1.2x). On a
+           device without fp8 (--cpu; compute capability below 8.9) the row is stk-train's one-line refusal.
 
 Every part prints one JSON object per measurement with at least `part`, `samples_per_s`, `peak_memory`, `mfu` and
 `baseline_ratio` (null where they do not apply). `--record` appends them to bench/RESULTS.md as a table headed by
@@ -60,11 +63,12 @@ from gpu_parts import (
     part_flux,
     part_health,
     part_oom,
+    part_quant,
     part_train,
 )
 from gpu_setup import KEYS, Scale, peak_tflops
 
-PARTS = ("health", "cache", "train", "flux", "families", "breaker", "oom")
+PARTS = ("health", "cache", "train", "flux", "families", "breaker", "oom", "quant")
 VARIANTS = ("full-ckpt", "full", "lora-ckpt", "lora")  # full or LoRA rank 16, gradient checkpointing on or off
 
 
@@ -87,7 +91,7 @@ CPU = Scale("cpu", 64, 8, 3, (2,), ("lora",), (1, 1), 2, 16, TINY_SDXL, TINY_VAE
 
 PART_RUNNERS: dict[str, Callable[[Scale, Path, argparse.Namespace], Iterator[dict[str, Any]]]] = {
     "health": part_health, "cache": part_cache, "train": part_train, "flux": part_flux, "families": part_families,
-    "breaker": part_breaker, "oom": part_oom,
+    "breaker": part_breaker, "oom": part_oom, "quant": part_quant,
 }  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """The parts of bench/gpu.py, each a generator of result rows: health, cache, train (against a plain diffusers
-baseline), flux, families, breaker and oom."""
+baseline), flux, families, breaker, oom and quant."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from gpu_setup import (
 )
 
 TARGETS = {"health_s": 1.0, "baseline_ratio": 1.0, "baseline_ratio_compiled": 1.2, "breaker_pct": 0.1,
-           "flux_s_per_step": 7.5, "oom_s": 120.0}  # fmt: skip
+           "flux_s_per_step": 7.5, "oom_s": 120.0, "fp8_ratio": 1.2}  # fmt: skip
 REFERENCE_FLUX_S_PER_STEP = 15.0  # the reference guide's Flux.1-dev full fine-tune, 32 GPUs, batch 8 per GPU
 FLUX_GPUS, FLUX_BATCH = 32, 8
 LORA_RANK = 16
@@ -109,8 +109,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def train_stk(scale: Scale, work: Path, name: str, batch: int, variant: str, extra: list[str]) -> dict[str, Any]:
-    """One stk-train run: samples/s from its step times after the warm-up, and its peak GPU memory."""
+def train_stk(
+    scale: Scale, work: Path, name: str, batch: int, variant: str, extra: list[str], refusable: bool = False
+) -> dict[str, Any]:
+    """One stk-train run: samples/s from its step times after the warm-up, and its peak GPU memory. With `refusable`,
+    a run refused as set up (exit 3) is a result: {"refused": its line}."""
     out = work / f"train-{name}-{variant}-b{batch}"
     shutil.rmtree(out, ignore_errors=True)
     flags = ["--lora-rank", LORA_RANK] if variant.startswith("lora") else []
@@ -123,6 +126,8 @@ def train_stk(scale: Scale, work: Path, name: str, batch: int, variant: str, ext
         line = (ran.stderr.strip().splitlines() or [""])[-1]
         if "out of GPU memory" in line or "out of host memory" in line:
             return {"oom": True, "error": line}
+        if refusable and ran.code == 3:
+            return {"refused": line}
         raise SystemExit(f"stk-train {variant} batch {batch} failed ({ran.code}):\n{ran.stderr[-3000:]}")
     summary = last_json(ran.stdout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -281,6 +286,23 @@ def trainable_params(name: str, variant: str) -> int:
     if variant.startswith("lora"):
         add_lora(denoiser, LoraSettings(rank=LORA_RANK), PUBLISHED[name], seed=0)
     return sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
+
+
+def part_quant(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The flux part's transformer, LoRA rank 16 with checkpointing, on an fp8 base (--base-precision fp8) against
+    bf16: samples/s and peak memory of each (target: fp8 >= 1.2x bf16's samples/s). Where the device has no fp8
+    (the CPU, or compute capability below 8.9), stk-train's one line is the row, and bf16 is not run."""
+    fp8 = train_stk(scale, work, "flux-dev", scale.flux_batch, "lora-ckpt", ["--base-precision", "fp8"], True)
+    row = {"variant": "lora-ckpt", "blocks": list(scale.flux_blocks), "batch": scale.flux_batch}
+    if "refused" in fp8:
+        yield result("quant", **row, fp8_available=False, line=fp8["refused"], ok=None)
+        return
+    bf16 = train_stk(scale, work, "flux-dev", scale.flux_batch, "lora-ckpt", [])
+    ratio = None
+    if not fp8.get("oom") and not bf16.get("oom"):
+        ratio = round(fp8["samples_per_s"] / bf16["samples_per_s"], 3)
+    yield result("quant", **row, fp8_available=True, **fp8, baseline_ratio=ratio, bf16=bf16,
+                 target=TARGETS["fp8_ratio"], ok=None if ratio is None else ratio >= TARGETS["fp8_ratio"])  # fmt: skip
 
 
 def part_breaker(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:

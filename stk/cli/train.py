@@ -15,6 +15,7 @@ from stk.cli.common import CONTEXT, common_options, default_of, options_from, ru
 from stk.errors import InputError
 from stk.models import Family
 from stk.models.families import family_names
+from stk.train.baseprecision import BASE_PRECISIONS
 from stk.train.dsconfig import PRECISIONS, PRESETS
 from stk.train.lora import ADAPTERS, LoraSettings
 from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
@@ -260,6 +261,12 @@ def _default(name: str) -> Any:
               help="Comma list of the layers to adapt (for each --adapter), each by its name or the end of it "
                    "(to_q,to_v) [default: the attention projections; for Flux also its feed-forward "
                    "layers].")  # fmt: skip
+@click.option("--base-precision", type=click.Choice(BASE_PRECISIONS), default=_default("base_precision"),
+              show_envvar=True,
+              help="With an adapter: hold the frozen model's linear layers in 8 bits, quantised as they load "
+                   "(torchao), about half the memory of the base on every rank; int8 on any device (slower steps "
+                   "on a CPU), fp8 on GPUs of compute capability 8.9+ (H100). bf16: not quantised, the training "
+                   "dtype. Not with full fine-tuning or ZeRO-3; resume keeps it.")  # fmt: skip
 @click.option("--local-cache-dir", default=None, show_envvar=True,
               help="Node-local directory for whole S3 shards, may be shared by the node's ranks "
                    "[default: a temp dir per rank].")  # fmt: skip

@@ -27,6 +27,7 @@ from stk.models.components import load_component
 from stk.models.families import Family, spec_for
 from stk.models.model_json import vae_scale_factor
 from stk.models.weightfiles import component_folder, weight_files
+from stk.train.baseprecision import quantizer
 from stk.train.batch import StepInputs
 from stk.train.losses import LossSettings, flow_shift, min_snr_weights, offset_noise, sample_u
 from stk.train.weights import load_weights, load_weights_partitioned
@@ -76,21 +77,29 @@ class Objective(abc.ABC):
         return weight_files(folder) if folder is not None else None
 
     def load_denoiser(
-        self, dtype: torch.dtype, world: World | None = None, zero3_config: dict[str, Any] | None = None
+        self,
+        dtype: torch.dtype,
+        world: World | None = None,
+        zero3_config: dict[str, Any] | None = None,
+        base_precision: str = "bf16",
     ) -> torch.nn.Module:
         """The denoiser in `dtype`, in train mode with every parameter trainable, never more than once in memory
-        (stk.train.weights). With `world` and `zero3_config` (a ZeRO-3 run's DeepSpeed config) it is built
+        (stk.train.weights), its linear layers quantised as they load with a `base_precision` of int8 or fp8
+        (stk.train.baseprecision). With `world` and `zero3_config` (a ZeRO-3 run's DeepSpeed config) it is built
         partitioned across the ranks, and every rank must call this."""
         config = self.denoiser_config()
         files = self._weight_files()
-        if files is None:  # no safetensors (.bin weights): diffusers' own loading
+        quantise = quantizer(base_precision)
+        if files is None:  # no safetensors (.bin weights): diffusers' own loading, quantised once loaded
             module = load_component(
                 self.denoiser_class.from_pretrained, self.model, self.denoiser_subfolder, dtype=dtype
             )
+            for layer in module.modules() if quantise is not None else ():
+                quantise(layer)
         elif world is not None and zero3_config is not None:
             module = load_weights_partitioned(self.denoiser_class, config, files, world, zero3_config)
         else:
-            module = load_weights(self.denoiser_class, config, files, dtype)
+            module = load_weights(self.denoiser_class, config, files, dtype, quantise)
         module.train()
         module.requires_grad_(True)
         return module

@@ -43,6 +43,7 @@ class TrainOptions:
     compile_mode: str | None = None  # torch.compile mode; None: eager
     gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: train every weight
+    base_precision: str = "bf16"  # an adapter's frozen base: bf16 (the training dtype) | int8 | fp8 (baseprecision)
     loss: LossSettings = field(default_factory=LossSettings)  # min-SNR, noise offset, Flux timestep sampling
     validation: ValidationSettings = field(default_factory=ValidationSettings)  # the --validation-* options
     ema_decay: float = 0.0  # 0: no EMA; else the decay of a sharded EMA of the trained weights (stk.train.ema)
@@ -79,6 +80,7 @@ class TrainOptions:
             "grad_accum": self.grad_accum,
             "world_size": world_size,
             **self.lora.run_settings(family),
+            "base_precision": self.base_precision,
             **self.loss.run_settings(),
             "ema_decay": self.ema_decay,
             "ema_every": self.ema_every,

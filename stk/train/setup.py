@@ -158,7 +158,7 @@ def _load_model(
     universal = setting.resume is not None and setting.resume.universal
     config = engine_config(opts, setting.deepspeed_config, precision, universal)
     zero3 = config if zero_stage(config) == 3 else None  # built partitioned: no rank ever holds the whole model
-    denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype, world, zero3))
+    denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype, world, zero3, opts.base_precision))
     setting.trainable.add(denoiser, objective, opts.seed)
     denoiser = denoiser.to(device)
     encoders, norm = None, plan.norm  # a cache's recorded normalisation

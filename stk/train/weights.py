@@ -15,6 +15,8 @@ table) are not partitioned: every rank reads its own.
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +94,18 @@ def _check_names(module: torch.nn.Module, reader: _Reader) -> None:
         raise InputError(f"{reader.folder}: the weights do not fit the config ({'; '.join(found)})")
 
 
-def load_weights(denoiser_class: type[Any], config: dict[str, Any], files: list[Path], dtype: torch.dtype) -> Any:
-    """The denoiser of `config` with the weights in `files` (weight_files), in `dtype`."""
+def load_weights(
+    denoiser_class: type[Any],
+    config: dict[str, Any],
+    files: list[Path],
+    dtype: torch.dtype,
+    on_layer: Callable[[torch.nn.Module], None] | None = None,
+) -> Any:
+    """The denoiser of `config` with the weights in `files` (weight_files), in `dtype`. `on_layer` is called with each
+    layer as soon as all of its own tensors are filled (stk.train.baseprecision quantises it there), and the memory
+    it frees is handed back, so the layers read so far never stay whole in `dtype`. Then every tensor is copied out of
+    the file's mapping: one left mapped (a bias beside a quantised weight) keeps the file's pages read so far in the
+    process, the whole file once every layer was read."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
 
@@ -101,8 +113,15 @@ def load_weights(denoiser_class: type[Any], config: dict[str, Any], files: list[
         module = denoiser_class.from_config(config)
     reader = _Reader(files)
     _check_names(module, reader)
+    unfilled = Counter(name.rpartition(".")[0] for name in reader.where)
     for name in list(reader.where):
-        set_module_tensor_to_device(module, name, "cpu", value=reader.get(name), dtype=dtype)
+        value = reader.get(name).to(dtype, copy=on_layer is not None)
+        set_module_tensor_to_device(module, name, "cpu", value=value, dtype=dtype)
+        owner = name.rpartition(".")[0]
+        unfilled[owner] -= 1
+        if on_layer is not None and not unfilled[owner]:
+            on_layer(module.get_submodule(owner))
+            _release_freed_memory()
     _release_freed_memory()  # the tensors read in the file's dtype, before the cast
     return module
 

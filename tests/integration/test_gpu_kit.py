@@ -1,7 +1,8 @@
 """bench/gpu.py, the GPU proof kit, in its --cpu smoke mode: every part runs on tiny shapes through the code a GPU
 runs (stk's real CLIs, DeepSpeed engines on the CPU, the baseline loop in a process of its own, the breaker on a
 scripted GPU behind stk's device interface, a batch the address space cannot hold), prints the keys the GPU run
-records, and --record writes its table. Its numbers mean nothing; its keys, exit codes and arithmetic do."""
+records, and --record writes its table; fp8 is reported unavailable on the CPU. Its numbers mean nothing; its keys,
+exit codes and arithmetic do."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def load_kit_module(name: str) -> Any:
 
 # Two kit processes at once (the parts are independent; this halves the wait on two cores), each its own workdir
 # and results file, as two calls on a lent machine would be.
-HALVES = ("health,cache,train,breaker", "flux,families,oom")
+HALVES = ("health,cache,train,breaker", "flux,families,oom,quant")
 
 
 @dataclass
@@ -146,6 +147,14 @@ def test_a_batch_too_big_is_one_line_and_exit_3(kit):
     (oom,) = kit.rows["oom"]
     assert oom["exit_code"] == 3 and oom["traceback"] is False and oom["ok"] is True
     assert "out of host memory at --batch-size 16" in oom["line"] and "--gradient-checkpointing" in oom["line"]
+
+
+def test_fp8_is_reported_unavailable_where_the_device_has_none(kit):
+    """--cpu: stk-train refuses --base-precision fp8 in one line naming the device, and the row says so; bf16 is not
+    run for a ratio that cannot be had."""
+    (quant,) = kit.rows["quant"]
+    assert quant["fp8_available"] is False and quant["ok"] is None and quant["samples_per_s"] is None
+    assert "--base-precision fp8 needs a GPU of compute capability 8.9" in quant["line"] and "(cpu)" in quant["line"]
 
 
 def test_record_appends_a_table_headed_by_the_environment(kit):

@@ -15,11 +15,12 @@ from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
 from stk.train.objectives import objective_for
 
 
-def saved_lora(family: Family, model: str, out: Path) -> torch.nn.Module:
-    """The family's denoiser with a rank-4 adapter on its default targets whose B weights are random (as if
-    trained; they start at zero), saved to `out` as stk saves one; the adapted module, in eval mode."""
+def saved_lora(family: Family, model: str, out: Path, base_precision: str = "bf16") -> torch.nn.Module:
+    """The family's denoiser (its base quantised as `base_precision` says) with a rank-4 adapter on its default
+    targets whose B weights are random (as if trained; they start at zero), saved to `out` as stk saves one; the
+    adapted module, in eval mode."""
     spec, settings = spec_for(family), LoraSettings(rank=4, alpha=8)
-    denoiser = objective_for(family, model).load_denoiser(torch.float32)
+    denoiser = objective_for(family, model).load_denoiser(torch.float32, base_precision=base_precision)
     assert add_lora(denoiser, settings, family, seed=0) > 0
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -39,14 +40,23 @@ def _output(module: torch.nn.Module, call: dict[str, Any]) -> torch.Tensor:
     return torch.cat([t.flatten() for t in out]) if isinstance(out, list) else out.flatten()
 
 
-def assert_pipeline_loads_it(family: Family, model: str, lora: Path, trained: torch.nn.Module, **call: Any) -> None:
+def assert_pipeline_loads_it(
+    family: Family,
+    model: str,
+    lora: Path,
+    trained: torch.nn.Module,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **call: Any,
+) -> None:
     """The family's pipeline, given the saved adapter with load_lora_weights, predicts what the trained module does
-    on `call` (the denoiser's arguments), and not what the base does."""
+    on `call` (the denoiser's arguments) within rtol and atol (a module trained on a quantised base differs by the
+    base's rounding), and not what the base does."""
     spec = spec_for(family)
     pipeline = spec.pipeline_class.from_pretrained(model)
     denoiser = getattr(pipeline, spec.denoiser_subfolder)
     base = _output(denoiser, call)
     pipeline.load_lora_weights(lora)
     loaded = _output(denoiser, call)
-    torch.testing.assert_close(loaded, _output(trained, call), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loaded, _output(trained, call), rtol=rtol, atol=atol)
     assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"

@@ -279,6 +279,13 @@ def test_another_family_is_refused_even_with_override(saved):
         checkpoints.check_settings(resume, flux, override=True)
 
 
+def test_another_base_precision_is_refused_unless_overridden(saved):
+    checkpoints, resume = saved
+    with pytest.raises(InputError, match=r"\(base-precision bf16 -> int8\).*--override-resume"):
+        checkpoints.check_settings(resume, settings(base_precision="int8"), override=False)
+    assert checkpoints.check_settings(resume, settings(base_precision="int8"), override=True) == ["base_precision"]
+
+
 def test_a_full_checkpoint_resumed_as_a_lora_is_refused_even_with_override(saved):
     checkpoints, resume = saved
     with pytest.raises(InputError, match=re.escape("it holds other weights (lora-rank 0 -> 16)")):

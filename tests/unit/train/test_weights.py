@@ -80,3 +80,37 @@ def test_weights_of_another_config_are_refused_naming_what_differs(sdxl, tmp_pat
         load_weights(UNet2DConditionModel, fewer, files, torch.float32)
     with pytest.raises(InputError, match=r"\(\d+ of another shape, e.g. \w"):
         load_weights(UNet2DConditionModel, wider, files, torch.float32)
+
+
+def test_each_linear_layer_is_quantised_as_soon_as_it_is_filled(tmp_path, monkeypatch):
+    """With --base-precision int8 every linear layer is quantised the moment its tensors are in: no two layers are
+    ever held unquantised at once (the base never exists whole in bf16), and the base ends at about half its bytes,
+    measured from each tensor's storage (torchao's int8 data and scales included)."""
+    from torchao.utils import get_model_size_in_bytes
+
+    from stk.train.baseprecision import quantizer
+
+    torch.manual_seed(0)  # FLUX.1's layout at a width of 512
+    FluxTransformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=4,
+                           joint_attention_dim=512, pooled_projection_dim=512, axes_dims_rope=(32, 48, 48),
+                           guidance_embeds=True).to(torch.bfloat16).save_pretrained(tmp_path)  # fmt: skip
+    config, files = FluxTransformer2DModel.load_config(tmp_path), weight_files(tmp_path)
+    assert files is not None
+    built: list[torch.nn.Module] = []  # the module load_weights fills, seen from the hook
+    from_config = FluxTransformer2DModel.from_config
+    monkeypatch.setattr(FluxTransformer2DModel, "from_config",
+                        classmethod(lambda cls, *a, **k: built.append(from_config(*a, **k)) or built[0]))  # fmt: skip
+    quantise, unquantised = quantizer("int8"), []
+
+    def on_layer(layer: torch.nn.Module) -> None:
+        linears = [m for m in built[0].modules() if isinstance(m, torch.nn.Linear)]
+        unquantised.append(sum(isinstance(m.weight, torch.nn.Parameter) and not m.weight.is_meta for m in linears))
+        quantise(layer)
+
+    quantised = load_weights(FluxTransformer2DModel, config, files, torch.bfloat16, on_layer)
+    assert max(unquantised) == 1 and len(unquantised) > 20
+    monkeypatch.undo()
+    plain = load_weights(FluxTransformer2DModel, config, files, torch.bfloat16)
+    assert 0.49 < get_model_size_in_bytes(quantised) / get_model_size_in_bytes(plain) < 0.56
+    linears = [m for m in quantised.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(type(m.weight).__name__ == "Int8Tensor" for m in linears)
