@@ -24,6 +24,7 @@ from typing import Any
 
 import click
 
+import stk.cli  # noqa: F401  (first: silences the model libraries' import-time notices, as for every command)
 from stk.datagen import generate_dataset, generate_format_samples
 from stk.models import Family, build_tiny_model, quiet_model_libraries
 from stk.models.families import DEMO_FAMILY, family_names
