@@ -26,6 +26,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from stk.models import tinyparts as tiny
+from stk.models.chat import chat_prompts
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families import flux2
 from stk.models.families.registry import Family
@@ -49,18 +50,7 @@ class Flux2KleinEncoders(flux2.Flux2Encoders):
 
     def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         (qwen,) = self.text
-        chats = [
-            str(
-                qwen.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": caption}],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    enable_thinking=False,
-                )
-            )
-            for caption in captions
-        ]
-        ids, mask = qwen.tokenize(chats)
+        ids, mask = qwen.tokenize(chat_prompts(qwen.tokenizer, captions, thinking=False))
         hidden = qwen.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
         embeds = flux2.stacked_hidden_states(hidden.hidden_states, HIDDEN_STATES_LAYERS)
         return {"prompt_embeds": embeds}, mask.sum(dim=1)

@@ -32,6 +32,7 @@ from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
 from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
+from stk.models.chat import chat_prompts
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
@@ -85,18 +86,7 @@ class ZImageEncoders(Encoders):
 
     def _encode_text(self, captions: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         (qwen,) = self.text
-        chats = [
-            str(
-                qwen.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": caption}],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    enable_thinking=True,
-                )
-            )
-            for caption in captions
-        ]
-        ids, mask = qwen.tokenize(chats)
+        ids, mask = qwen.tokenize(chat_prompts(qwen.tokenizer, captions, thinking=True))
         mask = mask.bool()
         hidden = qwen.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
         # each caption's real tokens, wherever the tokenizer put its padding, first and then zeros
