@@ -7,7 +7,6 @@ transformer does)."""
 from __future__ import annotations
 
 import torch
-from diffusers.training_utils import compute_loss_weighting_for_sd3
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 
@@ -15,7 +14,7 @@ from stk.models import Family
 from stk.train.batch import StepInputs
 from stk.train.lora import LoraSettings, add_lora
 from stk.train.objectives import objective_for
-from support.reference_steps import Reference
+from support.reference_steps import Reference, example_flow_loss
 
 GUIDANCE_SCALE = 3.5  # the examples' --guidance_scale default
 
@@ -48,13 +47,7 @@ def example_step(pipeline_class: type, prompt_embeds: torch.Tensor, text_ids: to
         )[0]
         model_pred = model_pred[:, : packed_noisy_model_input.size(1) :]
         model_pred = pipeline_class._unpack_latents_with_ids(model_pred, model_input_ids)
-        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
-        target = noise - model_input
-        loss = torch.mean(
-            (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
-            1,
-        )
-        return loss.mean()
+        return example_flow_loss(model_pred, noise, model_input, sigmas)
 
     return reference
 

@@ -8,6 +8,7 @@ import copy
 from collections.abc import Callable
 
 import torch
+from diffusers.training_utils import compute_loss_weighting_for_sd3
 from diffusers.utils.torch_utils import randn_tensor
 
 from stk.models import Family, build_tiny_model
@@ -18,6 +19,20 @@ from support.tiny_batches import step_inputs, unused_parameters
 SEED = 3
 # (the denoiser, the batch, the noise, the timesteps or sigmas the objective drew) -> the example's loss
 Reference = Callable[[torch.nn.Module, StepInputs, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def example_flow_loss(
+    model_pred: torch.Tensor, noise: torch.Tensor, model_input: torch.Tensor, sigmas: torch.Tensor
+) -> torch.Tensor:
+    """The loss lines diffusers' flow-matching dreambooth examples share, at their default weighting ("none"):
+    transcribed once for the transcriptions of each family's example."""
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
+    target = noise - model_input
+    loss = torch.mean(
+        (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
+        1,
+    )
+    return loss.mean()
 
 
 def tiny_objective(family: Family, folder: str) -> tuple[Objective, torch.nn.Module]:

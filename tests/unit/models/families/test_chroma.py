@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import ChromaPipeline
-from diffusers.training_utils import compute_loss_weighting_for_sd3
 from support.lora_files import assert_pipeline_loads_it, saved_lora
-from support.reference_steps import Reference, assert_matches_reference
+from support.reference_steps import Reference, assert_matches_reference, example_flow_loss
 
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
@@ -90,10 +89,7 @@ def reference_step(pipeline: ChromaPipeline, vae_scale_factor: int) -> Reference
             model_pred, height=height * vae_scale_factor, width=width * vae_scale_factor,
             vae_scale_factor=vae_scale_factor,
         )  # fmt: skip
-        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
-        target = noise - model_input
-        loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(bsz, -1), 1)
-        return loss.mean()
+        return example_flow_loss(model_pred, noise, model_input, sigmas)
 
     return reference
 

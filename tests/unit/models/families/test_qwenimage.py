@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-from diffusers.training_utils import compute_loss_weighting_for_sd3
 from support.lora_files import assert_pipeline_loads_it, saved_lora
-from support.reference_steps import assert_matches_reference
+from support.reference_steps import assert_matches_reference, example_flow_loss
 from support.samples import rendered_sample
 
 from stk.models import Family, build_tiny_model
@@ -84,13 +83,7 @@ def test_one_step_is_train_dreambooth_lora_qwen_image(model: str) -> None:
         model_pred = QwenImagePipeline._unpack_latents(
             model_pred, latent_height * vae_scale_factor, latent_width * vae_scale_factor, vae_scale_factor
         )
-        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
-        target = noise - model_input
-        loss = torch.mean(
-            (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
-            1,
-        )
-        return loss.mean()
+        return example_flow_loss(model_pred, noise, model_input, sigmas)
 
     objective = objective_for(Family.QWENIMAGE, model)
     assert_matches_reference(objective, objective.load_denoiser(torch.float32), reference, inputs)

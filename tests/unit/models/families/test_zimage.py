@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import ZImagePipeline
-from diffusers.training_utils import compute_loss_weighting_for_sd3
 from support.lora_files import assert_pipeline_loads_it, saved_lora
-from support.reference_steps import assert_matches_reference
+from support.reference_steps import assert_matches_reference, example_flow_loss
 from support.samples import rendered_sample
 
 from stk.models import Family, build_tiny_model
@@ -64,13 +63,7 @@ def test_one_step_is_train_dreambooth_lora_z_image(model: str) -> None:
         model_pred = torch.stack(model_pred_list, dim=0)
         model_pred = model_pred.squeeze(2)
         model_pred = -model_pred
-        weighting = compute_loss_weighting_for_sd3(weighting_scheme="none", sigmas=sigmas)
-        target = noise - model_input
-        loss = torch.mean(
-            (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
-            1,
-        )
-        return loss.mean()
+        return example_flow_loss(model_pred, noise, model_input, sigmas)
 
     objective = objective_for(Family.ZIMAGE, model)
     assert_matches_reference(objective, objective.load_denoiser(torch.float32), reference, inputs)
