@@ -43,7 +43,9 @@ class Footprint:
 
 
 def _safetensors_parameters(path: Path) -> int:
-    """The parameters in a .safetensors file, from its header (an 8-byte length, then JSON): no tensor is read."""
+    """The parameters in a .safetensors file, from its header (an 8-byte length, then JSON): no tensor is read.
+    Read here rather than through safetensors' safe_open, which maps the whole file first: a check of whether a
+    model fits must not need the address space the model would."""
     with path.open("rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
