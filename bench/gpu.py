@@ -30,9 +30,13 @@ Parts (in the order `make gpu-check` runs them):
            alternating: overhead in % (target < 0.1%).
   oom      stk-train with a batch far too big for the device: exit 3 with one line within seconds, no traceback,
            no hang.
-  quant    the flux part's transformer, LoRA rank 16 with checkpointing, on an fp8 base (--base-precision fp8)
-           against bf16: samples/s and peak memory of each, baseline_ratio fp8 over bf16 (target >= 1.2x). On a
-           device without fp8 (--cpu; compute capability below 8.9) the row is stk-train's one-line refusal.
+  quant    the flux part's transformer, LoRA rank 16 with checkpointing, on an fp8 and an int8 base
+           (--base-precision) against bf16: samples/s and peak memory of each, baseline_ratio over bf16 (target for
+           fp8 >= 1.2x). On a device without fp8 (--cpu; compute capability below 8.9) its row is stk-train's
+           one-line refusal (--cpu runs fp8 only).
+  profile  stk-train (SDXL, LoRA rank 16, checkpointing, first batch size) with its step split into train_step and
+           the step boundary, torch.profiler's operator tables and timeline, and cProfile's functions, written to
+           --profile-dir (bench/gpu_profile.py).
 
 Every part prints one JSON object per measurement with at least `part`, `samples_per_s`, `peak_memory`, `mfu` and
 `baseline_ratio` (null where they do not apply). `--record` appends them to bench/RESULTS.md as a table headed by
@@ -66,9 +70,10 @@ from gpu_parts import (
     part_quant,
     part_train,
 )
+from gpu_profile import part_profile
 from gpu_setup import KEYS, Scale, peak_tflops
 
-PARTS = ("health", "cache", "train", "flux", "families", "breaker", "oom", "quant")
+PARTS = ("health", "cache", "train", "flux", "families", "breaker", "oom", "quant", "profile")
 VARIANTS = ("full-ckpt", "full", "lora-ckpt", "lora")  # full or LoRA rank 16, gradient checkpointing on or off
 
 
@@ -86,12 +91,12 @@ TINY_SDXL = {"block_out_channels": [32, 64, 64], "attention_head_dim": [2, 4, 4]
 
 
 GPU = Scale("cuda", 1024, 64, 12, (4, 8), VARIANTS, (4, 8), 2, 64)
-CPU = Scale("cpu", 64, 8, 3, (2,), ("lora",), (1, 1), 2, 16, TINY_SDXL, TINY_VAE, 1, ("lora-ckpt",))
+CPU = Scale("cpu", 64, 8, 3, (2,), ("lora",), (1, 1), 2, 16, TINY_SDXL, TINY_VAE, 1, ("lora-ckpt",), ("fp8",))
 
 
 PART_RUNNERS: dict[str, Callable[[Scale, Path, argparse.Namespace], Iterator[dict[str, Any]]]] = {
     "health": part_health, "cache": part_cache, "train": part_train, "flux": part_flux, "families": part_families,
-    "breaker": part_breaker, "oom": part_oom, "quant": part_quant,
+    "breaker": part_breaker, "oom": part_oom, "quant": part_quant, "profile": part_profile,
 }  # fmt: skip
 
 
@@ -156,6 +161,7 @@ def main() -> None:
         default=50.0,
         help="flux projection: all-reduce bus bandwidth per GPU, GB/s (8x400 Gb/s IB per node: 50)",
     )
+    parser.add_argument("--profile-dir", default=None, help="profile: where its tables and trace go [WORKDIR/profile]")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (MFU)")
     parser.add_argument("--baseline-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -289,20 +289,24 @@ def trainable_params(name: str, variant: str) -> int:
 
 
 def part_quant(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    """The flux part's transformer, LoRA rank 16 with checkpointing, on an fp8 base (--base-precision fp8) against
-    bf16: samples/s and peak memory of each (target: fp8 >= 1.2x bf16's samples/s). Where the device has no fp8
-    (the CPU, or compute capability below 8.9), stk-train's one line is the row, and bf16 is not run."""
-    fp8 = train_stk(scale, work, "flux-dev", scale.flux_batch, "lora-ckpt", ["--base-precision", "fp8"], True)
+    """The flux part's transformer, LoRA rank 16 with checkpointing, on a quantised base (--base-precision, each of
+    scale.quant_precisions) against bf16: samples/s and peak memory of each (target: fp8 >= 1.2x bf16's samples/s).
+    Where the device lacks the precision (fp8: the CPU, or compute capability below 8.9), stk-train's one line is the
+    row, and bf16 is not run for it."""
     row = {"variant": "lora-ckpt", "blocks": list(scale.flux_blocks), "batch": scale.flux_batch}
-    if "refused" in fp8:
-        yield result("quant", **row, fp8_available=False, line=fp8["refused"], ok=None)
-        return
-    bf16 = train_stk(scale, work, "flux-dev", scale.flux_batch, "lora-ckpt", [])
-    ratio = None
-    if not fp8.get("oom") and not bf16.get("oom"):
-        ratio = round(fp8["samples_per_s"] / bf16["samples_per_s"], 3)
-    yield result("quant", **row, fp8_available=True, **fp8, baseline_ratio=ratio, bf16=bf16,
-                 target=TARGETS["fp8_ratio"], ok=None if ratio is None else ratio >= TARGETS["fp8_ratio"])  # fmt: skip
+    bf16: dict[str, Any] | None = None
+    for precision in scale.quant_precisions:
+        ours = train_stk(scale, work, "flux-dev", scale.flux_batch, "lora-ckpt", ["--base-precision", precision], True)
+        if "refused" in ours:
+            yield result("quant", **row, precision=precision, available=False, line=ours["refused"], ok=None)
+            continue
+        bf16 = bf16 or train_stk(scale, work, "flux-dev", scale.flux_batch, "lora-ckpt", [])
+        ratio = None
+        if not ours.get("oom") and not bf16.get("oom"):
+            ratio = round(ours["samples_per_s"] / bf16["samples_per_s"], 3)
+        target = TARGETS.get(f"{precision}_ratio")
+        yield result("quant", **row, precision=precision, available=True, **ours, baseline_ratio=ratio, bf16=bf16,
+                     target=target, ok=None if ratio is None or target is None else ratio >= target)  # fmt: skip
 
 
 def part_breaker(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:

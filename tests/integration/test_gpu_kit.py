@@ -6,6 +6,7 @@ exit codes and arithmetic do."""
 
 from __future__ import annotations
 
+import gzip
 import importlib
 import json
 import subprocess
@@ -32,7 +33,7 @@ def load_kit_module(name: str) -> Any:
 
 # Two kit processes at once (the parts are independent; this halves the wait on two cores), each its own workdir
 # and results file, as two calls on a lent machine would be.
-HALVES = ("health,cache,train,breaker", "flux,families,oom,quant")
+HALVES = ("health,cache,train,breaker,profile", "flux,families,oom,quant")
 
 
 @dataclass
@@ -153,7 +154,12 @@ def test_fp8_is_reported_unavailable_where_the_device_has_none(kit):
     """--cpu: stk-train refuses --base-precision fp8 in one line naming the device, and the row says so; bf16 is not
     run for a ratio that cannot be had."""
     (quant,) = kit.rows["quant"]
-    assert quant["fp8_available"] is False and quant["ok"] is None and quant["samples_per_s"] is None
+    assert (
+        quant["precision"] == "fp8"
+        and quant["available"] is False
+        and quant["ok"] is None
+        and quant["samples_per_s"] is None
+    )
     assert "--base-precision fp8 needs a GPU of compute capability 8.9" in quant["line"] and "(cpu)" in quant["line"]
 
 
@@ -173,3 +179,17 @@ def test_unknown_parts_and_no_gpu_are_usage_errors(tmp_path):
         proc = subprocess.run([sys.executable, str(KIT), *args, "--workdir", str(tmp_path)], capture_output=True,
                               text=True, env=train_env(), timeout=120)  # fmt: skip
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_profile_splits_the_step_and_writes_the_tables(kit):
+    """The profiled run: the step's two halves timed, torch.profiler's operator tables naming them, cProfile's
+    functions naming the step, and a timeline Perfetto reads (gzipped Chrome trace JSON)."""
+    (profile,) = kit.rows["profile"]
+    assert profile["train_step_s"] > 0 and profile["boundary_s"] > 0
+    folder = Path(profile["files"])
+    ops = (folder / "ops.txt").read_text()
+    assert "stk.train_step" in ops and "stk.step_boundary" in ops
+    assert "train_step" in (folder / "python.txt").read_text()
+    with gzip.open(folder / "trace.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name") == "stk.train_step" for e in events)

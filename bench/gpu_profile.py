@@ -1,0 +1,138 @@
+"""bench/gpu.py's profile part: where one stk-train step's time goes, measured inside stk-train itself.
+
+The first GPU run found stk-train's SDXL step 0.45 s longer than the UNet's forward and backward, whatever the ZeRO
+stage and whatever trained (bench/RESULTS.md, "The GPU proof kit"). This part runs stk-train (LoRA rank 16,
+checkpointing, ZeRO-2, bf16) in a process whose step loop is wrapped: each optimizer step's `train_step` and step
+boundary are timed (the step ends in `float(loss)`, so `train_step` includes the GPU's work) and labelled for
+torch.profiler, which records a few steps after the warm-up; cProfile then records a few more. What it writes to
+--profile-dir: `ops.txt` (torch.profiler's operator tables by CPU and by device time), `python.txt` (cProfile's
+functions by cumulative time) and `trace.json.gz` (the profiler's timeline, for Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gzip
+import json
+import pstats
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_setup import Scale, cached, model, run, scanned
+
+LORA_RANK = 16
+WARMUP_STEPS = 2  # left out of the medians, with the steps either profiler records
+SCRIPT = str(Path(__file__).resolve())
+
+
+def steps_for(scale: Scale) -> tuple[int, int, int]:
+    """(the first step torch.profiler records, how many steps it and then cProfile record, the run's steps)."""
+    return (3, 1, 6) if scale.cpu else (7, 3, 15)
+
+
+def part_profile(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    batch = scale.batch_sizes[0]
+    first, count, steps = steps_for(scale)
+    out, folder = work / "train-profile", Path(args.profile_dir or work / "profile")
+    shutil.rmtree(out, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    train_args = ["--cache", cached(scale, work, "sdxl"), "--scan", scanned(scale, work), "--model",
+                  model(scale, work, "sdxl"), "--output-dir", out, "--max-steps", steps, "--epochs", 1000,
+                  "--batch-size", batch, "--deepspeed", "zero2", "--checkpoint-every", 0, "--resume", "none",
+                  "--allow-oversubscription", "-q", "--lora-rank", LORA_RANK]  # fmt: skip
+    command = [sys.executable, SCRIPT, "--profile-dir", str(folder), "--first", str(first), "--count", str(count)]
+    ran = run([*command, "--", *map(str, train_args)], scale, check=False)
+    if ran.code != 0:
+        raise SystemExit(f"profiled stk-train failed ({ran.code}):\n{ran.stderr[-3000:]}")
+    split = json.loads((folder / "split.json").read_text())
+    yield {"part": "profile", "variant": "lora-ckpt", "batch": batch, "samples_per_s": None, "peak_memory": None,
+           "mfu": None, "baseline_ratio": None, **split, "files": str(folder), "ok": None}  # fmt: skip
+
+
+def profiled_train(folder: Path, first: int, count: int, train_args: list[str]) -> None:
+    """stk-train with its step loop wrapped; writes split.json: the medians of the split, in seconds."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+    import stk.train.loop as loop
+    from stk.cli import train as train_cli
+
+    step_fn, boundary_fn = loop.train_step, loop._step_boundary
+    timings: dict[str, list[float]] = {"train_step_s": [], "boundary_s": []}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities, schedule=schedule(wait=first - 2, warmup=1, active=count, repeat=1),
+                       on_trace_ready=lambda p: write_profile(p, folder, count))  # fmt: skip
+    python = cProfile.Profile()
+
+    def step(*a: Any, **k: Any) -> Any:
+        started = time.perf_counter()
+        with record_function("stk.train_step"):
+            result = step_fn(*a, **k)
+        timings["train_step_s"].append(time.perf_counter() - started)
+        return result
+
+    def boundary(run: Any, *a: Any, **k: Any) -> Any:
+        started = time.perf_counter()
+        with record_function("stk.step_boundary"):
+            outcome = boundary_fn(run, *a, **k)
+        timings["boundary_s"].append(time.perf_counter() - started)
+        profiler.step()
+        if run.step == first + count - 1:  # the steps after the profiler's are cProfile's
+            python.enable()
+        elif run.step == first + 2 * count - 1:
+            python.disable()
+            with (folder / "python.txt").open("w") as f:
+                pstats.Stats(python, stream=f).sort_stats("cumulative").print_stats(60)
+        return outcome
+
+    loop.train_step, loop._step_boundary = step, boundary
+    sys.argv = ["stk-train", *train_args]
+    try:
+        with profiler:
+            train_cli.entry()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    quiet = [
+        i for i in range(len(timings["boundary_s"])) if WARMUP_STEPS <= i < first - 1 or i >= first + 2 * count - 1
+    ]
+    split = {name: round(statistics.median(values[i] for i in quiet), 4) for name, values in timings.items()}
+    split["profiled_steps"] = [first, first + count - 1]
+    (folder / "split.json").write_text(json.dumps(split))  # stk-train keeps stdout for its summary line
+
+
+def write_profile(profiler: Any, folder: Path, steps: int) -> None:
+    """The operator tables and the timeline of the profiled steps."""
+    averages = profiler.key_averages()
+    device = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    with (folder / "ops.txt").open("w") as f:
+        for key in ("cpu_time_total", "self_cpu_time_total", device):
+            f.write(
+                f"== {steps} steps, by {key}\n{averages.table(sort_by=key, row_limit=40, max_name_column_width=70)}\n"
+            )
+    trace = folder / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    with trace.open("rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="stk-train with its step loop profiled (bench/gpu.py --only profile)")
+    parser.add_argument("--profile-dir", required=True)
+    parser.add_argument("--first", type=int, required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("train_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    profiled_train(Path(args.profile_dir), args.first, args.count, train_args)
+
+
+if __name__ == "__main__":
+    main()
