@@ -30,10 +30,10 @@ Parts (in the order `make gpu-check` runs them):
            alternating: overhead in % (target < 0.1%).
   oom      stk-train with a batch far too big for the device: exit 3 with one line within seconds, no traceback,
            no hang.
-  quant    the flux part's transformer, LoRA rank 16 with checkpointing, on an fp8 and an int8 base
+  quant    the flux part's transformer, LoRA rank 16 with checkpointing, on an int8 and an fp8 base
            (--base-precision) against bf16: samples/s and peak memory of each, baseline_ratio over bf16 (target for
            fp8 >= 1.2x). On a device without fp8 (--cpu; compute capability below 8.9) its row is stk-train's
-           one-line refusal (--cpu runs fp8 only).
+           one-line refusal (--cpu runs fp8 only); a run that fails is a row with its exit code and its log's end.
   profile  stk-train (SDXL, LoRA rank 16, checkpointing, first batch size) with its step split into train_step and
            the step boundary, torch.profiler's operator tables and timeline, and cProfile's functions, written to
            --profile-dir (bench/gpu_profile.py).

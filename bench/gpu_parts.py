@@ -113,7 +113,8 @@ def train_stk(
     scale: Scale, work: Path, name: str, batch: int, variant: str, extra: list[str], refusable: bool = False
 ) -> dict[str, Any]:
     """One stk-train run: samples/s from its step times after the warm-up, and its peak GPU memory. With `refusable`,
-    a run refused as set up (exit 3) is a result: {"refused": its line}."""
+    a run that fails is a result: {"refused": its line} when refused as set up (exit 3), else {"failed": its exit
+    code, "error": the end of its log}, so that the part's other rows are still measured."""
     out = work / f"train-{name}-{variant}-b{batch}"
     shutil.rmtree(out, ignore_errors=True)
     flags = ["--lora-rank", LORA_RANK] if variant.startswith("lora") else []
@@ -128,6 +129,8 @@ def train_stk(
             return {"oom": True, "error": line}
         if refusable and ran.code == 3:
             return {"refused": line}
+        if refusable:
+            return {"failed": ran.code, "error": ran.stderr[-1500:]}
         raise SystemExit(f"stk-train {variant} batch {batch} failed ({ran.code}):\n{ran.stderr[-3000:]}")
     summary = last_json(ran.stdout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -299,6 +302,9 @@ def part_quant(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[d
         ours = train_stk(scale, work, "flux-dev", scale.flux_batch, "lora-ckpt", ["--base-precision", precision], True)
         if "refused" in ours:
             yield result("quant", **row, precision=precision, available=False, line=ours["refused"], ok=None)
+            continue
+        if "failed" in ours:
+            yield result("quant", **row, precision=precision, available=True, **ours, ok=False)
             continue
         bf16 = bf16 or train_stk(scale, work, "flux-dev", scale.flux_batch, "lora-ckpt", [])
         ratio = None

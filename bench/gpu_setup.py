@@ -49,7 +49,7 @@ class Scale:
     vae: dict[str, Any] = field(default_factory=dict)
     family_blocks: int = 4  # families: blocks per block-count key (bench/denoisers.py)
     family_variants: tuple[str, ...] = ("full-ckpt", "lora-ckpt")
-    quant_precisions: tuple[str, ...] = ("fp8", "int8")  # quant: the --base-precision runs against bf16
+    quant_precisions: tuple[str, ...] = ("int8", "fp8")  # quant: the --base-precision runs against bf16
 
     @property
     def cpu(self) -> bool:
