@@ -174,39 +174,65 @@ def _table_location(path: str, kind: str | None, root: str) -> str:
     return name_text(storage.join(root, "" if kind == "bad_row" else posixpath.normpath(text_name(path))))
 
 
+# A path a table holds as it is: relative, '/'-separated, no empty, '.' or '..' part, no backslash.
+# It is its own normal form and name: only the other paths are looked at one by one.
+_PLAIN, _DOTS = r"^(?:[^/\\]+/)*[^/\\]+$", r"(?:^|/)\.\.?(?:/|$)"
+
+
+def _plain(paths: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    good = pc.and_(pc.match_substring_regex(paths, _PLAIN), pc.invert(pc.match_substring_regex(paths, _DOTS)))
+    return pc.fill_null(good, False).to_numpy(zero_copy_only=False)
+
+
+def _replaced(values: pa.Array, odd: np.ndarray, replacements: list[str | None]) -> pa.Array:
+    """`values` with the rows where `odd` is true replaced, in order."""
+    if not odd.any():
+        return values
+    return pc.replace_with_mask(values, pa.array(odd), pa.array(replacements, pa.string()))
+
+
+def _table_paths(given: pa.Array, root: str) -> dict[str, pa.Array]:
+    """The path, repeat key, error kind and error of each row of a table."""
+    odd = ~_plain(given)
+    checked = [_table_path(path, root) for path in given.filter(pa.array(odd)).to_pylist()]
+    nulls = pa.nulls(len(given), pa.string())
+    return {
+        name: _replaced(nulls if i > 1 else given, odd, [c[i] for c in checked])
+        for i, name in enumerate(("path", "key", "error_kind", "error"))
+    }
+
+
+def _locations(found: pa.Table, root: str) -> pa.Array:
+    """Where each row's image is: the root joined with its normal path ('' for a row with none)."""
+    prefix = storage.join(root, "")
+    paths, kinds = found.column("path").combine_chunks(), found.column("error_kind").combine_chunks()
+    fast = _plain(paths) & pc.fill_null(pc.not_equal(kinds, "bad_row"), True).to_numpy(zero_copy_only=False)
+    if "\\" in prefix or storage.printable(prefix) != prefix:
+        fast[:] = False  # a root with a name that is not UTF-8: every location is escaped by name_text
+    odd = ~fast
+    mask = pa.array(odd)
+    pairs = zip(paths.filter(mask).to_pylist(), kinds.filter(mask).to_pylist(), strict=True)
+    slow: list[str | None] = [_table_location(path, kind, root) for path, kind in pairs]
+    return _replaced(pc.binary_join_element_wise(prefix, paths, ""), odd, slow)
+
+
 def from_table(rows: pa.Table, root: str) -> pa.Table:
     """Rows of an existing table (stk.metadata.read_columns); paths are relative to `root` and may
     not leave it."""
-    paths: list[str] = []
-    keys: list[str] = []
-    kinds: list[str | None] = []
-    errors: list[str | None] = []
-    for batch in rows.column("path").chunks:
-        for given in batch.to_pylist():
-            shown, key, kind, error = _table_path(given, root)
-            paths.append(shown)
-            keys.append(key)
-            kinds.append(kind)
-            errors.append(error)
-    relisted = repeats(pa.array(keys, pa.string())) & pa.array(kinds).is_null().to_numpy(zero_copy_only=False)
-    del keys
+    checked = _table_paths(rows.column("path").combine_chunks(), root)
+    relisted = pa.array(repeats(checked["key"]) & pc.is_null(checked["error_kind"]).to_numpy(zero_copy_only=False))
     columns = {
-        "path": pa.array(paths, pa.string()),
-        "error_kind": pc.if_else(pa.array(relisted), "duplicate", pa.array(kinds, pa.string())),
-        "error": pc.if_else(pa.array(relisted), "path appears in more than one row", pa.array(errors, pa.string())),
+        "path": checked["path"],
+        "error_kind": pc.if_else(relisted, "duplicate", checked["error_kind"]),
+        "error": pc.if_else(relisted, "path appears in more than one row", checked["error"]),
         "caption": rows.column("caption"),
         "width": rows.column("width"),
         "height": rows.column("height"),
         "find_sidecar": rows.column("caption").is_null(),
     }
-    del paths, kinds, errors
+    del checked
     found = _sorted(_table(columns, rows.num_rows))
-    locations = [
-        _table_location(path, kind, root)
-        for batch in found.select(["path", "error_kind"]).to_batches(BATCH)
-        for path, kind in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True)
-    ]
-    return found.set_column(1, "location", pa.array(locations, pa.string()))
+    return found.set_column(1, "location", _locations(found, root))
 
 
 Stat = tuple[int, float, str | None, str | None, str | None]  # size, mtime, etag, error kind, error
@@ -226,23 +252,41 @@ def _stat_many(locations: list[str]) -> list[Stat]:
     return out
 
 
-def fingerprint(row: dict[str, Any]) -> str:
+def fingerprint(
+    size: int, mtime: float, etag: str | None, caption_fingerprint: str | None, caption: str | None,
+    width: int | None, height: int | None,
+) -> str:  # fmt: skip
     """Changes whenever the image or its caption source changes: reuse is keyed on it."""
-    table = f"|{row['caption']!r}|{row['width']}|{row['height']}" if row["caption"] or row["width"] else ""
-    return f"{row['size']}:{row['mtime']!r}:{row['etag'] or ''}|{row['caption_fingerprint'] or ''}{table}"
+    table = f"|{caption!r}|{width}|{height}" if caption or width else ""
+    return f"{size}:{mtime!r}:{etag or ''}|{caption_fingerprint or ''}{table}"
+
+
+_STATED = ("size", "mtime", "etag", "error_kind", "error")  # what a stat fills in, in Stat's order
+
+
+def _stat_rows(batch: pa.RecordBatch, rows: np.ndarray, pool: ThreadPoolExecutor) -> pa.RecordBatch:
+    locations = batch.column("location").take(pa.array(rows)).to_pylist()
+    parts = [locations[start : start + 256] for start in range(0, len(locations), 256)]
+    stats = [stat for part in pool.map(_stat_many, parts) for stat in part]
+    columns = {name: batch.column(name).to_pylist() for name in _STATED}
+    for row, stat in zip(rows.tolist(), stats, strict=True):
+        for name, value in zip(_STATED, stat, strict=True):
+            columns[name][row] = value
+    for name, values in columns.items():
+        index = batch.schema.get_field_index(name)
+        batch = batch.set_column(index, batch.schema.field(index), pa.array(values, batch.schema.field(index).type))
+    return batch
 
 
 def _settle_batch(batch: pa.RecordBatch, pool: ThreadPoolExecutor) -> pa.RecordBatch:
-    rows = batch.to_pylist()
-    todo = [r for r in rows if r["size"] < 0 and r["error_kind"] is None]
-    locations = [r["location"] for r in todo]
-    parts = [locations[start : start + 256] for start in range(0, len(locations), 256)]
-    stats = [stat for part in pool.map(_stat_many, parts) for stat in part]
-    for row, (size, mtime, etag, kind, error) in zip(todo, stats, strict=True):
-        row.update(size=size, mtime=mtime, etag=etag, error_kind=kind, error=error)
-    for row in rows:
-        row["fingerprint"] = fingerprint(row)
-    return pa.RecordBatch.from_pylist(rows, schema=CANDIDATE_SCHEMA.append(pa.field("fingerprint", pa.string())))
+    unknown = batch.column("size").to_numpy() < 0
+    rows = np.flatnonzero(unknown & pc.is_null(batch.column("error_kind")).to_numpy(zero_copy_only=False))
+    if len(rows):
+        batch = _stat_rows(batch, rows, pool)
+    names = ("size", "mtime", "etag", "caption_fingerprint", "caption", "width", "height")
+    columns = [batch.column(name).to_pylist() for name in names]
+    prints = pa.array([fingerprint(*values) for values in zip(*columns, strict=True)], pa.string())
+    return batch.append_column("fingerprint", prints)
 
 
 def settle(found: pa.Table, threads: int) -> pa.Table:
