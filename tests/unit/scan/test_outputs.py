@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -203,6 +204,30 @@ def test_assemble_does_not_depend_on_the_order_of_ranks() -> None:
     assert first.errors == second.errors
     assert first.counts == second.counts
     assert first.check == second.check
+
+
+def test_ranges_of_paths_assembled_apart_make_the_whole() -> None:
+    """What lets every rank write its own part: the parts, one after the other, are the whole."""
+    rng = random.Random(7)
+    records = [image(f"d{i % 4}/img{i:03d}.jpg", rng.randrange(40, 700), rng.randrange(40, 700)) for i in range(80)]
+    records += [error(f"d1/img{i:03d}.jpg", "duplicate") for i in range(0, 80, 9)]
+    records += [
+        image("d2/img002.jpg", 300, 300, warning_kind="exif_unreadable", warning="w"),
+        error("d3/x.jpg", "corrupt"),
+    ]
+    index = BucketIndex(BUCKETS_256)
+    whole = assemble(records_to_table(records), index, FILTERS)
+    cuts = ["d1/img030.jpg", "d2/", "d2/img050.jpg"]
+    ranges = zip(["", *cuts], [*cuts, "~"], strict=True)
+    parts = [
+        assemble(records_to_table([r for r in records if lo <= r["path"] < hi]), index, FILTERS) for lo, hi in ranges
+    ]
+    for name in ("rows", "errors", "latest"):
+        assert pa.concat_tables([getattr(part, name) for part in parts]).equals(getattr(whole, name)), name
+    tally = Tally()
+    for part in parts:
+        tally = tally.plus(part.tally)
+    assert tally == whole.tally
 
 
 def test_assemble_runs_the_batch_check() -> None:
