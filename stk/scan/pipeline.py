@@ -150,8 +150,13 @@ def _reuse(found: pa.Table, previous: pa.Table) -> tuple[np.ndarray, pa.Table]:
     match = pc.index_in(found.column("path"), value_set=previous.column("path"))
     same = pc.fill_null(pc.equal(previous.column("fingerprint").take(match), found.column("fingerprint")), False)
     reuse = pc.and_(same, pc.is_null(found.column("error_kind"))).to_numpy(zero_copy_only=False)
-    records = previous.take(match.filter(pa.array(reuse)))
-    return reuse, records.set_column(1, "location", found.column("location").filter(pa.array(reuse)))
+    rows = match.filter(pa.array(reuse))
+    if len(rows) == previous.num_rows and np.array_equal(rows.to_numpy(), np.arange(len(rows))):
+        records = previous  # a rerun with nothing changed: the state as it is, not a copy
+    else:
+        records = previous.take(rows)
+    locations = found.column("location") if reuse.all() else found.column("location").filter(pa.array(reuse))
+    return reuse, records.set_column(1, "location", locations)
 
 
 def _shares(found: pa.Table, reuse: np.ndarray, reused: pa.Table, ranks: int) -> list[Share]:

@@ -68,7 +68,11 @@ def by_path(table: pa.Table) -> pa.Table:
 
 
 def last_per_path(records: pa.Table) -> pa.Table:
-    """One record per path, the later one where a path has several, sorted by path."""
+    """One record per path, the later one where a path has several, sorted by path. A table that
+    is so already (a state file) is returned as it is, not copied."""
+    paths = records.column("path")
+    if records.num_rows < 2 or pc.all(pc.greater(paths[1:], paths[:-1])).as_py():
+        return records
     records = by_path(records)
     paths = records.column("path")
     last = np.ones(records.num_rows, bool)

@@ -54,7 +54,9 @@ def _read(location: str, settings: str) -> pa.Table | None:
     if metadata.get(_SETTINGS_KEY, b"").decode() != settings or table.schema.names != RECORD_SCHEMA.names:
         return None
     transient = pc.fill_null(pc.is_in(table.column("kind"), value_set=pa.array(sorted(TRANSIENT_KINDS))), False)
-    return table.filter(pc.invert(transient)).cast(RECORD_SCHEMA)
+    if pc.any(transient).as_py():
+        table = table.filter(pc.invert(transient))
+    return table.cast(RECORD_SCHEMA)
 
 
 class Journal:
