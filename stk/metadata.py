@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ import pyarrow.parquet as pq
 from stk import storage
 from stk.errors import InputError
 
-__all__ = ["DEFAULT_ALIASES", "TableRow", "read_columns", "read_parquet", "read_rows", "to_json_lines", "write_parquet"]
+__all__ = ["DEFAULT_ALIASES", "read_columns", "read_parquet", "to_json_lines", "write_parquet"]
 
 # Column names other trainers use, in order of preference, for each field stk reads.
 DEFAULT_ALIASES: dict[str, tuple[str, ...]] = {
@@ -25,14 +24,6 @@ DEFAULT_ALIASES: dict[str, tuple[str, ...]] = {
     "width": ("width", "w"),
     "height": ("height", "h"),
 }
-
-
-@dataclass(frozen=True)
-class TableRow:
-    path: str
-    caption: str | None
-    width: int | None
-    height: int | None
 
 
 def _resolve(columns: list[str], mapping: Mapping[str, str]) -> dict[str, str | None]:
@@ -136,13 +127,6 @@ def read_columns(location: str, mapping: Mapping[str, str]) -> pa.Table:
     data = storage.read_bytes(location)
     read = _parquet_columns if location.endswith(".parquet") else _jsonl_columns
     return pa.table(read(location, data, mapping))
-
-
-def read_rows(location: str, mapping: Mapping[str, str]) -> Iterator[TableRow]:
-    """Rows of a .parquet or .jsonl table, with columns mapped to stk's names."""
-    for batch in read_columns(location, mapping).to_batches():
-        for row in batch.to_pylist():
-            yield TableRow(**row)
 
 
 def write_parquet(table: pa.Table, location: str) -> None:
