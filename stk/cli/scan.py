@@ -24,6 +24,7 @@ from stk.imageformats import FORMAT_NAMES, accepted_formats
 from stk.models.families import Family, family_names
 from stk.scan import ScanOptions, run_scan
 from stk.scan.gpus import training_gpus
+from stk.scan.outputs import METADATA
 from stk.scan.probe import ProbeOptions
 from stk.scan.records import json_lines
 from stk.world import World
@@ -251,9 +252,11 @@ def main(
             gpus_from=training_from,
             oversubscribe=params["allow_oversubscription"],
         )
-        summary, rows = run_scan(opts, world)
-        if world.is_root:
-            sys.stdout.write(json_lines(rows) if jsonl else json.dumps(summary.__dict__) + "\n")
+        summary = run_scan(opts, world)
+        if world.is_root and jsonl:
+            sys.stdout.writelines(json_lines(os.path.join(opts.out_dir, METADATA)))
+        elif world.is_root:
+            sys.stdout.write(json.dumps(summary.__dict__) + "\n")
         return 0
 
     run_command("stk-scan", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)

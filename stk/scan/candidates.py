@@ -1,147 +1,298 @@
-"""What a scan has to look at: one Candidate per image, from a tree, a list or a table."""
+"""What a scan has to look at, as columns: one row per image, from a tree, a list or a table.
+
+A million images are a table of a few hundred bytes each, not a million Python objects: rows
+become Python only a batch at a time (to stat them, fingerprint them, probe them)."""
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from stk import storage
 from stk.captions import CAPTION_EXTENSIONS, sidecar_stem
 from stk.imageinfo import is_image_name
-from stk.metadata import TableRow
+from stk.storage import name_text, text_name
 
-__all__ = ["Candidate", "from_list", "from_table", "from_tree", "stat_unknown"]
+__all__ = ["BATCH", "CANDIDATE_SCHEMA", "from_list", "from_table", "from_tree", "settle"]
 
+BATCH = 65_536  # rows turned into Python at a time
 
-@dataclass
-class Candidate:
-    """One image to scan. `path` is its key in the output table; `location` is where to read it.
-
-    Size -1 means not known yet (lists and tables are stat'ed before splitting the work). A name
-    that is not UTF-8 is kept as it is in `location` and stored escaped in `path`
-    (stk.storage.names)."""
-
-    path: str
-    location: str
-    size: int = -1
-    mtime: float = 0.0
-    etag: str | None = None
-    caption_location: str | None = None
-    caption_fingerprint: str = ""
-    caption: str | None = None
-    width: int | None = None
-    height: int | None = None
-    find_sidecar: bool = False  # look for path.txt/.caption at probe time (lists, tables)
-    error_kind: str | None = None
-    error: str | None = None
-
-    def __post_init__(self) -> None:
-        self.path = storage.name_text(self.path)
-
-    @property
-    def shown_location(self) -> str:
-        """`location` as records and errors.jsonl hold it (UTF-8, names escaped)."""
-        return storage.name_text(self.location)
-
-    @property
-    def fingerprint(self) -> str:
-        """Changes whenever the image or its caption source changes: reuse is keyed on it."""
-        table = f"|{self.caption!r}|{self.width}|{self.height}" if self.caption or self.width else ""
-        return f"{self.size}:{self.mtime!r}:{self.etag or ''}|{self.caption_fingerprint}{table}"
+# `path` is the key in the output table and `location` where to read the image, both as tables
+# hold names (stk.storage.name_text: a name that is not UTF-8 is escaped; text_name opens it).
+CANDIDATE_SCHEMA = pa.schema(
+    [
+        ("path", pa.string()),
+        ("location", pa.string()),
+        ("size", pa.int64()),  # -1: not known yet (lists and tables are stat'ed before the work is split)
+        ("mtime", pa.float64()),
+        ("etag", pa.string()),
+        ("caption_location", pa.string()),  # a sidecar found by the listing
+        ("caption_fingerprint", pa.string()),
+        ("caption", pa.string()),  # from the table
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("find_sidecar", pa.bool_()),  # look for path.txt/.caption at probe time (lists, tables)
+        ("error_kind", pa.string()),
+        ("error", pa.string()),
+    ]
+)
 
 
-def from_tree(root: str) -> list[Candidate]:
-    """Every image under a directory or s3:// prefix, with its sidecar caption if any, and every
-    directory that cannot be listed (an error row each)."""
-    images: list[storage.FileInfo] = []
-    sidecars: dict[str, storage.FileInfo] = {}
-    for info in storage.list_files(root):
+def _table(columns: dict[str, Any], rows: int) -> pa.Table:
+    """A candidate table from the columns given; the others are their defaults."""
+    defaults = {"size": -1, "mtime": 0.0, "caption_fingerprint": "", "find_sidecar": False}
+    arrays = []
+    for field in CANDIDATE_SCHEMA:
+        value = columns.get(field.name)
+        if isinstance(value, (pa.Array, pa.ChunkedArray)):
+            arrays.append(value.cast(field.type))
+        elif value is not None:
+            arrays.append(pa.array(value, field.type))
+        elif field.name in defaults:
+            arrays.append(pa.array(np.full(rows, defaults[field.name]), field.type))
+        else:
+            arrays.append(pa.nulls(rows, field.type))
+    return pa.Table.from_arrays(arrays, schema=CANDIDATE_SCHEMA)
+
+
+def _sorted(table: pa.Table) -> pa.Table:
+    """By path, then error kind (stable: equal rows keep their order)."""
+    keys = table.append_column("_kind", pc.fill_null(table.column("error_kind"), ""))
+    order = pc.sort_indices(keys, sort_keys=[("path", "ascending"), ("_kind", "ascending")])
+    if np.array_equal(order.to_numpy(), np.arange(len(order))):
+        return table
+    return table.take(order)
+
+
+def repeats(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """True where the key appeared in an earlier row."""
+    order = pc.sort_indices(keys)  # stable: the first of equal keys is the earliest
+    ordered = keys.take(order)
+    same = np.zeros(len(keys), bool)
+    if len(keys) > 1:
+        same[1:] = pc.equal(ordered[1:], ordered[:-1]).to_numpy(zero_copy_only=False)
+    out = np.zeros(len(keys), bool)
+    out[order.to_numpy()] = same
+    return out
+
+
+_LISTED = pa.schema(
+    [CANDIDATE_SCHEMA.field(name) for name in ("path", "location", "size", "mtime", "etag", "error_kind", "error")]
+    + [pa.field("stem", pa.string())]
+)
+_SIDECARS = pa.schema(
+    [("stem", pa.string()), ("rank", pa.int8()), ("location", pa.string()), ("fingerprint", pa.string())]
+)
+
+
+def _of_lists(columns: list[list[Any]], schema: pa.Schema) -> pa.Table:
+    arrays = [pa.array(values, field.type) for values, field in zip(columns, schema, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _batched_listing(root: str) -> Iterator[tuple[list[list[Any]], list[list[Any]]]]:
+    """The listing a batch at a time: image rows and sidecar rows, as column lists."""
+    images: list[list[Any]] = [[] for _ in range(8)]
+    sidecars: list[list[Any]] = [[] for _ in range(4)]
+    for count, info in enumerate(storage.list_files(root), 1):
         ext = posixpath.splitext(info.key)[1].lower()
         if is_image_name(info.key) or info.key.endswith("/"):
-            images.append(info)
+            kind = (info.error_kind or "unreadable") if info.error else None
+            row = (name_text(info.key), name_text(info.location), info.size, info.mtime, info.etag, kind,
+                   info.error or None, name_text(sidecar_stem(info.key)))  # fmt: skip
+            for column, value in zip(images, row, strict=True):
+                column.append(value)
         elif ext in CAPTION_EXTENSIONS:
-            stem = sidecar_stem(info.key)
-            known = sidecars.get(stem)
-            if known is None or CAPTION_EXTENSIONS.index(ext) < CAPTION_EXTENSIONS.index(
-                posixpath.splitext(known.key)[1].lower()
-            ):
-                sidecars[stem] = info
-    out = []
-    for info in images:
-        side = sidecars.get(sidecar_stem(info.key))
-        cand = Candidate(info.key, info.location, info.size, info.mtime, info.etag)
-        if side is not None:
-            cand.caption_location = side.location
-            cand.caption_fingerprint = f"{side.size}:{side.mtime!r}:{side.etag or ''}"
-        if info.error:
-            cand.error_kind, cand.error = info.error_kind or "unreadable", info.error
-        out.append(cand)
-    return sorted(out, key=lambda c: c.path)
+            side = (name_text(sidecar_stem(info.key)), CAPTION_EXTENSIONS.index(ext), name_text(info.location),
+                    f"{info.size}:{info.mtime!r}:{info.etag or ''}")  # fmt: skip
+            for column, item in zip(sidecars, side, strict=True):
+                column.append(item)
+        if count % BATCH == 0:
+            yield images, sidecars
+            images, sidecars = [[] for _ in range(8)], [[] for _ in range(4)]
+    yield images, sidecars
 
 
-def from_list(lines: Iterable[str]) -> list[Candidate]:
+def from_tree(root: str) -> pa.Table:
+    """Every image under a directory or s3:// prefix, with its sidecar caption if any, and every
+    directory that cannot be listed (an error row each)."""
+    image_batches, sidecar_batches = [], []
+    for images, sidecars in _batched_listing(root):
+        image_batches.append(_of_lists(images, _LISTED))
+        sidecar_batches.append(_of_lists(sidecars, _SIDECARS))
+    found = pa.concat_tables(image_batches)
+    sidecars = pa.concat_tables(sidecar_batches)
+    # the preferred extension of each stem; of two with the same one, the first listed
+    sidecars = sidecars.take(pc.sort_indices(sidecars, sort_keys=[("stem", "ascending"), ("rank", "ascending")]))
+    sidecars = sidecars.filter(pa.array(~repeats(sidecars.column("stem"))))
+    match = pc.index_in(found.column("stem"), value_set=sidecars.column("stem"))
+    columns = {name: found.column(name) for name in _LISTED.names[:-1]}
+    columns["caption_location"] = sidecars.column("location").take(match)
+    columns["caption_fingerprint"] = pc.fill_null(sidecars.column("fingerprint").take(match), "")
+    return _sorted(_table(columns, found.num_rows))
+
+
+def from_list(lines: Iterable[str]) -> pa.Table:
     """Paths or URLs, one per line (blank lines and '#' comments ignored); kept as given."""
-    out: list[Candidate] = []
-    seen: set[str] = set()
-    for raw in lines:
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        cand = Candidate(line, line, find_sidecar=True)
-        if line in seen:
-            cand.error_kind, cand.error = "duplicate", "listed more than once"
-        seen.add(line)
-        out.append(cand)
-    return sorted(out, key=lambda c: (c.path, c.error_kind or ""))
+    kept = [name_text(line) for line in (raw.strip() for raw in lines) if line and not line.startswith("#")]
+    paths = pa.array(kept, pa.string())
+    relisted = repeats(paths)
+    columns = {
+        "path": paths,
+        "location": paths,
+        "find_sidecar": np.ones(len(kept), bool),
+        "error_kind": pc.if_else(pa.array(relisted), "duplicate", pa.nulls(len(kept), pa.string())),
+        "error": pc.if_else(pa.array(relisted), "listed more than once", pa.nulls(len(kept), pa.string())),
+    }
+    return _sorted(_table(columns, len(kept)))
 
 
 def _escapes(path: str) -> bool:
     return path.startswith("/") or "://" in path or ".." in path.split("/")
 
 
-def from_table(rows: Iterable[TableRow], root: str) -> list[Candidate]:
-    """Rows of an existing table; paths are relative to `root` and may not leave it."""
-    out: list[Candidate] = []
-    seen: set[str] = set()
-    for row in rows:
-        raw = storage.text_name(row.path).replace("\\", "/")  # a table of stk's names, or Windows separators
-        escapes = bool(raw) and _escapes(raw)
-        path = posixpath.normpath(raw) if raw else ""
-        cand = Candidate(
-            raw if escapes else (path or "<empty>"),  # an escaping path is reported as written
-            storage.join(root, path),
-            caption=row.caption,
-            width=row.width,
-            height=row.height,
-            find_sidecar=row.caption is None,
-        )
-        if not path:
-            cand.error_kind, cand.error = "bad_row", "row has no path"
-        elif escapes:
-            cand.error_kind, cand.error = "path_escapes_root", f"path {row.path!r} escapes the root {root!r}"
-        elif path in seen:
-            cand.error_kind, cand.error = "duplicate", "path appears in more than one row"
-        seen.add(path)
-        out.append(cand)
-    return sorted(out, key=lambda c: (c.path, c.error_kind or ""))
+def _table_path(given: str, root: str) -> tuple[str, str, str | None, str | None]:
+    """(path shown, key for repeats, error kind, error) of one row's path."""
+    raw = text_name(given).replace("\\", "/")  # a table of stk's names, or Windows separators
+    escapes = bool(raw) and _escapes(raw)
+    path = posixpath.normpath(raw) if raw else ""
+    shown = name_text(raw if escapes else (path or "<empty>"))  # an escaping path is reported as written
+    if not path:
+        return shown, "", "bad_row", "row has no path"
+    if escapes:
+        return shown, name_text(path), "path_escapes_root", f"path {given!r} escapes the root {root!r}"
+    return shown, shown, None, None
 
 
-def _stat_one(cand: Candidate) -> None:
-    try:
-        info = storage.stat(cand.location)
-    except FileNotFoundError:
-        cand.error_kind, cand.error = "not_found", "no such file"
-    except OSError as exc:
-        cand.error_kind, cand.error = "unreadable", f"cannot stat: {exc.strerror or exc}"
-    else:
-        cand.size, cand.mtime, cand.etag = info.size, info.mtime, info.etag
-        cand.error_kind, cand.error = info.error_kind, info.error
+def _table_location(path: str, kind: str | None, root: str) -> str:
+    return name_text(storage.join(root, "" if kind == "bad_row" else posixpath.normpath(text_name(path))))
 
 
-def stat_unknown(cands: list[Candidate], threads: int) -> None:
-    """Fill in size/mtime for candidates that came without them (needed to split by bytes)."""
-    todo = [c for c in cands if c.size < 0 and c.error is None]
+# A path a table holds as it is: relative, '/'-separated, no empty, '.' or '..' part, no backslash.
+# It is its own normal form and name: only the other paths are looked at one by one.
+_PLAIN, _DOTS = r"^(?:[^/\\]+/)*[^/\\]+$", r"(?:^|/)\.\.?(?:/|$)"
+
+
+def _plain(paths: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    good = pc.and_(pc.match_substring_regex(paths, _PLAIN), pc.invert(pc.match_substring_regex(paths, _DOTS)))
+    return pc.fill_null(good, False).to_numpy(zero_copy_only=False)
+
+
+def _replaced(values: pa.Array, odd: np.ndarray, replacements: list[str | None]) -> pa.Array:
+    """`values` with the rows where `odd` is true replaced, in order."""
+    if not odd.any():
+        return values
+    return pc.replace_with_mask(values, pa.array(odd), pa.array(replacements, pa.string()))
+
+
+def _table_paths(given: pa.Array, root: str) -> dict[str, pa.Array]:
+    """The path, repeat key, error kind and error of each row of a table."""
+    odd = ~_plain(given)
+    checked = [_table_path(path, root) for path in given.filter(pa.array(odd)).to_pylist()]
+    nulls = pa.nulls(len(given), pa.string())
+    return {
+        name: _replaced(nulls if i > 1 else given, odd, [c[i] for c in checked])
+        for i, name in enumerate(("path", "key", "error_kind", "error"))
+    }
+
+
+def _locations(found: pa.Table, root: str) -> pa.Array:
+    """Where each row's image is: the root joined with its normal path ('' for a row with none)."""
+    prefix = storage.join(root, "")
+    paths, kinds = found.column("path").combine_chunks(), found.column("error_kind").combine_chunks()
+    fast = _plain(paths) & pc.fill_null(pc.not_equal(kinds, "bad_row"), True).to_numpy(zero_copy_only=False)
+    if "\\" in prefix or storage.printable(prefix) != prefix:
+        fast[:] = False  # a root with a name that is not UTF-8: every location is escaped by name_text
+    odd = ~fast
+    mask = pa.array(odd)
+    pairs = zip(paths.filter(mask).to_pylist(), kinds.filter(mask).to_pylist(), strict=True)
+    slow: list[str | None] = [_table_location(path, kind, root) for path, kind in pairs]
+    return _replaced(pc.binary_join_element_wise(prefix, paths, ""), odd, slow)
+
+
+def from_table(rows: pa.Table, root: str) -> pa.Table:
+    """Rows of an existing table (stk.metadata.read_columns); paths are relative to `root` and may
+    not leave it."""
+    checked = _table_paths(rows.column("path").combine_chunks(), root)
+    relisted = pa.array(repeats(checked["key"]) & pc.is_null(checked["error_kind"]).to_numpy(zero_copy_only=False))
+    columns = {
+        "path": checked["path"],
+        "error_kind": pc.if_else(relisted, "duplicate", checked["error_kind"]),
+        "error": pc.if_else(relisted, "path appears in more than one row", checked["error"]),
+        "caption": rows.column("caption"),
+        "width": rows.column("width"),
+        "height": rows.column("height"),
+        "find_sidecar": rows.column("caption").is_null(),
+    }
+    del checked
+    found = _sorted(_table(columns, rows.num_rows))
+    return found.set_column(1, "location", _locations(found, root))
+
+
+Stat = tuple[int, float, str | None, str | None, str | None]  # size, mtime, etag, error kind, error
+
+
+def _stat_many(locations: list[str]) -> list[Stat]:
+    out: list[Stat] = []
+    for location in locations:
+        try:
+            info = storage.stat(text_name(location))
+        except FileNotFoundError:
+            out.append((-1, 0.0, None, "not_found", "no such file"))
+        except OSError as exc:
+            out.append((-1, 0.0, None, "unreadable", f"cannot stat: {exc.strerror or exc}"))
+        else:
+            out.append((info.size, info.mtime, info.etag, info.error_kind, info.error))
+    return out
+
+
+def fingerprint(
+    size: int, mtime: float, etag: str | None, caption_fingerprint: str | None, caption: str | None,
+    width: int | None, height: int | None,
+) -> str:  # fmt: skip
+    """Changes whenever the image or its caption source changes: reuse is keyed on it."""
+    table = f"|{caption!r}|{width}|{height}" if caption or width else ""
+    return f"{size}:{mtime!r}:{etag or ''}|{caption_fingerprint or ''}{table}"
+
+
+_STATED = ("size", "mtime", "etag", "error_kind", "error")  # what a stat fills in, in Stat's order
+
+
+def _stat_rows(batch: pa.RecordBatch, rows: np.ndarray, pool: ThreadPoolExecutor) -> pa.RecordBatch:
+    locations = batch.column("location").take(pa.array(rows)).to_pylist()
+    parts = [locations[start : start + 256] for start in range(0, len(locations), 256)]
+    stats = [stat for part in pool.map(_stat_many, parts) for stat in part]
+    columns = {name: batch.column(name).to_pylist() for name in _STATED}
+    for row, stat in zip(rows.tolist(), stats, strict=True):
+        for name, value in zip(_STATED, stat, strict=True):
+            columns[name][row] = value
+    for name, values in columns.items():
+        index = batch.schema.get_field_index(name)
+        batch = batch.set_column(index, batch.schema.field(index), pa.array(values, batch.schema.field(index).type))
+    return batch
+
+
+def _settle_batch(batch: pa.RecordBatch, pool: ThreadPoolExecutor) -> pa.RecordBatch:
+    unknown = batch.column("size").to_numpy() < 0
+    rows = np.flatnonzero(unknown & pc.is_null(batch.column("error_kind")).to_numpy(zero_copy_only=False))
+    if len(rows):
+        batch = _stat_rows(batch, rows, pool)
+    names = ("size", "mtime", "etag", "caption_fingerprint", "caption", "width", "height")
+    columns = [batch.column(name).to_pylist() for name in names]
+    prints = pa.array([fingerprint(*values) for values in zip(*columns, strict=True)], pa.string())
+    return batch.append_column("fingerprint", prints)
+
+
+def settle(found: pa.Table, threads: int) -> pa.Table:
+    """Fill in size/mtime of the rows that came without them (needed to split by bytes), and add
+    each row's fingerprint."""
     with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
-        list(pool.map(_stat_one, todo))
+        batches = [_settle_batch(batch, pool) for batch in found.to_batches(BATCH)]
+    schema = CANDIDATE_SCHEMA.append(pa.field("fingerprint", pa.string()))
+    return pa.Table.from_batches(batches, schema=schema)

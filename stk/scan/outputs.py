@@ -1,4 +1,5 @@
-"""From all records to the scan directory: metadata.parquet, buckets.json, errors.jsonl."""
+"""From records to the scan directory: metadata.parquet, buckets.json, errors.jsonl, a range of
+paths at a time."""
 
 from __future__ import annotations
 
@@ -8,14 +9,27 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from stk import storage
-from stk.buckets import BatchCheck, Bucket, BucketIndex, check_batches
-from stk.metadata import to_json_lines, write_parquet
-from stk.scan.records import Record
+from stk.buckets import BatchCheck, Bucket, BucketIndex
+from stk.scan.parts import PartWriter, stream_jsonl, stream_parquet
+from stk.scan.records import by_path, last_per_path
 
-__all__ = ["BUCKETS", "ERRORS", "METADATA", "SUMMARY", "Assembled", "Filters", "assemble", "write_outputs"]
+__all__ = [
+    "BUCKETS",
+    "ERRORS",
+    "METADATA",
+    "SUMMARY",
+    "Assembled",
+    "Filters",
+    "Tally",
+    "assemble",
+    "write_outputs",
+    "write_part",
+]
 
 METADATA, BUCKETS, ERRORS, SUMMARY = "metadata.parquet", "buckets.json", "errors.jsonl", "summary.json"
 
@@ -49,15 +63,30 @@ class Filters:
     max_aspect: float = 2.0
 
 
+ERROR_SCHEMA = pa.schema(
+    [("path", pa.string()), ("location", pa.string()), ("kind", pa.string()), ("reason", pa.string()),
+     ("severity", pa.string())]  # error: the image is not in the table; warning: kept, metadata damaged
+)  # fmt: skip
+
+
 @dataclass
-class Assembled:
-    rows: list[Record]
-    errors: list[Record]
-    counts: dict[int, int]
-    check: BatchCheck
+class Tally:
+    """What the table holds, counted: small whatever the number of images, so ranks add theirs up."""
+
+    counts: dict[int, int] = field(default_factory=dict)  # images per bucket id
     error_kinds: dict[str, int] = field(default_factory=dict)
     warning_kinds: dict[str, int] = field(default_factory=dict)  # on images that were kept
-    latest: list[Record] = field(default_factory=list)  # one record per path, as probed (for reuse)
+
+    def plus(self, other: Tally) -> Tally:
+        def add(a: dict[Any, int], b: dict[Any, int]) -> dict[Any, int]:
+            return dict(sorted((Counter(a) + Counter(b)).items()))
+
+        return Tally(add(self.counts, other.counts), add(self.error_kinds, other.error_kinds),
+                     add(self.warning_kinds, other.warning_kinds))  # fmt: skip
+
+    @property
+    def images(self) -> int:
+        return sum(self.counts.values())
 
     @property
     def fault_kinds(self) -> dict[str, int]:
@@ -77,8 +106,18 @@ class Assembled:
         return sum(n for kind, n in self.error_kinds.items() if kind in SKIP_KINDS)
 
 
-def _filter_reason(rec: Record, filters: Filters) -> tuple[str, str] | None:
-    width, height = rec["width"], rec["height"]
+@dataclass
+class Assembled:
+    """One range of paths, assembled: its table rows (records with their buckets), its errors.jsonl
+    rows, and one record per path as probed (the state a rerun reuses)."""
+
+    rows: pa.Table
+    errors: pa.Table
+    latest: pa.Table
+    tally: Tally
+
+
+def _filter_reason(width: int, height: int, filters: Filters) -> tuple[str, str] | None:
     if min(width, height) < filters.min_size:
         return "too_small", f"{width}x{height}: shorter side below --min-size {filters.min_size}"
     aspect = width / height
@@ -90,63 +129,79 @@ def _filter_reason(rec: Record, filters: Filters) -> tuple[str, str] | None:
     return None
 
 
-def _error_row(rec: Record) -> Record:
-    """What errors.jsonl keeps of a failed or skipped record: the image is not in the table."""
-    return {**{k: rec[k] for k in ("path", "location", "kind", "reason")}, "severity": "error"}
+def _judged(records: pa.Table, filters: Filters) -> pa.Table:
+    """The records with the filters' verdicts as error kinds: too small, or too narrow or wide."""
+    good = pc.is_null(records.column("kind")).to_numpy(zero_copy_only=False)
+    widths = pc.fill_null(records.column("width"), 1).to_numpy(zero_copy_only=False).astype(np.int64)
+    heights = pc.fill_null(records.column("height"), 1).to_numpy(zero_copy_only=False).astype(np.int64)
+    aspects = widths / heights
+    inside = (filters.min_aspect - 1e-9 <= aspects) & (aspects <= filters.max_aspect + 1e-9)
+    flagged = np.flatnonzero(good & ((np.minimum(widths, heights) < filters.min_size) | ~inside))
+    if not len(flagged):
+        return records
+    kinds = records.column("kind").to_numpy(zero_copy_only=False).copy()
+    reasons = records.column("reason").to_numpy(zero_copy_only=False).copy()
+    for i in flagged:  # the numbers say which; the reason is written once, here
+        verdict = _filter_reason(int(widths[i]), int(heights[i]), filters)
+        if verdict is not None:
+            kinds[i], reasons[i] = verdict
+    judged = records.set_column(records.schema.get_field_index("kind"), "kind", pa.array(kinds, pa.string()))
+    return judged.set_column(judged.schema.get_field_index("reason"), "reason", pa.array(reasons, pa.string()))
 
 
-def _warning_row(rec: Record) -> Record:
-    """What errors.jsonl keeps of an image kept in the table despite damaged metadata."""
-    return {"path": rec["path"], "location": rec["location"], "kind": rec["warning_kind"], "reason": rec["warning"],
-            "severity": "warning"}  # fmt: skip
+def _report(records: pa.Table, kind: str, reason: str, severity: str) -> pa.Table:
+    columns = [records.column("path"), records.column("location"), records.column(kind), records.column(reason),
+               pa.array([severity] * records.num_rows, pa.string())]  # fmt: skip
+    return pa.Table.from_arrays(columns, schema=ERROR_SCHEMA)
 
 
-def assemble(records: list[Record], buckets: list[Bucket], filters: Filters, effective: int, repeats: int) -> Assembled:
-    """Sort by path, keep one record per path, filter, assign buckets and check batches.
+def _with_buckets(kept: pa.Table, index: BucketIndex) -> pa.Table:
+    """The kept records with the table's own columns: the nearest bucket, looked up once per distinct
+    size."""
+    widths = kept.column("width").to_numpy(zero_copy_only=False).astype(np.int64)
+    heights = kept.column("height").to_numpy(zero_copy_only=False).astype(np.int64)
+    sizes, which = np.unique((widths << 32) | heights, return_inverse=True)
+    nearest = [index.nearest(int(size >> 32), int(size & 0xFFFFFFFF)) for size in sizes]
+    columns = {"filename": kept.column("path")}
+    for name in ("id", "width", "height"):
+        values = np.array([getattr(b, name) for b in nearest], np.int32)[which.reshape(-1)]
+        columns["bucket" if name == "id" else f"bucket_{name}"] = pa.array(values, pa.int32())
+    for name in ("filename", "bucket", "bucket_width", "bucket_height"):
+        kept = kept.append_column(pa.field(name, METADATA_SCHEMA.field(name).type), columns[name])
+    return kept
 
-    Pure: the same records give the same result whatever number of ranks produced them."""
-    by_path: dict[str, Record] = {}
-    relisted: list[Record] = []
-    for rec in records:
-        if rec["kind"] == "duplicate":
-            relisted.append(rec)  # a path listed again: reported, never replacing the path's own record
-        else:
-            by_path[rec["path"]] = rec  # later records (this run) win over earlier ones
-    index = BucketIndex(buckets)
-    rows: list[Record] = []
-    errors: list[Record] = []
-    warnings: list[Record] = []
-    for path in sorted(by_path):
-        rec = dict(by_path[path])
-        if rec["kind"] is None:
-            skip = _filter_reason(rec, filters)
-            if skip is not None:
-                rec["kind"], rec["reason"] = skip
-        if rec["kind"] is not None:
-            errors.append(_error_row(rec))
-            continue
-        bucket = index.nearest(rec["width"], rec["height"])
-        rec.update(filename=path, bucket=bucket.id, bucket_width=bucket.width, bucket_height=bucket.height)
-        rows.append(rec)
-        if rec["warning_kind"] is not None:
-            warnings.append(_warning_row(rec))
-    errors.extend(_error_row(rec) for rec in relisted)
-    kinds = Counter(e["kind"] for e in errors)
-    warning_kinds = Counter(w["kind"] for w in warnings)
-    errors.extend(warnings)
-    errors.sort(key=lambda e: e["path"])  # stable: a path's own error stays before its repeats
-    counts = Counter(r["bucket"] for r in rows)
-    check = check_batches(dict(counts), buckets, effective, repeats)
-    latest = [by_path[path] for path in sorted(by_path)]
-    return Assembled(
-        rows, errors, dict(counts), check, dict(sorted(kinds.items())), dict(sorted(warning_kinds.items())), latest
+
+def _kinds(column: pa.ChunkedArray | pa.Array) -> dict[str, int]:
+    return {str(v["values"]): int(v["counts"]) for v in pc.value_counts(column).to_pylist()}
+
+
+def assemble(records: pa.Table, index: BucketIndex, filters: Filters) -> Assembled:
+    """Sort by path, keep one record per path, filter and assign buckets.
+
+    Pure: the same records give the same result whatever number of ranks produced them, and a
+    range of paths gives the part of the whole that it covers."""
+    relisted_mask = pc.fill_null(pc.equal(records.column("kind"), "duplicate"), False)
+    relisted = records.filter(relisted_mask)  # a path listed again: reported, never replacing its own record
+    latest = last_per_path(records.filter(pc.invert(relisted_mask)))  # later records (this run) win
+    judged = _judged(latest, filters)
+    bad = pc.is_valid(judged.column("kind"))
+    failed, kept = judged.filter(bad), judged.filter(pc.invert(bad))
+    warned = kept.filter(pc.is_valid(kept.column("warning_kind")))
+    errors = pa.concat_tables([_report(failed, "kind", "reason", "error"), _report(relisted, "kind", "reason", "error"),
+                               _report(warned, "warning_kind", "warning", "warning")])  # fmt: skip
+    rows = _with_buckets(kept, index)
+    bucket_ids, counts = np.unique(rows.column("bucket").to_numpy(zero_copy_only=False), return_counts=True)
+    tally = Tally(
+        {int(b): int(n) for b, n in zip(bucket_ids, counts, strict=True)},
+        dict(sorted((Counter(_kinds(failed.column("kind"))) + Counter(_kinds(relisted.column("kind")))).items())),
+        dict(sorted(_kinds(warned.column("warning_kind")).items())),
     )
+    return Assembled(rows, by_path(errors), latest, tally)  # a path's own error stays before its repeats
 
 
 def buckets_document(
-    assembled: Assembled, buckets: list[Bucket], settings: dict[str, Any], oversubscribe: bool
+    tally: Tally, check: BatchCheck, buckets: list[Bucket], settings: dict[str, Any], oversubscribe: bool
 ) -> dict[str, Any]:
-    check = assembled.check
     return {
         **settings,
         "effective_batch_size": check.effective_batch_size,
@@ -158,7 +213,7 @@ def buckets_document(
                 "id": b.id,
                 "width": b.width,
                 "height": b.height,
-                "count": assembled.counts.get(b.id, 0),
+                "count": tally.counts.get(b.id, 0),
                 "repeats": check.repeats_for(b.id, oversubscribe),
             }
             for b in buckets
@@ -170,10 +225,19 @@ def buckets_document(
     }
 
 
-def write_outputs(out_dir: str, assembled: Assembled, buckets_doc: dict[str, Any], summary: dict[str, Any]) -> None:
-    """Each file atomically; metadata.parquet last but one, summary.json last."""
-    storage.write_atomic(os.path.join(out_dir, ERRORS), to_json_lines(assembled.errors).encode())
+def write_part(parts: PartWriter, assembled: Assembled) -> None:
+    """A range's rows, errors and state, after those of the ranges before it."""
+    parts.write("rows", assembled.rows.select(METADATA_SCHEMA.names).cast(METADATA_SCHEMA))
+    parts.write("errors", assembled.errors)
+    parts.write("state", assembled.latest)
+
+
+def write_outputs(
+    out_dir: str, parts: dict[str, list[str]], buckets_doc: dict[str, Any], summary: dict[str, Any]
+) -> None:
+    """Each file atomically, the ranks' parts streamed in path order; metadata.parquet last but one,
+    summary.json last."""
+    stream_jsonl(parts.get("errors", []), os.path.join(out_dir, ERRORS))
     storage.write_atomic(os.path.join(out_dir, BUCKETS), (json.dumps(buckets_doc, indent=1) + "\n").encode())
-    table = pa.Table.from_pylist(assembled.rows, schema=METADATA_SCHEMA)
-    write_parquet(table, os.path.join(out_dir, METADATA))
+    stream_parquet(parts.get("rows", []), os.path.join(out_dir, METADATA), METADATA_SCHEMA)
     storage.write_atomic(os.path.join(out_dir, SUMMARY), (json.dumps(summary, indent=1) + "\n").encode())

@@ -1,5 +1,6 @@
 """The scan across ranks: list on rank 0, split by bytes, probe with I/O threads on every
-rank committing to the journal, gather, and write the outputs on rank 0."""
+rank committing to the journal, write each rank's part of the outputs, and stream the parts
+into the outputs on rank 0."""
 
 from __future__ import annotations
 
@@ -11,21 +12,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from stk import metadata, storage
-from stk.buckets import BucketSpec, effective_batch_size, make_buckets
+from stk.buckets import BucketIndex, BucketSpec, check_batches, effective_batch_size, make_buckets
 from stk.errors import BatchCheckFailed, InputError, check_max_errors, parse_max_errors
 from stk.log import get_logger
 from stk.progress import Progress
 from stk.scan import candidates as cands
-from stk.scan.outputs import ERRORS, Filters, assemble, buckets_document, write_outputs
+from stk.scan.outputs import ERRORS, Filters, Tally, assemble, buckets_document, write_outputs, write_part
+from stk.scan.parts import PartWriter, clear_parts
 from stk.scan.probe import ProbeOptions, probe
-from stk.scan.records import Record
+from stk.scan.records import RECORD_SCHEMA, Record, records_to_table
 from stk.scan.state import Journal, clear_previous, load_previous, save_state
 from stk.world import World, split_work
 
 __all__ = ["ScanOptions", "ScanSummary", "run_scan", "split_by_bytes"]
 
 log = get_logger("scan")
+
+BLOCK = 65_536  # paths a rank assembles at a time
+Share = list[tuple[pa.Table, pa.Table]]  # a rank's blocks in path order: (candidates to probe, records reused)
 
 
 @dataclass
@@ -82,17 +91,20 @@ class ScanSummary:
         )
 
 
-def split_by_bytes(items: list[cands.Candidate], parts: int) -> list[list[cands.Candidate]]:
-    """Contiguous runs (path order keeps directories together) of about equal total bytes."""
-    weights = [max(c.size, 1) for c in items]
-    total = sum(weights)
-    out: list[list[cands.Candidate]] = [[] for _ in range(parts)]
-    running = 0
-    for cand, weight in zip(items, weights, strict=True):
-        part = min(parts - 1, running * parts // total) if total else 0
-        out[part].append(cand)
-        running += weight
-    return out
+def split_by_bytes(weights: np.ndarray, parts: int, joined: np.ndarray | None = None) -> list[range]:
+    """Contiguous runs (path order keeps directories together) of about equal total weight (a
+    weight below 1 counts as 1). Where `joined` is true a row stays in the run of the row before
+    it (the rows of one path are assembled together)."""
+    count = len(weights)
+    if not count:
+        return [range(0, 0)] * parts
+    weights = np.maximum(np.asarray(weights, np.int64), 1)
+    before = np.cumsum(weights) - weights
+    part = np.minimum(parts - 1, before * parts // int(weights.sum()))
+    if joined is not None:
+        part = part[np.maximum.accumulate(np.where(joined, 0, np.arange(count)))]
+    bounds = np.searchsorted(part, np.arange(parts + 1), side="left")
+    return [range(int(bounds[p]), int(bounds[p + 1])) for p in range(parts)]
 
 
 def _is_table(source: str) -> bool:
@@ -112,50 +124,84 @@ def source_root(opts: ScanOptions) -> str:
     return root if storage.is_s3(root) else os.path.abspath(root)
 
 
-def _list(opts: ScanOptions) -> list[cands.Candidate]:
+def _list(opts: ScanOptions) -> pa.Table:
     if opts.source == "-":
         found = cands.from_list(opts.stdin_lines or [])
     elif _is_table(opts.source):
         if not storage.is_s3(opts.source) and not os.path.isfile(opts.source):
             raise InputError(f"{opts.source}: no such table")
-        found = cands.from_table(metadata.read_rows(opts.source, opts.columns), source_root(opts))
+        found = cands.from_table(metadata.read_columns(opts.source, opts.columns), source_root(opts))
     else:
         found = cands.from_tree(opts.source)
-    cands.stat_unknown(found, opts.threads)
-    return found
+    return cands.settle(found, opts.threads)
 
 
-def _previous(opts: ScanOptions) -> dict[str, Record]:
+def _previous(opts: ScanOptions) -> pa.Table:
     """Records from the last finished scan and from the journal of an interrupted one."""
     if opts.full:
         clear_previous(opts.out_dir)
-        return {}
-    return {r["path"]: r for r in load_previous(opts.out_dir, opts.probe.settings_key())}
+        return RECORD_SCHEMA.empty_table()
+    return load_previous(opts.out_dir, opts.probe.settings_key())
 
 
-def _plan(opts: ScanOptions, world: World) -> tuple[list[list[cands.Candidate]], list[Record], int, str]:
+def _reuse(found: pa.Table, previous: pa.Table) -> tuple[np.ndarray, pa.Table]:
+    """Which candidates an earlier record still describes (the same fingerprint), and those
+    records, in the candidates' order, with today's location."""
+    match = pc.index_in(found.column("path"), value_set=previous.column("path"))
+    same = pc.fill_null(pc.equal(previous.column("fingerprint").take(match), found.column("fingerprint")), False)
+    reuse = pc.and_(same, pc.is_null(found.column("error_kind"))).to_numpy(zero_copy_only=False)
+    rows = match.filter(pa.array(reuse))
+    if len(rows) == previous.num_rows and np.array_equal(rows.to_numpy(), np.arange(len(rows))):
+        records = previous  # a rerun with nothing changed: the state as it is, not a copy
+    else:
+        records = previous.take(rows)
+    locations = found.column("location") if reuse.all() else found.column("location").filter(pa.array(reuse))
+    return reuse, records.set_column(1, "location", locations)
+
+
+def _shares(found: pa.Table, reuse: np.ndarray, reused: pa.Table, ranks: int) -> list[Share]:
+    """Each rank's range of paths, by the bytes it has to read, in blocks of about BLOCK paths."""
+    paths = found.column("path")
+    joined = np.zeros(len(paths), bool)
+    if len(paths) > 1:
+        joined[1:] = pc.equal(paths[1:], paths[:-1]).to_numpy(zero_copy_only=False)
+    weights = np.where(reuse, 1, found.column("size").to_numpy())
+    first_reused = np.cumsum(reuse) - reuse  # where each candidate's reused record would be
+    shares: list[Share] = []
+    for part in split_by_bytes(weights, ranks, joined):
+        blocks = split_by_bytes(np.ones(len(part)), -(-len(part) // BLOCK) or 1, joined[part.start : part.stop])
+        share: Share = []
+        for block in (range(part.start + b.start, part.start + b.stop) for b in blocks if len(b)):
+            todo, mask = found.slice(block.start, len(block)), reuse[block.start : block.stop]
+            if mask.any():
+                todo = todo.filter(pa.array(~mask))
+            share.append((todo, reused.slice(int(first_reused[block.start]), int(mask.sum()))))
+        shares.append(share)
+    return shares
+
+
+def _plan(opts: ScanOptions, world: World) -> tuple[list[Share], int, int, str]:
     found = _list(opts)
     previous = _previous(opts)
-    reused: list[Record] = []
-    todo: list[cands.Candidate] = []
-    for cand in found:
-        old = previous.get(cand.path)
-        if old is not None and old["fingerprint"] == cand.fingerprint and cand.error_kind is None:
-            reused.append({**old, "location": cand.shown_location})  # state records have the record schema
-        else:
-            todo.append(cand)
+    if previous.num_rows:
+        reuse, reused = _reuse(found, previous)
+    else:
+        reuse, reused = np.zeros(found.num_rows, bool), RECORD_SCHEMA.empty_table()
+    del previous
+    clear_parts(opts.out_dir)  # of an interrupted run
+    files, todo = found.num_rows, found.num_rows - reused.num_rows
     log.info(
         "%s: %d images listed, %d reused from earlier runs, %d to scan on %d rank(s)",
         opts.source,
-        len(found),
-        len(reused),
-        len(todo),
+        files,
+        reused.num_rows,
+        todo,
         world.size,
     )
-    return split_by_bytes(todo, world.size), reused, len(found), uuid.uuid4().hex[:8]
+    return _shares(found, reuse, reused, world.size), files, todo, uuid.uuid4().hex[:8]
 
 
-def _probe_chunk(pool: ThreadPoolExecutor, chunk: list[cands.Candidate], opts: ScanOptions) -> list[Record]:
+def _probe_chunk(pool: ThreadPoolExecutor, chunk: list[dict[str, Any]], opts: ScanOptions) -> list[Record]:
     """The records of `chunk`, in its order, each thread pulling the next file from a shared
     queue: a pool task per file costs more in futures and thread wake-ups than probing a header
     in the page cache does, and fixed batches would leave threads idle on slow storage."""
@@ -177,32 +223,54 @@ def _probe_chunk(pool: ThreadPoolExecutor, chunk: list[cands.Candidate], opts: S
     return records
 
 
-def _probe_share(
-    share: list[cands.Candidate], opts: ScanOptions, world: World, run_id: str, total: int
-) -> list[Record]:
+@dataclass
+class _RankResult:
+    tally: Tally
+    parts: dict[str, str]  # output name: this rank's part file
+
+
+def _probe_share(share: Share, opts: ScanOptions, world: World, run_id: str) -> _RankResult:
+    """Probe the rank's blocks, committing every --commit-every files, and write each block's
+    part of the outputs."""
+    index, filters = BucketIndex(make_buckets(opts.buckets)), _filters(opts)
     journal = Journal(opts.out_dir, run_id, world.rank, opts.probe.settings_key())
-    results: list[Record] = []
+    parts = PartWriter(opts.out_dir, run_id, world.rank)
+    tally = Tally()
     desc = f"scan (rank 0 of {world.size})"
     with (
-        Progress(world, total=len(share), unit="img", desc=desc) as progress,
+        Progress(world, total=sum(todo.num_rows for todo, _ in share), unit="img", desc=desc) as progress,
         ThreadPoolExecutor(max_workers=max(opts.threads, 1)) as pool,
     ):
-        for start in range(0, len(share), opts.commit_every):
-            records = _probe_chunk(pool, share[start : start + opts.commit_every], opts)
-            journal.commit(records)
-            results.extend(records)
-            progress.update(len(records))
-    return results
+        for todo, reused in share:
+            new = []
+            for start in range(0, todo.num_rows, opts.commit_every):
+                records = records_to_table(_probe_chunk(pool, todo.slice(start, opts.commit_every).to_pylist(), opts))
+                journal.commit(records)
+                new.append(records)
+                progress.update(records.num_rows)
+            assembled = assemble(pa.concat_tables([reused, *new]), index, filters)  # this run's records win
+            write_part(parts, assembled)
+            tally = tally.plus(assembled.tally)
+    return _RankResult(tally, parts.close())
+
+
+def _filters(opts: ScanOptions) -> Filters:
+    return Filters(opts.min_size, opts.buckets.min_aspect, opts.buckets.max_aspect)
 
 
 def _finish(
-    opts: ScanOptions, world: World, records: list[Record], files: int, scanned: int, started: float
-) -> tuple[ScanSummary, list[Record]]:
+    opts: ScanOptions, world: World, results: list[_RankResult], files: int, scanned: int, started: float
+) -> ScanSummary:
+    """On rank 0: add up the ranks' tallies, check the batches, and stream the ranks' parts into
+    the outputs and the state."""
     spec = opts.buckets
     buckets = make_buckets(spec)
     effective = effective_batch_size(opts.batch_size, opts.gpus, opts.grad_accum)
-    filters = Filters(opts.min_size, spec.min_aspect, spec.max_aspect)
-    assembled = assemble(records, buckets, filters, effective, opts.repeats)
+    tally = Tally()
+    for result in results:
+        tally = tally.plus(result.tally)
+    parts = {name: [r.parts[name] for r in results if name in r.parts] for name in ("rows", "errors", "state")}
+    check = check_batches(tally.counts, buckets, effective, opts.repeats)
     settings: dict[str, Any] = {
         **{k: (v.value if hasattr(v, "value") else v) for k, v in asdict(spec).items()},
         "min_size": opts.min_size,
@@ -216,64 +284,58 @@ def _finish(
         root=source_root(opts),
         out_dir=opts.out_dir,
         files=files,
-        images=len(assembled.rows),
-        errors=assembled.faults,
-        warnings=assembled.warnings,
-        skipped=assembled.skipped,
-        error_kinds=assembled.error_kinds,
-        warning_kinds=assembled.warning_kinds,
+        images=tally.images,
+        errors=tally.faults,
+        warnings=tally.warnings,
+        skipped=tally.skipped,
+        error_kinds=tally.error_kinds,
+        warning_kinds=tally.warning_kinds,
         reused=files - scanned,
         scanned=scanned,
-        buckets=len(assembled.counts),
+        buckets=len(tally.counts),
         effective_batch_size=effective,
         gpus=opts.gpus,
         gpus_from=opts.gpus_from,
-        short_buckets=len(assembled.check.short),
+        short_buckets=len(check.short),
         ranks=world.size,
         seconds=round(seconds, 3),
         images_per_second=round(scanned / seconds, 1) if seconds > 0 else 0.0,
     )
-    doc = buckets_document(assembled, buckets, settings, opts.oversubscribe)
-    write_outputs(opts.out_dir, assembled, doc, asdict(summary))
-    save_state(opts.out_dir, assembled.latest, opts.probe.settings_key())
+    doc = buckets_document(tally, check, buckets, settings, opts.oversubscribe)
+    write_outputs(opts.out_dir, parts, doc, asdict(summary))
+    save_state(opts.out_dir, parts["state"], opts.probe.settings_key())
+    clear_parts(opts.out_dir)
     log.info(summary.line())
     errors_file, written = os.path.join(opts.out_dir, ERRORS), "the outputs were written"
-    check_max_errors(opts.max_errors, assembled.fault_kinds, files, "bad files", errors_file, written)
-    if not assembled.check.ok:
+    check_max_errors(opts.max_errors, tally.fault_kinds, files, "bad files", errors_file, written)
+    if not check.ok:
         if opts.oversubscribe:
-            log.warning(
-                "oversubscribed %d short bucket(s); repeats recorded in buckets.json", len(assembled.check.short)
-            )
+            log.warning("oversubscribed %d short bucket(s); repeats recorded in buckets.json", len(check.short))
         else:
-            raise BatchCheckFailed(assembled.check.message())
-    return summary, assembled.rows
+            raise BatchCheckFailed(check.message())
+    return summary
 
 
-def run_scan(opts: ScanOptions, world: World) -> tuple[ScanSummary, list[Record]]:
-    """Scan on every rank of `world`; every rank returns the summary, rank 0 also the rows.
+def run_scan(opts: ScanOptions, world: World) -> ScanSummary:
+    """Scan on every rank of `world`; every rank returns the summary (the rows are in the scan
+    directory, stk.scan.records.json_lines reads them back).
 
-    Listing and writing happen once, on rank 0, so the outputs never depend on the rank count;
-    probing, the slow part on a big tree or bucket, is spread over the ranks by bytes. Large data
-    moves only where it must: each rank receives its own share and sends its records to rank 0."""
+    Listing happens once, on rank 0, so the outputs never depend on the rank count; probing, the
+    slow part on a big tree or bucket, is spread over the ranks by bytes. Each rank assembles its
+    own range of paths into part files, which rank 0 streams into the outputs a row group at a
+    time: only counts travel to rank 0, never the rows."""
     started = time.monotonic()
     parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the scan
-    reused: list[Record] = []
-    rows: list[Record] = []
 
-    def plan() -> tuple[tuple[int, str], list[list[cands.Candidate]]]:
+    def plan() -> tuple[tuple[int, int, str], list[Share]]:
         os.makedirs(opts.out_dir, exist_ok=True)
-        shares, found_before, files, run_id = _plan(opts, world)
-        reused.extend(found_before)
-        return (files, run_id), shares
+        shares, files, scanned, run_id = _plan(opts, world)
+        return (files, scanned, run_id), shares
 
-    def work(shared: tuple[int, str], share: list[cands.Candidate]) -> list[Record]:
-        files, run_id = shared
-        return _probe_share(share, opts, world, run_id, files)
+    def work(shared: tuple[int, int, str], share: Share) -> _RankResult:
+        return _probe_share(share, opts, world, shared[2])
 
-    def finish(shared: tuple[int, str], parts: list[list[Record]]) -> ScanSummary:
-        new = [r for part in parts for r in part]
-        summary, written = _finish(opts, world, reused + new, shared[0], len(new), started)
-        rows.extend(written)
-        return summary
+    def finish(shared: tuple[int, int, str], results: list[_RankResult]) -> ScanSummary:
+        return _finish(opts, world, results, shared[0], shared[1], started)
 
-    return split_work(world, plan, work, finish), rows
+    return split_work(world, plan, work, finish)

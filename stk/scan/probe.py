@@ -1,8 +1,10 @@
-"""Look at one candidate: header-only size and orientation, and its caption."""
+"""Look at one candidate (a row of stk.scan.candidates): header-only size and orientation, and its caption."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from stk import storage
 from stk.captions import (
@@ -17,7 +19,6 @@ from stk.errors import StkError, described
 from stk.imageformats import ACCEPTED
 from stk.imageheaders import MetadataWarning
 from stk.imageinfo import ImageError, read_header
-from stk.scan.candidates import Candidate
 from stk.scan.records import Record, error_record
 
 __all__ = ["ProbeOptions", "probe"]
@@ -44,11 +45,17 @@ def _find_sidecar(location: str) -> str | None:
     return None
 
 
-def _caption(cand: Candidate, opts: ProbeOptions) -> tuple[str, str]:
+Candidate = Mapping[str, Any]  # a row of stk.scan.candidates.CANDIDATE_SCHEMA, with its fingerprint
+
+
+def _caption(cand: Candidate, image: str, opts: ProbeOptions) -> tuple[str, str]:
     """(caption, source); raises CaptionError when none may be used."""
-    if cand.caption is not None:
-        return cand.caption, "table"
-    location = cand.caption_location or (_find_sidecar(cand.location) if cand.find_sidecar else None)
+    if cand["caption"] is not None:
+        return cand["caption"], "table"
+    if cand["caption_location"]:
+        location: str | None = storage.text_name(cand["caption_location"])
+    else:
+        location = _find_sidecar(image) if cand["find_sidecar"] else None
     if location is not None:
         try:
             return decode_caption(storage.read_bytes(location)), "sidecar"
@@ -59,18 +66,18 @@ def _caption(cand: Candidate, opts: ProbeOptions) -> tuple[str, str]:
     if opts.missing_caption is MissingCaption.EMPTY:
         return "", "empty"
     if opts.missing_caption is MissingCaption.FILENAME:
-        return caption_from_filename(cand.path), "filename"
+        return caption_from_filename(cand["path"]), "filename"
     raise CaptionError(
         "no caption (no table column, no .txt/.caption sidecar) and --missing-caption error", kind="caption_missing"
     )
 
 
-def _size(cand: Candidate, opts: ProbeOptions) -> tuple[int, int, str | None, MetadataWarning | None]:
+def _size(cand: Candidate, location: str, opts: ProbeOptions) -> tuple[int, int, str | None, MetadataWarning | None]:
     """Width, height, format and any metadata warning: from the table, or from the file's header."""
-    if cand.width and cand.height:
-        return cand.width, cand.height, None, None
-    with storage.open_read(cand.location, cand.size) as f:
-        header = read_header(f, cand.size, opts.max_pixels, opts.formats, cand.path)
+    if cand["width"] and cand["height"]:
+        return cand["width"], cand["height"], None, None
+    with storage.open_read(location, cand["size"]) as f:
+        header = read_header(f, cand["size"], opts.max_pixels, opts.formats, cand["path"])
     return header.width, header.height, header.format, header.warning
 
 
@@ -92,26 +99,26 @@ def _failure(exc: Exception) -> tuple[str, str]:
 def probe(cand: Candidate, opts: ProbeOptions) -> Record:
     """A record for `cand`; whatever fails for this one file becomes its error record, never an
     exception. Only a failure of the storage itself (InfraError: S3 down past its budget) ends the scan."""
-    fp = cand.fingerprint
-    location = cand.shown_location
-    if cand.error_kind:
-        return error_record(cand.path, location, fp, cand.error_kind, cand.error or cand.error_kind)
+    fp, location, path = cand["fingerprint"], cand["location"], cand["path"]
+    if cand["error_kind"]:
+        return error_record(path, location, fp, cand["error_kind"], cand["error"] or cand["error_kind"])
+    name = storage.text_name(location)  # the name that opens the file
     try:
-        width, height, fmt, warning = _size(cand, opts)
-        caption, source = _caption(cand, opts)
+        width, height, fmt, warning = _size(cand, name, opts)
+        caption, source = _caption(cand, name, opts)
     except StkError:
         raise
     except Exception as exc:
-        return error_record(cand.path, location, fp, *_failure(exc))
+        return error_record(path, location, fp, *_failure(exc))
     return {
-        "path": cand.path,
+        "path": path,
         "location": location,
         "width": width,
         "height": height,
         "format": fmt,
-        "bytes": cand.size,
-        "mtime": cand.mtime,
-        "etag": cand.etag,
+        "bytes": cand["size"],
+        "mtime": cand["mtime"],
+        "etag": cand["etag"],
         "caption": caption,
         "caption_source": source,
         "fingerprint": fp,

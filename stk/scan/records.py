@@ -6,14 +6,27 @@ run, from the previous table and from this run are interchangeable.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from stk.metadata import to_json_lines
 from stk.storage import printable
 
-__all__ = ["JSONL_COLUMNS", "RECORD_SCHEMA", "Record", "error_record", "json_lines", "records_to_table"]
+__all__ = [
+    "JSONL_COLUMNS",
+    "RECORD_SCHEMA",
+    "Record",
+    "by_path",
+    "error_record",
+    "json_lines",
+    "last_per_path",
+    "records_to_table",
+]
 
 Record = dict[str, Any]
 
@@ -49,11 +62,31 @@ def records_to_table(records: list[Record]) -> pa.Table:
     return pa.Table.from_pylist(records, schema=RECORD_SCHEMA)
 
 
+def by_path(table: pa.Table) -> pa.Table:
+    """Sorted by path, stable: rows of one path keep their order."""
+    return table.take(pc.sort_indices(table, sort_keys=[("path", "ascending")]))
+
+
+def last_per_path(records: pa.Table) -> pa.Table:
+    """One record per path, the later one where a path has several, sorted by path. A table that
+    is so already (a state file) is returned as it is, not copied."""
+    paths = records.column("path")
+    if records.num_rows < 2 or pc.all(pc.greater(paths[1:], paths[:-1])).as_py():
+        return records
+    records = by_path(records)
+    paths = records.column("path")
+    last = np.ones(records.num_rows, bool)
+    if records.num_rows > 1:
+        last[:-1] = pc.not_equal(paths[:-1], paths[1:]).to_numpy(zero_copy_only=False)
+    return records.filter(pa.array(last))
+
+
 # What `stk-scan --jsonl` prints for each image: enough for a shell pipe, without the bookkeeping.
 JSONL_COLUMNS = ("path", "width", "height", "caption", "bucket", "bucket_width", "bucket_height", "format", "bytes",
                  "mtime")  # fmt: skip
 
 
-def json_lines(rows: list[Record]) -> str:
-    """The scan's image rows as `stk-scan --jsonl` prints them."""
-    return to_json_lines({k: row[k] for k in JSONL_COLUMNS} for row in rows)
+def json_lines(table: str) -> Iterator[str]:
+    """The rows of the scan table at `table` as `stk-scan --jsonl` prints them, a batch at a time."""
+    for batch in pq.ParquetFile(table).iter_batches(batch_size=65_536, columns=list(JSONL_COLUMNS)):
+        yield to_json_lines(batch.select(list(JSONL_COLUMNS)).to_pylist())

@@ -17,10 +17,12 @@ import os
 import shutil
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from stk import storage
-from stk.scan.records import Record, records_to_table
+from stk.scan.parts import stream_parquet
+from stk.scan.records import RECORD_SCHEMA, last_per_path
 
 __all__ = ["TRANSIENT_KINDS", "Journal", "clear_previous", "load_previous", "save_state"]
 
@@ -32,24 +34,29 @@ _SETTINGS_KEY = b"stk.probe_settings"
 TRANSIENT_KINDS = frozenset({"unreadable", "not_found", "out_of_memory"})
 
 
-def _write(records: list[Record], location: str, settings: str) -> None:
-    table = records_to_table(records)
-    table = table.replace_schema_metadata({_SETTINGS_KEY: settings.encode()})
+def _with_settings(schema: pa.Schema, settings: str) -> pa.Schema:
+    return schema.with_metadata({_SETTINGS_KEY: settings.encode()})
+
+
+def _write(records: pa.Table, location: str, settings: str) -> None:
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
+    pq.write_table(records.replace_schema_metadata({_SETTINGS_KEY: settings.encode()}), buffer, compression="zstd")
     storage.write_atomic(location, buffer.getvalue())
 
 
-def _read(location: str, settings: str) -> list[Record]:
+def _read(location: str, settings: str) -> pa.Table | None:
     """The file's records, or none if it was made under other settings or cannot be read."""
     try:
         table = pq.read_table(location)
     except (OSError, pa.ArrowException):
-        return []  # a damaged state file only costs a rescan
+        return None  # a damaged state file only costs a rescan
     metadata = table.schema.metadata or {}
-    if metadata.get(_SETTINGS_KEY, b"").decode() != settings:
-        return []
-    return [r for r in table.to_pylist() if r["kind"] not in TRANSIENT_KINDS]
+    if metadata.get(_SETTINGS_KEY, b"").decode() != settings or table.schema.names != RECORD_SCHEMA.names:
+        return None
+    transient = pc.fill_null(pc.is_in(table.column("kind"), value_set=pa.array(sorted(TRANSIENT_KINDS))), False)
+    if pc.any(transient).as_py():
+        table = table.filter(pc.invert(transient))
+    return table.cast(RECORD_SCHEMA)
 
 
 class Journal:
@@ -61,31 +68,33 @@ class Journal:
         self._settings = settings
         self._seq = 0
 
-    def commit(self, records: list[Record]) -> None:
-        if not records:
+    def commit(self, records: pa.Table) -> None:
+        if not records.num_rows:
             return
         os.makedirs(self.directory, exist_ok=True)
         _write(records, os.path.join(self.directory, f"{self._prefix}-{self._seq:06d}.parquet"), self._settings)
         self._seq += 1
 
 
-def load_previous(out_dir: str, settings: str) -> list[Record]:
-    """Records of the last finished scan, then of the journal (later ones win on a path)."""
-    records = []
+def load_previous(out_dir: str, settings: str) -> pa.Table:
+    """Records of the last finished scan, then of the journal: one per path (a later one wins),
+    sorted by path."""
+    tables = []
     state = os.path.join(out_dir, STATE_FILE)
     if os.path.exists(state):
-        records.extend(_read(state, settings))
+        tables.append(_read(state, settings))
     directory = os.path.join(out_dir, JOURNAL_DIR)
     if os.path.isdir(directory):
         for name in sorted(os.listdir(directory)):
             if name.endswith(".parquet") and not name.startswith(".tmp-"):
-                records.extend(_read(os.path.join(directory, name), settings))
-    return records
+                tables.append(_read(os.path.join(directory, name), settings))
+    found = [t for t in tables if t is not None]
+    return last_per_path(pa.concat_tables(found) if found else RECORD_SCHEMA.empty_table())
 
 
-def save_state(out_dir: str, records: list[Record], settings: str) -> None:
-    """Record the finished scan, then drop the journal it supersedes."""
-    _write(records, os.path.join(out_dir, STATE_FILE), settings)
+def save_state(out_dir: str, parts: list[str], settings: str) -> None:
+    """Record the finished scan (the ranks' parts, in path order), then drop the journal it supersedes."""
+    stream_parquet(parts, os.path.join(out_dir, STATE_FILE), _with_settings(RECORD_SCHEMA, settings))
     shutil.rmtree(os.path.join(out_dir, JOURNAL_DIR), ignore_errors=True)
 
 

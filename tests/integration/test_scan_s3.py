@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
@@ -123,7 +124,7 @@ def test_s3_missing_bucket_is_one_clear_line(s3_server: str, run_scan: RunScan, 
 def test_s3_headers_are_read_with_ranged_gets(s3_server: str, monkeypatch: pytest.MonkeyPatch):
     """Probe one large object in-process, counting what every S3 read fetches."""
     from stk import storage
-    from stk.scan.candidates import Candidate
+    from stk.scan.candidates import CANDIDATE_SCHEMA, settle
     from stk.scan.probe import ProbeOptions, probe
     from stk.storage.s3 import S3Backend
 
@@ -164,9 +165,17 @@ def test_s3_headers_are_read_with_ranged_gets(s3_server: str, monkeypatch: pytes
         location = f"s3://{bucket}/big/noise.jpg"
         info = storage.stat(location)
         assert info.size == len(data)
-        cand = Candidate(
-            "noise.jpg", location, info.size, info.mtime, info.etag, caption_location=f"s3://{bucket}/big/noise.txt"
-        )
+        given = {
+            "path": "noise.jpg",
+            "location": location,
+            "size": info.size,
+            "mtime": info.mtime,
+            "etag": info.etag,
+            "caption_location": f"s3://{bucket}/big/noise.txt",
+            "caption_fingerprint": "",
+            "find_sidecar": False,
+        }
+        (cand,) = settle(pa.Table.from_pylist([given], schema=CANDIDATE_SCHEMA), threads=1).to_pylist()
         record = probe(cand, ProbeOptions())
     finally:
         storage.configure_s3(None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,21 @@ import pyarrow.parquet as pq
 import pytest
 
 from stk.errors import InputError
-from stk.metadata import TableRow, read_parquet, read_rows, to_json_lines, write_parquet
+from stk.metadata import read_columns, read_parquet, to_json_lines, write_parquet
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One row of read_columns, as the tests write it."""
+
+    path: str
+    caption: str | None
+    width: int | None
+    height: int | None
+
+
+def read_rows(location: str, mapping: dict[str, str]) -> list[TableRow]:
+    return [TableRow(**row) for row in read_columns(location, mapping).to_pylist()]
 
 
 def write_jsonl(path: Path, records: list[Any]) -> str:

@@ -6,27 +6,32 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stk.buckets import Bucket, BucketSpec, make_buckets
+from stk.buckets import BatchCheck, Bucket, BucketIndex, BucketSpec, check_batches, make_buckets
 from stk.errors import InputError, parse_max_errors
-from stk.scan.candidates import Candidate
 from stk.scan.outputs import (
     BUCKETS,
     ERRORS,
     METADATA,
     SUMMARY,
     Filters,
+    Tally,
     assemble,
     buckets_document,
     write_outputs,
+    write_part,
 )
+from stk.scan.parts import PartWriter
 from stk.scan.pipeline import split_by_bytes
-from stk.scan.records import RECORD_SCHEMA, Record, error_record
+from stk.scan.records import RECORD_SCHEMA, Record, error_record, records_to_table
 
 BUCKETS_256 = make_buckets(BucketSpec(256, alignment=64))  # 256 short edge: 256x512 .. 512x256, 9 buckets
 FILTERS = Filters(min_size=50, min_aspect=0.5, max_aspect=2.0)
@@ -64,12 +69,31 @@ def bucket_of(width: int, height: int) -> Bucket:
     return next(b for b in BUCKETS_256 if (b.width, b.height) == (width, height))
 
 
+@dataclass
+class Outcome:
+    """assemble()'s result as Python rows, with the batch check of its counts."""
+
+    rows: list[Record]
+    errors: list[Record]
+    tally: Tally
+    check: BatchCheck
+
+    def __getattr__(self, name: str) -> Any:  # counts, error_kinds, faults, ...: the tally's
+        return getattr(self.tally, name)
+
+
+def assembled(records: list[Record], buckets: list[Bucket], filters: Filters, effective: int, repeats: int) -> Outcome:
+    out = assemble(records_to_table(records), BucketIndex(buckets), filters)
+    check = check_batches(out.tally.counts, buckets, effective, repeats)
+    return Outcome(out.rows.to_pylist(), out.errors.to_pylist(), out.tally, check)
+
+
 # --- assemble ---------------------------------------------------------------------------------------
 
 
 def test_rows_are_sorted_by_path_and_get_buckets() -> None:
     records = [image("z/last.jpg", 300, 300), image("a/first.jpg", 600, 300), image("m/mid.jpg", 300, 600)]
-    out = assemble(records, BUCKETS_256, FILTERS, effective=1, repeats=1)
+    out = assembled(records, BUCKETS_256, FILTERS, effective=1, repeats=1)
     assert [r["path"] for r in out.rows] == ["a/first.jpg", "m/mid.jpg", "z/last.jpg"]
     wide, tall, square = bucket_of(512, 256), bucket_of(256, 512), bucket_of(256, 256)
     assert [(r["bucket"], r["bucket_width"], r["bucket_height"]) for r in out.rows] == [
@@ -84,7 +108,7 @@ def test_rows_are_sorted_by_path_and_get_buckets() -> None:
 
 def test_rows_keep_the_probe_fields() -> None:
     rec = image("a.jpg", 640, 480, etag="abc", caption="a cat")
-    (row,) = assemble([rec], BUCKETS_256, FILTERS, 1, 1).rows
+    (row,) = assembled([rec], BUCKETS_256, FILTERS, 1, 1).rows
     for key, value in rec.items():
         assert row[key] == value, key
 
@@ -98,7 +122,7 @@ def test_duplicate_path_keeps_the_later_record() -> None:
         image("c.jpg", 120, 100),  # fixed since: the later, good record wins
         error("b.jpg", "truncated"),  # broken since: the later error wins
     ]
-    out = assemble(records, BUCKETS_256, FILTERS, 1, 1)
+    out = assembled(records, BUCKETS_256, FILTERS, 1, 1)
     assert [(r["path"], r["caption"], r["width"]) for r in out.rows] == [
         ("a.jpg", "new", 200),
         ("c.jpg", "caption of c.jpg", 120),
@@ -113,7 +137,7 @@ def test_duplicate_path_keeps_the_later_record() -> None:
 
 def test_relisted_duplicates_are_reported_without_replacing_the_image() -> None:
     records = [image("a.jpg", 100, 100), error("a.jpg", "duplicate", "listed more than once")]
-    out = assemble(records, BUCKETS_256, FILTERS, 1, 1)
+    out = assembled(records, BUCKETS_256, FILTERS, 1, 1)
     assert [r["path"] for r in out.rows] == ["a.jpg"]
     assert [(e["path"], e["kind"]) for e in out.errors] == [("a.jpg", "duplicate")]
     assert out.faults == 1
@@ -130,7 +154,7 @@ def test_filtered_images_are_skipped_not_faults() -> None:
         error("text.jpg", "not_image"),
         error("gone.jpg", "not_found"),
     ]
-    out = assemble(records, BUCKETS_256, FILTERS, 1, 1)
+    out = assembled(records, BUCKETS_256, FILTERS, 1, 1)
     assert [r["path"] for r in out.rows] == ["edge-small.jpg", "edge-wide.jpg"]
     by_path = {e["path"]: e for e in out.errors}
     assert by_path["small.jpg"]["kind"] == "too_small"
@@ -153,7 +177,7 @@ def test_damaged_metadata_keeps_the_image_and_adds_a_warning_row() -> None:
         error("b.jpg", "corrupt"),
         image("c.jpg", 10, 300, warning_kind="exif_unreadable", warning="unreadable EXIF block (y)"),  # filtered
     ]
-    out = assemble(records, BUCKETS_256, Filters(min_size=50), 1, 1)
+    out = assembled(records, BUCKETS_256, Filters(min_size=50), 1, 1)
     assert [r["path"] for r in out.rows] == ["a.jpg"]
     assert [(e["path"], e["kind"], e["severity"]) for e in out.errors] == [
         ("a.jpg", "exif_unreadable", "warning"), ("b.jpg", "corrupt", "error"), ("c.jpg", "too_small", "error"),
@@ -165,7 +189,7 @@ def test_damaged_metadata_keeps_the_image_and_adds_a_warning_row() -> None:
 def test_assemble_does_not_change_its_input() -> None:
     records = [image("wide.jpg", 300, 100), image("ok.jpg", 100, 100)]
     before = [dict(r) for r in records]
-    assemble(records, BUCKETS_256, FILTERS, 1, 1)
+    assembled(records, BUCKETS_256, FILTERS, 1, 1)
     assert records == before
 
 
@@ -173,30 +197,54 @@ def test_assemble_does_not_depend_on_the_order_of_ranks() -> None:
     rng = random.Random(5)
     records = [image(f"d{i % 3}/img{i:03d}.jpg", rng.randrange(40, 700), rng.randrange(40, 700)) for i in range(60)]
     records += [error(f"d9/bad{i}.jpg", "corrupt") for i in range(5)]
-    first = assemble(records, BUCKETS_256, FILTERS, 4, 1)
+    first = assembled(records, BUCKETS_256, FILTERS, 4, 1)
     rng.shuffle(records)
-    second = assemble(records, BUCKETS_256, FILTERS, 4, 1)
+    second = assembled(records, BUCKETS_256, FILTERS, 4, 1)
     assert first.rows == second.rows
     assert first.errors == second.errors
     assert first.counts == second.counts
     assert first.check == second.check
 
 
+def test_ranges_of_paths_assembled_apart_make_the_whole() -> None:
+    """What lets every rank write its own part: the parts, one after the other, are the whole."""
+    rng = random.Random(7)
+    records = [image(f"d{i % 4}/img{i:03d}.jpg", rng.randrange(40, 700), rng.randrange(40, 700)) for i in range(80)]
+    records += [error(f"d1/img{i:03d}.jpg", "duplicate") for i in range(0, 80, 9)]
+    records += [
+        image("d2/img002.jpg", 300, 300, warning_kind="exif_unreadable", warning="w"),
+        error("d3/x.jpg", "corrupt"),
+    ]
+    index = BucketIndex(BUCKETS_256)
+    whole = assemble(records_to_table(records), index, FILTERS)
+    cuts = ["d1/img030.jpg", "d2/", "d2/img050.jpg"]
+    ranges = zip(["", *cuts], [*cuts, "~"], strict=True)
+    parts = [
+        assemble(records_to_table([r for r in records if lo <= r["path"] < hi]), index, FILTERS) for lo, hi in ranges
+    ]
+    for name in ("rows", "errors", "latest"):
+        assert pa.concat_tables([getattr(part, name) for part in parts]).equals(getattr(whole, name)), name
+    tally = Tally()
+    for part in parts:
+        tally = tally.plus(part.tally)
+    assert tally == whole.tally
+
+
 def test_assemble_runs_the_batch_check() -> None:
     records = [image(f"sq{i}.jpg", 300, 300) for i in range(5)] + [image("wide.jpg", 500, 260)]
-    out = assemble(records, BUCKETS_256, FILTERS, effective=4, repeats=1)
+    out = assembled(records, BUCKETS_256, FILTERS, effective=4, repeats=1)
     square, wide = bucket_of(256, 256), bucket_of(512, 256)
     assert out.counts == {square.id: 5, wide.id: 1}
     assert (out.check.effective_batch_size, out.check.repeats) == (4, 1)
     assert [(s.bucket.id, s.count, s.min_repeats) for s in out.check.short] == [(wide.id, 1, 4)]
-    assert assemble(records, BUCKETS_256, FILTERS, effective=4, repeats=4).check.ok
+    assert assembled(records, BUCKETS_256, FILTERS, effective=4, repeats=4).check.ok
 
 
 def test_buckets_document() -> None:
     records = [image(f"sq{i}.jpg", 300, 300) for i in range(5)] + [image("wide.jpg", 500, 260)]
-    out = assemble(records, BUCKETS_256, FILTERS, effective=4, repeats=1)
+    out = assembled(records, BUCKETS_256, FILTERS, effective=4, repeats=1)
     square, wide = bucket_of(256, 256), bucket_of(512, 256)
-    strict = buckets_document(out, BUCKETS_256, {"batch_size": 4}, oversubscribe=False)
+    strict = buckets_document(out.tally, out.check, BUCKETS_256, {"batch_size": 4}, oversubscribe=False)
     assert strict["batch_size"] == 4
     assert (strict["effective_batch_size"], strict["oversubscribed"], strict["batch_check_ok"]) == (4, False, False)
     assert [b["id"] for b in strict["buckets"]] == [b.id for b in BUCKETS_256]
@@ -204,7 +252,7 @@ def test_buckets_document() -> None:
     assert entries[square.id] == {"id": square.id, "width": 256, "height": 256, "count": 5, "repeats": 1}
     assert entries[wide.id]["repeats"] == 1
     assert strict["short_buckets"] == [{"id": wide.id, "count": 1, "samples": 1, "min_repeats": 4}]
-    loose = buckets_document(out, BUCKETS_256, {}, oversubscribe=True)
+    loose = buckets_document(out.tally, out.check, BUCKETS_256, {}, oversubscribe=True)
     assert (loose["oversubscribed"], loose["batch_check_ok"]) == (True, True)
     assert {b["id"]: b["repeats"] for b in loose["buckets"]}[wide.id] == 4
     assert {b["id"]: b["repeats"] for b in loose["buckets"]}[square.id] == 1
@@ -212,10 +260,13 @@ def test_buckets_document() -> None:
 
 def test_write_outputs(tmp_path: Path) -> None:
     records = [image("b.jpg", 300, 300), image("a.jpg", 500, 260), error("c.jpg", "corrupt")]
-    out = assemble(records, BUCKETS_256, FILTERS, 1, 1)
-    doc = buckets_document(out, BUCKETS_256, {}, False)
-    write_outputs(str(tmp_path), out, doc, {"files": 3})
-    assert sorted(os.listdir(tmp_path)) == sorted([METADATA, BUCKETS, ERRORS, SUMMARY])
+    out = assemble(records_to_table(records), BucketIndex(BUCKETS_256), FILTERS)
+    doc = buckets_document(out.tally, check_batches(out.tally.counts, BUCKETS_256, 1, 1), BUCKETS_256, {}, False)
+    writer = PartWriter(str(tmp_path / "parts"), "run", 0)
+    write_part(writer, out)
+    parts = {name: [part] for name, part in writer.close().items()}
+    write_outputs(str(tmp_path), parts, doc, {"files": 3})
+    assert sorted(os.listdir(tmp_path)) == sorted([METADATA, BUCKETS, ERRORS, SUMMARY, "parts"])
     table = pq.read_table(tmp_path / METADATA)
     assert table.column("path").to_pylist() == ["a.jpg", "b.jpg"]
     assert table.column("filename").to_pylist() == ["a.jpg", "b.jpg"]
@@ -231,35 +282,41 @@ def test_write_outputs(tmp_path: Path) -> None:
 # --- split_by_bytes -------------------------------------------------------------------------------
 
 
-def candidates(sizes: list[int]) -> list[Candidate]:
-    return [Candidate(f"img{i:04d}.jpg", f"/data/img{i:04d}.jpg", size=s) for i, s in enumerate(sizes)]
+def candidates(sizes: list[int]) -> list[tuple[str, int]]:
+    return [(f"img{i:04d}.jpg", s) for i, s in enumerate(sizes)]
+
+
+def split(items: list[tuple[str, int]], parts: int, joined: list[bool] | None = None) -> list[list[tuple[str, int]]]:
+    weights = np.array([size for _, size in items], np.int64)
+    runs = split_by_bytes(weights, parts, None if joined is None else np.array(joined))
+    return [[items[i] for i in run] for run in runs]
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 7, 16])
 def test_split_keeps_every_item_in_order_and_balances_bytes(parts: int) -> None:
     rng = random.Random(parts)
     items = candidates([rng.randrange(1_000, 2_000_000) for _ in range(500)])
-    out = split_by_bytes(items, parts)
+    out = split(items, parts)
     assert len(out) == parts
     assert [c for part in out for c in part] == items  # contiguous runs, in order, nothing lost or repeated
-    total = sum(c.size for c in items)
-    largest = max(c.size for c in items)
+    total = sum(size for _, size in items)
+    largest = max(size for _, size in items)
     for part in out:
         assert part, "an empty part with plenty of items to share"
-        assert abs(sum(c.size for c in part) - total / parts) <= largest
+        assert abs(sum(size for _, size in part) - total / parts) <= largest
 
 
 def test_split_by_bytes_not_by_count() -> None:
     # one big file then many small ones: the big one is a part on its own
     items = candidates([1000] + [10] * 100)
-    first, second = split_by_bytes(items, 2)
-    assert [c.size for c in first] == [1000]
+    first, second = split(items, 2)
+    assert [size for _, size in first] == [1000]
     assert len(second) == 100
 
 
 def test_split_more_parts_than_items() -> None:
     items = candidates([5, 5, 5])
-    out = split_by_bytes(items, 8)
+    out = split(items, 8)
     assert len(out) == 8
     assert [c for part in out for c in part] == items
     assert sum(1 for part in out if part) == 3
@@ -267,12 +324,18 @@ def test_split_more_parts_than_items() -> None:
 
 def test_split_unknown_and_zero_sizes_count_as_one_byte() -> None:
     items = candidates([0, -1, 0, -1])
-    out = split_by_bytes(items, 2)
+    out = split(items, 2)
     assert [len(part) for part in out] == [2, 2]
 
 
+def test_split_keeps_joined_rows_with_the_row_before() -> None:
+    items = candidates([10, 10, 10, 10])
+    assert [len(part) for part in split(items, 2)] == [2, 2]
+    assert [len(part) for part in split(items, 2, [False, False, True, False])] == [3, 1]  # rows 1 and 2: one path
+
+
 def test_split_nothing() -> None:
-    assert split_by_bytes([], 4) == [[], [], [], []]
+    assert split([], 4) == [[], [], [], []]
 
 
 # --- parse_max_errors ------------------------------------------------------------------------------
