@@ -17,6 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import scale_data  # noqa: F401  (puts the tests' support modules on the path)
+from support.processes import descendant_pids
+
 POLL_S = 0.05
 RSS_DIR_ENV = "STK_BENCH_RSS_DIR"
 EXIT_HOOK = f"""import atexit, os
@@ -46,26 +49,10 @@ class Run:
         return self.peaks.get(rank, 0)
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        tree.setdefault(parent, []).append(int(entry))
-    return tree
-
-
 def _python_peaks(root: int) -> dict[int, int]:
     """VmHWM of every Python process under `root` (itself included), by rank."""
-    tree, todo, peaks = _children(), [root], {}
-    while todo:
-        pid = todo.pop()
-        todo.extend(tree.get(pid, []))
+    peaks: dict[int, int] = {}
+    for pid in [root, *descendant_pids(root)]:
         try:
             if "python" not in os.path.basename(os.readlink(f"/proc/{pid}/exe")):
                 continue
