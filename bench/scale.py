@@ -32,7 +32,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from scale_cache import synthetic_cache, tiny_model
 from scale_data import S3_PREFIX, ensure_bucket, ensure_files, s3_client, start_s3
 from scale_measure import Run, measured
 from scale_report import Row, report
@@ -91,6 +90,8 @@ def table_and_dir(args: argparse.Namespace, n: int, rows: list[Row]) -> None:
         scanned = run / f"scan-table-{n}"
         if not (scanned / "metadata.parquet").exists():
             _scan(str(table), scanned, 1)
+        from scale_cache import tiny_model  # torch and diffusers: only for the stages that load a model
+
         out = run / f"cache-{n}"
         shutil.rmtree(out, ignore_errors=True)
         command = cache_command([str(scanned), "--model", tiny_model(args.data), "--out", str(out), "-v"])
@@ -110,6 +111,8 @@ def s3(args: argparse.Namespace, n: int, rows: list[Row]) -> None:
 
 
 def train(args: argparse.Namespace, n: int, rows: list[Row]) -> None:
+    from scale_cache import synthetic_cache, tiny_model  # torch and diffusers: only for the stages that load a model
+
     cache, out = synthetic_cache(args.data, n), args.data / "run" / f"train-{n}"
     shutil.rmtree(out, ignore_errors=True)
     more = ["--max-steps", "1", "--batch-size", "1", "--precision", "fp32", "--no-validation"]
