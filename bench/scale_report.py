@@ -125,12 +125,15 @@ def targets(rows: list[Row], pairs: list[tuple[Row, Row]]) -> None:
               f"target >= {LISTING_SPEEDUP:g}x  {_verdict(speedup >= LISTING_SPEEDUP)}")  # fmt: skip
 
 
-def report(rows: list[Row], sizes: list[int]) -> None:
-    """Everything measured, then growth, projections and targets from the smallest size to the largest."""
+def report(rows: list[Row]) -> None:
+    """Everything measured, then growth, projections and targets from each stage's smallest size to its largest."""
     measurements(rows)
     print("  'work s': stk-scan's own seconds (its summary); 'list s': from their start to its 'N images listed' line")
-    by = {(r.stage, r.images): r for r in rows}
-    pairs = [(by[st, sizes[0]], by[st, sizes[-1]]) for st in NOTES if (st, sizes[0]) in by and (st, sizes[-1]) in by]
-    if len(sizes) > 1:
+    pairs = []
+    for stage in NOTES:
+        measured = sorted((r for r in rows if r.stage == stage), key=lambda r: r.images)
+        if len(measured) > 1:
+            pairs.append((measured[0], measured[-1]))
+    if pairs:
         projections(pairs)
-    targets(rows, pairs if len(sizes) > 1 else [])
+    targets(rows, pairs)
