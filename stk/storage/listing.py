@@ -19,6 +19,7 @@ cut goes inside a directory's name.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
@@ -146,8 +147,8 @@ class _S3Parts:
             pages = list(pool.map(self._first_page, levels))
             levels = []
             for level, entries in pages:
-                if entries is None:
-                    exact, cut = self._cut(level, wanted, pool)
+                if len(entries) > _PAGE:
+                    exact, cut = self._cut(level, self._shared(level, entries), wanted, pool)
                     done.extend(exact)
                     parts.extend(cut)
                     continue
@@ -155,18 +156,33 @@ class _S3Parts:
                 levels.extend(e.key for e in entries if e.size < 0)  # common prefixes
         return [e for e in done if not e.key.endswith("/")], parts + levels
 
-    def _first_page(self, level: str) -> tuple[str, list[FileInfo] | None]:
-        """The names of `level` when they fit in one page, else None."""
+    def _first_page(self, level: str) -> tuple[str, list[FileInfo]]:
+        """The names of `level`, all of them when they fit in one page (else one more than a page)."""
         entries = s3.list_entries(self.root, level, levels=True, keys=_PAGE)
-        first = [entry for _, entry in zip(range(_PAGE + 1), entries, strict=False)]
-        return level, (first if len(first) <= _PAGE else None)
+        return level, [entry for _, entry in zip(range(_PAGE + 1), entries, strict=False)]
 
-    def _cut(self, level: str, wanted: int, pool: ThreadPoolExecutor) -> tuple[list[FileInfo], list[str]]:
+    def _shared(self, level: str, first: list[FileInfo]) -> str:
+        """The longest prefix of every name of `level`: of the prefix its first names share, as
+        much as one-key probes (a binary search) find no name past. A prefix that flat keys share
+        ("laion_part_000") would otherwise cost two probes a character."""
+        names = [entry.key[len(level) :] for entry in first]
+        shared = os.path.commonprefix([min(names), max(names)])  # noqa: RUF071  (characters, not path parts)
+        low, high = 0, len(shared)
+        while low < high:
+            middle = (low + high + 1) // 2
+            past = level + shared[:middle] + _LAST
+            if next(s3.list_entries(self.root, level, past, levels=True, keys=1), None) is None:
+                low = middle
+            else:
+                high = middle - 1
+        return shared[:low]
+
+    def _cut(self, level: str, start: str, wanted: int, pool: ThreadPoolExecutor) -> tuple[list[FileInfo], list[str]]:
         """`level` cut at the first characters of its names, breadth first: the names that end
         where a cut is made, and the prefixes below the cuts. Where cutting every prefix of a
         depth would give far more parts than wanted (each costs a request, and each cut a probe
-        per character), only the first few are cut."""
-        nodes: list[str] = [""]
+        per character), only the first few are cut. Every name starts with `start`."""
+        nodes: list[str] = [start]
         whole: list[str] = []
         exact: list[FileInfo] = []
         fanout = 2  # characters per cut prefix, as the last depth had them
