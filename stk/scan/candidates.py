@@ -96,11 +96,13 @@ def _of_lists(columns: list[list[Any]], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _batched_listing(root: str) -> Iterator[tuple[list[list[Any]], list[list[Any]]]]:
-    """The listing a batch at a time: image rows and sidecar rows, as column lists."""
+def _batched_listing(
+    root: str, listed: Iterable[storage.FileInfo] | None
+) -> Iterator[tuple[list[list[Any]], list[list[Any]]]]:
+    """The listing (`listed`, or storage.list_files) a batch at a time: image rows and sidecar rows, as column lists."""
     images: list[list[Any]] = [[] for _ in range(8)]
     sidecars: list[list[Any]] = [[] for _ in range(4)]
-    for count, info in enumerate(storage.list_files(root), 1):
+    for count, info in enumerate(storage.list_files(root) if listed is None else listed, 1):
         ext = posixpath.splitext(info.key)[1].lower()
         if is_image_name(info.key) or info.key.endswith("/"):
             kind = (info.error_kind or "unreadable") if info.error else None
@@ -119,11 +121,11 @@ def _batched_listing(root: str) -> Iterator[tuple[list[list[Any]], list[list[Any
     yield images, sidecars
 
 
-def from_tree(root: str) -> pa.Table:
+def from_tree(root: str, listed: Iterable[storage.FileInfo] | None = None) -> pa.Table:
     """Every image under a directory or s3:// prefix, with its sidecar caption if any, and every
-    directory that cannot be listed (an error row each)."""
+    directory that cannot be listed (an error row each); `listed`: its files, when listed already."""
     image_batches, sidecar_batches = [], []
-    for images, sidecars in _batched_listing(root):
+    for images, sidecars in _batched_listing(root, listed):
         image_batches.append(_of_lists(images, _LISTED))
         sidecar_batches.append(_of_lists(sidecars, _SIDECARS))
     found = pa.concat_tables(image_batches)

@@ -1,4 +1,4 @@
-"""The scan across ranks: list on rank 0, split by bytes, probe with I/O threads on every
+"""The scan across ranks: list on every rank, plan on rank 0, split by bytes, probe with I/O threads on every
 rank committing to the journal, write each rank's part of the outputs, and stream the parts
 into the outputs on rank 0."""
 
@@ -27,6 +27,7 @@ from stk.scan.parts import PartWriter, clear_parts
 from stk.scan.probe import ProbeOptions, probe
 from stk.scan.records import RECORD_SCHEMA, Record, records_to_table
 from stk.scan.state import Journal, clear_previous, load_previous, save_state
+from stk.storage.listing import file_infos, list_sorted
 from stk.world import World, split_work
 
 __all__ = ["ScanOptions", "ScanSummary", "run_scan", "split_by_bytes"]
@@ -124,7 +125,7 @@ def source_root(opts: ScanOptions) -> str:
     return root if storage.is_s3(root) else os.path.abspath(root)
 
 
-def _list(opts: ScanOptions) -> pa.Table:
+def _list(opts: ScanOptions, listed: pa.Table | None) -> pa.Table:
     if opts.source == "-":
         found = cands.from_list(opts.stdin_lines or [])
     elif _is_table(opts.source):
@@ -132,7 +133,7 @@ def _list(opts: ScanOptions) -> pa.Table:
             raise InputError(f"{opts.source}: no such table")
         found = cands.from_table(metadata.read_columns(opts.source, opts.columns), source_root(opts))
     else:
-        found = cands.from_tree(opts.source)
+        found = cands.from_tree(opts.source, None if listed is None else file_infos(listed))
     return cands.settle(found, opts.threads)
 
 
@@ -180,8 +181,8 @@ def _shares(found: pa.Table, reuse: np.ndarray, reused: pa.Table, ranks: int) ->
     return shares
 
 
-def _plan(opts: ScanOptions, world: World) -> tuple[list[Share], int, int, str]:
-    found = _list(opts)
+def _plan(opts: ScanOptions, world: World, listed: pa.Table | None) -> tuple[list[Share], int, int, str]:
+    found = _list(opts, listed)
     previous = _previous(opts)
     if previous.num_rows:
         reuse, reused = _reuse(found, previous)
@@ -320,16 +321,19 @@ def run_scan(opts: ScanOptions, world: World) -> ScanSummary:
     """Scan on every rank of `world`; every rank returns the summary (the rows are in the scan
     directory, stk.scan.records.json_lines reads them back).
 
-    Listing happens once, on rank 0, so the outputs never depend on the rank count; probing, the
-    slow part on a big tree or bucket, is spread over the ranks by bytes. Each rank assembles its
+    Every rank lists a part of a tree (stk.storage.listing); planning happens once, on rank 0, so
+    the outputs never depend on the rank count; probing, the slow part on a big tree or bucket, is
+    spread over the ranks by bytes. Each rank assembles its
     own range of paths into part files, which rank 0 streams into the outputs a row group at a
     time: only counts travel to rank 0, never the rows."""
     started = time.monotonic()
     parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the scan
+    tree = opts.source != "-" and not _is_table(opts.source)
+    listed = [list_sorted(opts.source, world, opts.threads)] if tree else []  # by every rank; the whole on rank 0
 
     def plan() -> tuple[tuple[int, int, str], list[Share]]:
         os.makedirs(opts.out_dir, exist_ok=True)
-        shares, files, scanned, run_id = _plan(opts, world)
+        shares, files, scanned, run_id = _plan(opts, world, listed.pop() if listed else None)
         return (files, scanned, run_id), shares
 
     def work(shared: tuple[int, int, str], share: Share) -> _RankResult:

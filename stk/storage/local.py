@@ -34,35 +34,45 @@ def _umask() -> int:
 class LocalBackend:
     def list_files(self, root: str) -> Iterator[FileInfo]:
         """A subdirectory that cannot be listed is one error entry; the rest of the tree is listed."""
-        if not os.path.isdir(root):
-            raise InputError(f"{root}: no such directory")
-        stack = [""]
+        yield from self.walk(root, [""])
+
+    def walk(self, root: str, rel_dirs: list[str]) -> Iterator[FileInfo]:
+        """Every file in the subtrees `rel_dirs` of `root` (keys relative to `root`)."""
+        stack = list(rel_dirs)
         while stack:
-            rel_dir = stack.pop()
-            directory = os.path.join(root, rel_dir)
-            try:
-                entries = list(os.scandir(directory))
-            except OSError as exc:
-                if not rel_dir:
-                    raise InputError(f"cannot list {root}: {exc.strerror}") from exc
-                reason = f"cannot list directory: {exc.strerror}"
-                yield FileInfo(f"{rel_dir}/", directory, 0, 0.0, error=reason, error_kind="unreadable")
+            files, subdirs = self.level(root, stack.pop())
+            yield from files
+            stack.extend(subdirs)
+
+    def level(self, root: str, rel_dir: str) -> tuple[list[FileInfo], list[str]]:
+        """The files directly in `rel_dir` under `root`, and its subdirectories (keys relative to `root`)."""
+        if not rel_dir and not os.path.isdir(root):
+            raise InputError(f"{root}: no such directory")
+        directory = os.path.join(root, rel_dir)
+        try:
+            entries = list(os.scandir(directory))
+        except OSError as exc:
+            if not rel_dir:
+                raise InputError(f"cannot list {root}: {exc.strerror}") from exc
+            reason = f"cannot list directory: {exc.strerror}"
+            return [FileInfo(f"{rel_dir}/", directory, 0, 0.0, error=reason, error_kind="unreadable")], []
+        files: list[FileInfo] = []
+        subdirs: list[str] = []
+        for entry in entries:
+            key = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            if entry.is_dir(follow_symlinks=False):
+                subdirs.append(key)
                 continue
-            for entry in entries:
-                key = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(key)
-                    continue
-                try:
-                    st = entry.stat()  # follows symlinks: a link to a file lists as that file
-                except OSError as exc:
-                    kind = "broken_symlink" if entry.is_symlink() else "unreadable"
-                    reason = "broken symlink" if kind == "broken_symlink" else f"cannot stat: {exc.strerror}"
-                    yield FileInfo(key, entry.path, 0, 0.0, error=reason, error_kind=kind)
-                    continue
-                if stat.S_ISDIR(st.st_mode):  # a symlink to a directory: not followed, avoids cycles
-                    continue
-                yield _info(key, entry.path, st)
+            try:
+                st = entry.stat()  # follows symlinks: a link to a file lists as that file
+            except OSError as exc:
+                kind = "broken_symlink" if entry.is_symlink() else "unreadable"
+                reason = "broken symlink" if kind == "broken_symlink" else f"cannot stat: {exc.strerror}"
+                files.append(FileInfo(key, entry.path, 0, 0.0, error=reason, error_kind=kind))
+                continue
+            if not stat.S_ISDIR(st.st_mode):  # a symlink to a directory: not followed, avoids cycles
+                files.append(_info(key, entry.path, st))
+        return files, subdirs
 
     def stat(self, location: str) -> FileInfo:
         return _info(location, location, os.stat(location))

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from types import SimpleNamespace
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
@@ -35,7 +36,7 @@ from stk.log import get_logger
 from stk.storage.base import FileInfo
 from stk.storage.ranged import RangedReader
 
-__all__ = ["DEFAULT_RETRY_SECONDS", "S3Backend", "configure_s3", "split_url"]
+__all__ = ["DEFAULT_RETRY_SECONDS", "S3Backend", "configure_s3", "list_entries", "split_url"]
 
 DEFAULT_RETRY_SECONDS = 120.0
 
@@ -81,6 +82,7 @@ def client() -> Any:
     with _lock:
         if _client is None:
             import boto3
+            import botocore.session
             from botocore.config import Config
 
             endpoint = _settings["endpoint_url"]
@@ -92,8 +94,20 @@ def client() -> Any:
                 max_pool_connections=64,
                 s3={"addressing_style": "path"} if endpoint else {},
             )
-            _client = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+            core = botocore.session.get_session()
+            core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_timestamp)
+            _client = boto3.session.Session(botocore_session=core).client("s3", endpoint_url=endpoint, config=config)
         return _client
+
+
+def _timestamp(value: str) -> datetime:
+    """S3's ISO 8601 times, parsed by Python: botocore's parser (dateutil) took 60% of a listing's time."""
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:  # HTTP dates (HeadObject), or an older Python
+        from botocore.utils import parse_timestamp
+
+        return parse_timestamp(value)
 
 
 def _endpoint() -> str:
@@ -289,29 +303,35 @@ def _translate(exc: Exception, bucket: str, key: str = "") -> Exception:
     return exc
 
 
+def list_entries(
+    root: str, under: str = "", after: str = "", levels: bool = False, keys: int = 1000
+) -> Iterator[FileInfo]:
+    """Objects under `root` with keys (relative to it) from `under`, after `after`; by `levels` (delimiter "/") also
+    common prefixes (size -1), a page sorted. Page by page (not boto3's paginator): a failed page is retried alone."""
+    bucket, prefix = split_url(root)
+    prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+    request: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix + under, "MaxKeys": keys}
+    request.update(({"StartAfter": prefix + after} if after else {}) | ({"Delimiter": "/"} if levels else {}))
+    while True:
+        page = _call(lambda: client().list_objects_v2(**request), bucket, request["Prefix"])
+        entries = [
+            FileInfo(o["Key"][len(prefix) :], f"s3://{bucket}/{o['Key']}", int(o["Size"]),
+                     o["LastModified"].timestamp(), etag=str(o.get("ETag", "")).strip('"'))
+            for o in page.get("Contents", [])
+        ]  # fmt: skip
+        if levels:  # and each common prefix, of size -1
+            common = [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+            entries += [FileInfo(key[len(prefix) :], f"s3://{bucket}/{key}", -1, 0.0) for key in common]
+            entries.sort(key=lambda entry: entry.key)
+        yield from entries
+        if not page.get("IsTruncated"):
+            return
+        request["ContinuationToken"] = page["NextContinuationToken"]
+
+
 class S3Backend:
     def list_files(self, root: str) -> Iterator[FileInfo]:
-        bucket, prefix = split_url(root)
-        if prefix and not prefix.endswith("/"):
-            prefix += "/"
-        # page by page rather than through boto3's paginator, so that a failed page is retried alone
-        request = {"Bucket": bucket, "Prefix": prefix}
-        while True:
-            page = _call(lambda: client().list_objects_v2(**request), bucket, prefix)
-            for obj in page.get("Contents", []):
-                key = obj["Key"]
-                if key.endswith("/"):
-                    continue
-                yield FileInfo(
-                    key[len(prefix) :],
-                    f"s3://{bucket}/{key}",
-                    int(obj["Size"]),
-                    obj["LastModified"].timestamp(),
-                    etag=str(obj.get("ETag", "")).strip('"'),
-                )
-            if not page.get("IsTruncated"):
-                return
-            request["ContinuationToken"] = page["NextContinuationToken"]
+        return (info for info in list_entries(root) if not info.key.endswith("/"))  # not folder markers ("a/")
 
     def stat(self, location: str) -> FileInfo:
         bucket, key = split_url(location)
