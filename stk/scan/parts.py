@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stk.metadata import to_json_lines
+from stk.storage.failures import storage_errors
 
 __all__ = ["PARTS_DIR", "PartWriter", "clear_parts", "stream_jsonl", "stream_parquet"]
 
@@ -34,16 +35,21 @@ class PartWriter:
     def write(self, name: str, table: pa.Table) -> None:
         if table.num_rows == 0:
             return
-        if name not in self._writers:
-            os.makedirs(os.path.dirname(self._prefix), exist_ok=True)
-            self._writers[name] = pq.ParquetWriter(f"{self._prefix}-{name}.parquet", table.schema, compression="zstd")
-        self._writers[name].write_table(table)
+        with storage_errors(self._file(name), saving=True):  # pyarrow's errors name no file
+            if name not in self._writers:
+                os.makedirs(os.path.dirname(self._prefix), exist_ok=True)
+                self._writers[name] = pq.ParquetWriter(self._file(name), table.schema, compression="zstd")
+            self._writers[name].write_table(table)
 
     def close(self) -> dict[str, str]:
         """{name: the part's file}, closed and on disk."""
-        for writer in self._writers.values():
-            writer.close()
-        return {name: f"{self._prefix}-{name}.parquet" for name in self._writers}
+        for name, writer in self._writers.items():
+            with storage_errors(self._file(name), saving=True):
+                writer.close()
+        return {name: self._file(name) for name in self._writers}
+
+    def _file(self, name: str) -> str:
+        return f"{self._prefix}-{name}.parquet"
 
 
 def _batches(parts: list[str]) -> Iterator[pa.RecordBatch]:
@@ -55,13 +61,15 @@ def _batches(parts: list[str]) -> Iterator[pa.RecordBatch]:
 def _atomic(location: str) -> Iterator[str]:
     """A temporary name next to `location`, renamed over it once the block succeeds: readers see
     the old file or the new one, never a part."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(location) or ".")
+    with storage_errors(location, saving=True):  # pyarrow's errors name no file: name the one being written
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(location) or ".")
     os.close(fd)
     try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, location)
+        with storage_errors(location, saving=True):
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, location)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

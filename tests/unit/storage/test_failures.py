@@ -181,8 +181,8 @@ def test_permission_denied_is_exit_3_naming_the_path(flux: str, images_scan: Pat
 def test_stk_scan_on_a_full_disk_is_exit_69_naming_its_output_and_a_rerun_completes(
     images_scan: Path, mount: Mount, tmp_path: Path
 ) -> None:
-    disk = mount("disk", "size=64k")
-    (disk / "filler").write_bytes(b"\0" * (64 * 1024 - 4096 * 2))  # what is left: less than the scan's outputs
+    disk = mount("disk", "size=256k")
+    (disk / "filler").write_bytes(b"\0" * (256 * 1024 - 4096 * 2))  # what is left: less than the scan's outputs
     data = json.loads((images_scan / "summary.json").read_text())["root"]
     out = disk / "scan"
     args = [data, "--out", out, "--resolution", "128", "--alignment", "16"]
