@@ -5,81 +5,175 @@ batch; captions ordered by token count, so an LLM text encoder pads little), and
 to ranks balanced by pixels and tokens. Every
 sample is therefore encoded in the same batch whatever the rank count, which is what makes 1
 rank and N ranks give bitwise-equal tensors on CPU.
+
+Planning works on columns (stk.shards.jobs.ImageJobs, numpy and Arrow arrays): a few hundred bytes an
+image, no Python object per image; a rank's share holds its rows only, and makes ImageJobs one
+batch at a time.
 """
 
 from __future__ import annotations
 
 import heapq
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from stk import storage
-from stk.shards.jobs import ImageJob
+from stk.shards.jobs import ImageJob, ImageJobs
+from stk.shards.keys import text_key
 
 if TYPE_CHECKING:
     from stk.models.components import TextEncoder
 
-__all__ = ["assign", "latent_batches", "local_work_dir", "text_batches", "text_costs", "token_counts"]
+__all__ = [
+    "Captions",
+    "LatentShare",
+    "TextShare",
+    "assign",
+    "batch_bounds",
+    "batch_sums",
+    "distinct_captions",
+    "latent_batches",
+    "local_work_dir",
+    "owned",
+    "text_batches",
+    "text_costs",
+    "token_counts",
+]
 
 TOKENIZE_CHUNK = 4096  # captions per tokenizer call: fast tokenizers batch them, memory stays small
 
 
-def latent_batches(jobs: list[ImageJob], batch_size: int) -> list[list[ImageJob]]:
-    """Batches of one bucket each, in (bucket, path) order."""
-    ordered = sorted(jobs, key=lambda j: (j.bucket_height, j.bucket_width, j.path))
-    batches: list[list[ImageJob]] = []
-    for job in ordered:
-        last = batches[-1] if batches else None
-        same = last is not None and (last[0].bucket_width, last[0].bucket_height) == (
-            job.bucket_width,
-            job.bucket_height,
-        )
-        if last is not None and same and len(last) < batch_size:
-            last.append(job)
-        else:
-            batches.append([job])
-    return batches
+@dataclass
+class Captions:
+    """Distinct captions as columns: text keys (bytes) and the captions (Arrow strings), in the same order."""
+
+    key: np.ndarray
+    caption: pa.Array
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def take(self, rows: np.ndarray) -> Captions:
+        return Captions(self.key[rows], self.caption.take(pa.array(rows, pa.int64())))
 
 
-def token_counts(encoders: Sequence[TextEncoder], captions: dict[str, str]) -> dict[str, int]:
-    """Each caption's length in tokens, by key: the most any of the family's tokenizers gives, capped at what that
-    encoder reads (its max_length). Tokenizing is cheap next to encoding; no model runs."""
-    keys = list(captions)
-    counts = dict.fromkeys(keys, 0)
+@dataclass
+class LatentShare:
+    """A rank's latent batches: its rows in batch order; batch i is rows [bounds[i], bounds[i + 1])."""
+
+    jobs: ImageJobs
+    bounds: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def batches(self) -> Iterator[list[ImageJob]]:
+        for start, stop in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True):
+            yield self.jobs.rows(start, stop)
+
+
+@dataclass
+class TextShare:
+    """A rank's caption batches, as LatentShare's."""
+
+    captions: Captions
+    bounds: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def batches(self) -> Iterator[list[tuple[str, str]]]:
+        for start, stop in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True):
+            keys = [k.decode() for k in self.captions.key[start:stop].tolist()]
+            yield list(zip(keys, self.captions.caption[start:stop].to_pylist(), strict=True))
+
+
+def batch_bounds(groups: np.ndarray, batch_size: int) -> np.ndarray:
+    """Where batches of at most `batch_size` start in sorted items, a batch never crossing from one group (equal
+    consecutive values of `groups`) into the next; the number of items closes the list."""
+    n = len(groups)
+    is_first = np.r_[True, groups[1:] != groups[:-1]] if n else np.zeros(0, bool)
+    start_of_group = np.flatnonzero(is_first)[np.cumsum(is_first) - 1]
+    starts = np.flatnonzero((np.arange(n) - start_of_group) % batch_size == 0)
+    return np.r_[starts, n].astype(np.int64)
+
+
+def batch_sums(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each batch's sum of `values` (in batch order)."""
+    return np.add.reduceat(values, bounds[:-1]) if len(values) else np.zeros(0, values.dtype)
+
+
+def distinct_captions(jobs: ImageJobs, extra: Sequence[str], recipe: dict[str, Any]) -> Captions:
+    """The captions of the jobs and the `extra` ones, each once, in key order."""
+    keys, first = np.unique(jobs.text_key, return_index=True)
+    extra_keys = np.array([text_key(caption, recipe) for caption in extra], dtype=jobs.text_key.dtype)
+    captions = pa.concat_arrays([jobs.caption.take(pa.array(first)), pa.array(list(extra), pa.large_string())])
+    keys, first = np.unique(np.concatenate([keys, extra_keys]), return_index=True)
+    return Captions(keys, captions.take(pa.array(first)))
+
+
+def latent_batches(jobs: ImageJobs, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows in (bucket, path) order and the bounds of their batches, one bucket each."""
+    table = pa.table({"h": jobs.bucket_height, "w": jobs.bucket_width, "path": jobs.path})
+    order = pc.sort_indices(table, [("h", "ascending"), ("w", "ascending"), ("path", "ascending")]).to_numpy()
+    bucket = jobs.bucket_height[order].astype(np.int64) << 32 | jobs.bucket_width[order].astype(np.int64)
+    return order, batch_bounds(bucket, batch_size)
+
+
+def token_counts(encoders: Sequence[TextEncoder], captions: pa.Array) -> np.ndarray:
+    """Each caption's length in tokens: the most any of the family's tokenizers gives, capped at what that encoder
+    reads (its max_length). Tokenizing is cheap next to encoding; no model runs."""
+    counts = np.zeros(len(captions), np.int32)
     for encoder in encoders:
-        for start in range(0, len(keys), TOKENIZE_CHUNK):
-            chunk = keys[start : start + TOKENIZE_CHUNK]
-            ids = encoder.tokenizer([captions[k] for k in chunk], truncation=True, max_length=encoder.max_length)
-            for key, tokens in zip(chunk, ids["input_ids"], strict=True):
-                counts[key] = max(counts[key], len(tokens))
+        for start in range(0, len(captions), TOKENIZE_CHUNK):
+            chunk = captions[start : start + TOKENIZE_CHUNK].to_pylist()
+            ids = encoder.tokenizer(chunk, truncation=True, max_length=encoder.max_length)["input_ids"]
+            lengths = np.fromiter((len(tokens) for tokens in ids), np.int32, len(chunk))
+            np.maximum(counts[start : start + len(chunk)], lengths, out=counts[start : start + len(chunk)])
     return counts
 
 
-def text_batches(
-    captions: dict[str, str], batch_size: int, tokens: dict[str, int] | None = None
-) -> list[list[tuple[str, str]]]:
-    """(key, caption) pairs cut into batches of `batch_size` captions, ordered by token count (`tokens`, by key)
-    and then key: captions of similar length share a batch, so one padded to the longest pads little. Without
-    `tokens`, in key order."""
-    items = sorted(captions.items(), key=lambda kv: ((tokens or {}).get(kv[0], 0), kv[0]))
-    return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+def text_batches(keys: np.ndarray, tokens: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Captions (by their keys and token counts) in (tokens, key) order and the bounds of batches of `batch_size`:
+    captions of similar length share a batch, so one padded to the longest pads little."""
+    order = np.lexsort((keys, tokens)) if len(keys) else np.zeros(0, np.int64)
+    return order, np.r_[np.arange(0, len(keys), batch_size), len(keys)].astype(np.int64)
 
 
-def text_costs(batches: list[list[tuple[str, str]]], tokens: dict[str, int]) -> list[int]:
-    """A caption batch's cost for `assign`: its captions times its longest one's tokens (what a padded batch runs)."""
-    return [len(batch) * max(1, *(tokens.get(key, 0) for key, _ in batch)) for batch in batches]
+def text_costs(tokens: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """A caption batch's cost for `assign` (`tokens` in batch order): its captions times its longest one's tokens
+    (what a padded batch runs)."""
+    if len(bounds) < 2:
+        return np.zeros(0, np.int64)
+    longest = np.maximum(np.maximum.reduceat(tokens, bounds[:-1]), 1) if len(tokens) else np.ones(len(bounds) - 1)
+    return np.diff(bounds) * longest.astype(np.int64)
 
 
-def assign(costs: list[int], ranks: int) -> list[list[int]]:
+def assign(costs: Sequence[int] | np.ndarray, ranks: int) -> list[list[int]]:
     """Indices of batches for each rank: each batch, largest first, to the least loaded rank."""
+    values = costs.tolist() if isinstance(costs, np.ndarray) else list(costs)
     heap = [(0, rank) for rank in range(ranks)]
     out: list[list[int]] = [[] for _ in range(ranks)]
-    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+    for index in sorted(range(len(values)), key=lambda i: (-values[i], i)):
         load, rank = heapq.heappop(heap)
         out[rank].append(index)
-        heapq.heappush(heap, (load + costs[index], rank))
+        heapq.heappush(heap, (load + values[index], rank))
     return [sorted(indices) for indices in out]
+
+
+def owned(order: np.ndarray, bounds: np.ndarray, batches: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The items of some batches (indices into `order`'s batches), in batch order, and their batches' bounds."""
+    sizes = np.diff(bounds)
+    mine = np.zeros(len(sizes), bool)
+    mine[batches] = True
+    items = order[np.repeat(mine, sizes)]
+    return items, np.r_[0, np.cumsum(sizes[mine])].astype(np.int64)
 
 
 def local_work_dir(cache: str, rank: int) -> str:
