@@ -20,8 +20,8 @@ from stk.cache.inspect import cache_lease
 from stk.cache.memory import check_fits, load_failure, measured
 from stk.cache.parts import PartRecorder, read_parts, remove_parts
 from stk.cache.plan import (
-    LatentShare,
-    TextShare,
+    Captions,
+    Share,
     assign,
     batch_sums,
     distinct_captions,
@@ -44,7 +44,7 @@ from stk.prompts import EMPTY_CAPTION, read_prompts
 from stk.scan.reader import read_buckets, read_scan_columns
 from stk.shards import CacheReader, Manifest, ShardInfo, ShardWriter
 from stk.shards.config import CacheConfig, EncodeSettings
-from stk.shards.jobs import ERRORS, JOB_COLUMNS, job_columns
+from stk.shards.jobs import ERRORS, JOB_COLUMNS, ImageJobs, job_columns
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
@@ -129,7 +129,7 @@ class _Plan:
     reused_captions: int
 
 
-_Share = tuple[LatentShare, TextShare]  # one rank's latent and caption batches
+_Share = tuple[Share[ImageJobs], Share[Captions]]  # one rank's latent and caption batches
 _Done = tuple[list[ShardInfo], Counters]  # one rank's finished shards and counts
 
 
@@ -258,7 +258,7 @@ def _plan(
     for lats, txts in zip(lat_owner, txt_owner, strict=True):
         rows, bounds = owned(lat_order, lat_bounds, lats)
         text_rows, text_bounds = owned(txt_order, txt_bounds, txts)
-        shares.append((LatentShare(todo.take(rows), bounds), TextShare(todo_captions.take(text_rows), text_bounds)))
+        shares.append((Share(todo.take(rows), bounds), Share(todo_captions.take(text_rows), text_bounds)))
     return plan, shares
 
 

@@ -17,14 +17,14 @@ import heapq
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
-from stk.shards.jobs import ImageJob, ImageJobs
+from stk.shards.jobs import ImageJobs
 from stk.shards.keys import text_key
 
 if TYPE_CHECKING:
@@ -32,8 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Captions",
-    "LatentShare",
-    "TextShare",
+    "Share",
     "assign",
     "batch_bounds",
     "batch_sums",
@@ -41,6 +40,7 @@ __all__ = [
     "latent_batches",
     "local_work_dir",
     "owned",
+    "spans",
     "text_batches",
     "text_costs",
     "token_counts",
@@ -62,36 +62,33 @@ class Captions:
     def take(self, rows: np.ndarray) -> Captions:
         return Captions(self.key[rows], self.caption.take(pa.array(rows, pa.int64())))
 
+    def rows(self, start: int, stop: int) -> list[tuple[str, str]]:
+        """(key, caption) of captions [start, stop)."""
+        keys = [k.decode() for k in self.key[start:stop].tolist()]
+        return list(zip(keys, self.caption[start:stop].to_pylist(), strict=True))
 
-@dataclass
-class LatentShare:
-    """A rank's latent batches: its rows in batch order; batch i is rows [bounds[i], bounds[i + 1])."""
 
-    jobs: ImageJobs
-    bounds: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.jobs)
-
-    def batches(self) -> Iterator[list[ImageJob]]:
-        for start, stop in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True):
-            yield self.jobs.rows(start, stop)
+Item = TypeVar("Item", ImageJobs, Captions)
 
 
 @dataclass
-class TextShare:
-    """A rank's caption batches, as LatentShare's."""
+class Share(Generic[Item]):
+    """A rank's batches (of images or captions): its items in batch order; batch i is items [bounds[i], bounds[i + 1]),
+    made into ImageJobs or (key, caption) pairs one batch at a time."""
 
-    captions: Captions
+    items: Item
     bounds: np.ndarray
 
     def __len__(self) -> int:
-        return len(self.captions)
+        return len(self.items)
 
-    def batches(self) -> Iterator[list[tuple[str, str]]]:
-        for start, stop in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True):
-            keys = [k.decode() for k in self.captions.key[start:stop].tolist()]
-            yield list(zip(keys, self.captions.caption[start:stop].to_pylist(), strict=True))
+    def batches(self) -> Iterator[list[Any]]:
+        return (self.items.rows(start, stop) for start, stop in spans(self.bounds))
+
+
+def spans(bounds: np.ndarray) -> Iterator[tuple[int, int]]:
+    """(start, stop) of each batch."""
+    return zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
 
 
 def batch_bounds(groups: np.ndarray, batch_size: int) -> np.ndarray:

@@ -10,8 +10,7 @@ import pyarrow as pa
 
 from stk.cache.plan import (
     Captions,
-    LatentShare,
-    TextShare,
+    Share,
     assign,
     batch_bounds,
     batch_sums,
@@ -75,7 +74,7 @@ def test_jobs_locate_images_under_the_scan_root_and_share_caption_keys() -> None
 
 def _latent_share(jobs: ImageJobs, batch_size: int) -> list[list[ImageJob]]:
     order, bounds = latent_batches(jobs, batch_size)
-    return list(LatentShare(jobs.take(order), bounds).batches())
+    return list(Share(jobs.take(order), bounds).batches())
 
 
 def test_latent_batches_hold_one_bucket_and_do_not_depend_on_input_order() -> None:
@@ -99,7 +98,7 @@ def _text_share(keys: list[str], tokens: list[int], batch_size: int) -> list[lis
     key_array = np.array(keys, "S40")
     order, bounds = text_batches(key_array, np.array(tokens, np.int32), batch_size)
     captions = Captions(key_array, pa.array(keys, pa.large_string())).take(order)
-    return [[k for k, _ in batch] for batch in TextShare(captions, bounds).batches()]
+    return [[k for k, _ in batch] for batch in Share(captions, bounds).batches()]
 
 
 def test_text_batches_are_sorted_by_key() -> None:
