@@ -14,11 +14,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
-from stk.scan.reader import ScanTable, read_scan, read_scan_columns
+from stk.scan.reader import ScanTable, read_scan_columns
 from stk.shards.config import CacheConfig
 from stk.shards.keys import KEY_CHARS, latent_keys, text_key
 
-__all__ = ["ERRORS", "JOB_COLUMNS", "ImageJob", "ImageJobs", "expected_jobs", "job_columns", "jobs_for", "read_jobs"]
+__all__ = [
+    "ERRORS",
+    "JOB_COLUMNS",
+    "ImageJob",
+    "ImageJobs",
+    "expected_columns",
+    "expected_jobs",
+    "job_columns",
+    "jobs_for",
+    "read_jobs",
+]
 
 ERRORS = "errors.jsonl"  # CACHE/errors.jsonl: the records the last build could not encode
 # errors.jsonl kinds that a rerun would meet again: their records are reported, not expected
@@ -130,10 +140,16 @@ def _bad_input_keys(cache: str) -> set[str]:
     return {str(r["key"]) for r in rows if r.get("kind") in BAD_INPUT and r.get("key")}
 
 
+def expected_columns(cache: str, config: CacheConfig, scan_dir: str) -> tuple[ImageJobs, int]:
+    """The scan rows the cache must hold, as columns keyed under its config's recipes, and how many rows the
+    last build skipped as bad input (not expected)."""
+    jobs = read_jobs(scan_dir, config.latent_recipe(), config.text_recipe())
+    skipped = np.array(sorted(_bad_input_keys(cache)), dtype=f"S{KEY_CHARS}")
+    kept = np.flatnonzero(~np.isin(jobs.key, skipped)) if len(skipped) else np.arange(len(jobs))
+    return (jobs.take(kept) if len(kept) < len(jobs) else jobs), len(jobs) - len(kept)
+
+
 def expected_jobs(cache: str, config: CacheConfig, scan_dir: str) -> tuple[list[ImageJob], int]:
-    """The scan rows the cache must hold (with their keys under its config's recipes), and how many
-    rows the last build skipped as bad input (not expected)."""
-    jobs = jobs_for(read_scan(scan_dir), config.latent_recipe(), config.text_recipe())
-    skipped = _bad_input_keys(cache)
-    kept = [j for j in jobs if j.key not in skipped]
-    return kept, len(jobs) - len(kept)
+    """expected_columns as ImageJobs."""
+    jobs, skipped = expected_columns(cache, config, scan_dir)
+    return jobs.rows(), skipped

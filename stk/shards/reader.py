@@ -250,10 +250,13 @@ class CacheReader:
         bounds = np.searchsorted(shape_of_key[order], np.arange(len(shapes) + 1))
         return {hw: order[bounds[i] : bounds[i + 1]] for i, hw in enumerate(shapes) if bounds[i + 1] > bounds[i]}
 
+    def bucket_keys(self) -> dict[tuple[int, int], np.ndarray]:
+        """Latent (h, w) -> its keys as a bytes array, both sorted: the same on every rank."""
+        return {hw: self._latents.keys[rows] for hw, rows in self.bucket_rows().items()}
+
     def buckets(self) -> dict[tuple[int, int], list[str]]:
-        """Latent (h, w) -> its keys, both sorted: the same on every rank."""
-        keys = self._latents.keys
-        return {hw: [k.decode() for k in keys[rows].tolist()] for hw, rows in self.bucket_rows().items()}
+        """bucket_keys as strings."""
+        return {hw: [k.decode() for k in keys.tolist()] for hw, keys in self.bucket_keys().items()}
 
     def close(self) -> None:
         with self._locked():
