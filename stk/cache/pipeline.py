@@ -24,10 +24,12 @@ from stk.cache.plan import (
     Share,
     assign,
     batch_sums,
+    cached_keys,
     distinct_captions,
     latent_batches,
     local_work_dir,
     owned,
+    rank_jobs,
     text_batches,
     text_costs,
     token_counts,
@@ -42,9 +44,9 @@ from stk.models.load import compute_dtype
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION, read_prompts
 from stk.scan.reader import read_buckets, read_scan_columns
-from stk.shards import CacheReader, Manifest, ShardInfo, ShardWriter
+from stk.shards import Manifest, ShardInfo, ShardWriter
 from stk.shards.config import CacheConfig, EncodeSettings
-from stk.shards.jobs import ERRORS, JOB_COLUMNS, ImageJobs, job_columns
+from stk.shards.jobs import ERRORS, JOB_COLUMNS, job_columns
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
@@ -127,9 +129,11 @@ class _Plan:
     captions: int
     reused_images: int
     reused_captions: int
+    rows: int  # the scan table's, that each rank reads its own images' rows from
 
 
-_Share = tuple[Share[ImageJobs], Share[Captions]]  # one rank's latent and caption batches
+# one rank's latent batches (scan table rows in batch order, and the batches' bounds), and its caption batches
+_Share = tuple[np.ndarray, np.ndarray, Share[Captions]]
 _Done = tuple[list[ShardInfo], Counters]  # one rank's finished shards and counts
 
 
@@ -211,14 +215,6 @@ def _check_inputs(opts: CacheOptions) -> tuple[pa.Table, str]:
     return scan
 
 
-def _cached_keys(cache: str, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
-    """The latent and text keys the cache's listed shards hold (sorted bytes arrays)."""
-    if not manifest.shards:
-        return np.zeros(0, "S1"), np.zeros(0, "S1")
-    with CacheReader(cache) as reader:
-        return reader.latent_key_array(), reader.text_key_array()
-
-
 def _plan(
     opts: CacheOptions,
     scan: tuple[pa.Table, str],
@@ -232,8 +228,9 @@ def _plan(
     jobs = job_columns(*scan, config.latent_recipe(), texts)
     # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
     captions = distinct_captions(jobs, (EMPTY_CAPTION, *manifest.validation_prompts), texts)
-    done_latents, done_texts = _cached_keys(opts.cache, manifest)
-    todo = jobs.take(np.flatnonzero(~np.isin(jobs.key, done_latents))) if len(done_latents) else jobs
+    done_latents, done_texts = cached_keys(opts.cache, manifest)
+    todo_rows = np.flatnonzero(~np.isin(jobs.key, done_latents)) if len(done_latents) else np.arange(len(jobs))
+    todo = jobs.take(todo_rows) if len(todo_rows) < len(jobs) else jobs
     todo_captions = captions.take(np.flatnonzero(~np.isin(captions.key, done_texts))) if len(done_texts) else captions
     lat_order, lat_bounds = latent_batches(todo, opts.batch_size)
     tokens = token_counts(encoders.text, todo_captions.caption)
@@ -253,12 +250,13 @@ def _plan(
         captions=len(captions),
         reused_images=len(jobs) - len(todo),
         reused_captions=len(captions) - len(todo_captions),
+        rows=len(jobs),
     )
-    shares = []
+    shares: list[_Share] = []
     for lats, txts in zip(lat_owner, txt_owner, strict=True):
         rows, bounds = owned(lat_order, lat_bounds, lats)
         text_rows, text_bounds = owned(txt_order, txt_bounds, txts)
-        shares.append((Share(todo.take(rows), bounds), Share(todo_captions.take(text_rows), text_bounds)))
+        shares.append((todo_rows[rows], bounds, Share(todo_captions.take(text_rows), text_bounds)))
     return plan, shares
 
 
@@ -279,9 +277,12 @@ def _load(opts: CacheOptions, world: World) -> tuple[Encoders, CacheConfig]:
     return encoders, CacheConfig(encoders.family.value, encoders.config(), opts.settings, buckets, encoders.norm)
 
 
-def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, plan: _Plan, share: _Share) -> _Done:
+def _encode_share(
+    opts: CacheOptions, world: World, encoders: Encoders, config: CacheConfig, plan: _Plan, share: _Share
+) -> _Done:
     """This rank's batches into its own shards, each recorded in its part file once finished."""
-    latent, text = share
+    rows, bounds, text = share
+    latent = Share(rank_jobs(opts.scan_dir, config, rows, plan.rows), bounds)
     writer_name = f"{plan.run_id}-r{world.rank:05d}"
     recorder = PartRecorder(opts.cache, writer_name)
     counters = Counters()
@@ -385,7 +386,7 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
         return split_work(
             world,
             lambda: _plan(opts, scans.pop(), config, encoders, prompts, world),  # not kept while encoding
-            lambda plan, share: _encode_share(opts, world, encoders, plan, share),
+            lambda plan, share: _encode_share(opts, world, encoders, config, plan, share),
             lambda plan, done: _finish(opts, world, config, plan, done, started),
             # a disk failure as its StkError naming the rank; nothing unfinished is listed
             lambda exc: _rank_failure(exc, opts.cache, world),

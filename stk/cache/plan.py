@@ -24,7 +24,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
-from stk.shards.jobs import ImageJobs
+from stk.errors import InputError
+from stk.scan.reader import read_scan_columns
+from stk.shards import CacheReader, Manifest
+from stk.shards.config import CacheConfig
+from stk.shards.jobs import JOB_COLUMNS, ImageJobs, job_columns
 from stk.shards.keys import text_key
 
 if TYPE_CHECKING:
@@ -36,10 +40,12 @@ __all__ = [
     "assign",
     "batch_bounds",
     "batch_sums",
+    "cached_keys",
     "distinct_captions",
     "latent_batches",
     "local_work_dir",
     "owned",
+    "rank_jobs",
     "spans",
     "text_batches",
     "text_costs",
@@ -54,7 +60,7 @@ class Captions:
     """Distinct captions as columns: text keys (bytes) and the captions (Arrow strings), in the same order."""
 
     key: np.ndarray
-    caption: pa.Array
+    caption: pa.ChunkedArray
 
     def __len__(self) -> int:
         return len(self.key)
@@ -110,7 +116,8 @@ def distinct_captions(jobs: ImageJobs, extra: Sequence[str], recipe: dict[str, A
     """The captions of the jobs and the `extra` ones, each once, in key order."""
     keys, first = np.unique(jobs.text_key, return_index=True)
     extra_keys = np.array([text_key(caption, recipe) for caption in extra], dtype=jobs.text_key.dtype)
-    captions = pa.concat_arrays([jobs.caption.take(pa.array(first)), pa.array(list(extra), pa.large_string())])
+    scanned = pc.fill_null(jobs.caption.take(pa.array(first)).cast(pa.large_string()), "")
+    captions = pa.chunked_array([*scanned.chunks, pa.array(list(extra), pa.large_string())], pa.large_string())
     keys, first = np.unique(np.concatenate([keys, extra_keys]), return_index=True)
     return Captions(keys, captions.take(pa.array(first)))
 
@@ -171,6 +178,26 @@ def owned(order: np.ndarray, bounds: np.ndarray, batches: list[int]) -> tuple[np
     mine[batches] = True
     items = order[np.repeat(mine, sizes)]
     return items, np.r_[0, np.cumsum(sizes[mine])].astype(np.int64)
+
+
+def cached_keys(cache: str, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
+    """The latent and text keys the cache's listed shards hold (sorted bytes arrays)."""
+    if not manifest.shards:
+        return np.zeros(0, "S1"), np.zeros(0, "S1")
+    with CacheReader(cache) as reader:
+        return reader.latent_key_array(), reader.text_key_array()
+
+
+def rank_jobs(scan_dir: str, config: CacheConfig, rows: np.ndarray, planned: int) -> ImageJobs:
+    """A rank's images (`rows` of the scan table, of `planned` rows when planned), read by the rank itself: the
+    plan sends row numbers, not the rows."""
+    table, root = read_scan_columns(scan_dir, JOB_COLUMNS)
+    if table.num_rows != planned:
+        raise InputError(
+            f"{scan_dir}: the scan table changed while stk-cache read it ({planned} rows, now {table.num_rows}): "
+            "let stk-scan finish, then rerun stk-cache"
+        )
+    return job_columns(table.take(pa.array(rows, pa.int64())), root, config.latent_recipe(), config.text_recipe())
 
 
 def local_work_dir(cache: str, rank: int) -> str:

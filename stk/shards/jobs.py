@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from stk import storage
 from stk.scan.reader import ScanTable, read_scan_columns
@@ -61,8 +60,8 @@ class ImageJobs:
     object per row. `rows()` makes ImageJobs for the few rows a batch needs."""
 
     root: str  # the scan's, that relative paths are under (ScanTable.image_location)
-    path: pa.Array  # strings
-    caption: pa.Array  # strings, "" where the table has none
+    path: pa.ChunkedArray  # strings, as read
+    caption: pa.ChunkedArray  # strings, as read: null where the table has none
     bucket_width: np.ndarray  # int32
     bucket_height: np.ndarray  # int32
     key: np.ndarray  # latent keys, bytes (S40)
@@ -89,7 +88,7 @@ class ImageJobs:
         scan = ScanTable([], self.root)
         paths, captions = self.path[start:stop].to_pylist(), self.caption[start:stop].to_pylist()
         return [
-            ImageJob(path, scan.image_location(path), int(w), int(h), caption, key.decode(), text.decode())
+            ImageJob(path, scan.image_location(path), int(w), int(h), caption or "", key.decode(), text.decode())
             for path, caption, w, h, key, text in zip(
                 paths, captions, self.bucket_width[start:stop], self.bucket_height[start:stop],
                 self.key[start:stop], self.text_key[start:stop], strict=True,
@@ -99,9 +98,7 @@ class ImageJobs:
 
 def job_columns(table: pa.Table, root: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> ImageJobs:
     """A scan table's rows (JOB_COLUMNS of it) keyed under the given recipes; each distinct caption is keyed once."""
-    # large strings: 100M paths or captions pass the 2 GiB a string array's int32 offsets reach
-    path = table.column("path").cast(pa.large_string()).combine_chunks()
-    caption = pc.fill_null(table.column("caption").cast(pa.large_string()), "").combine_chunks()
+    path, caption = table.column("path"), table.column("caption")  # the table's chunks: no copy
     key = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     text = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     identity = ["path", "bytes", "mtime", "bucket_width", "bucket_height"]
@@ -111,8 +108,10 @@ def job_columns(table: pa.Table, root: str, latent_recipe: dict[str, Any], text_
         key[start : start + chunk.num_rows] = latent_keys(zip(*columns, strict=True), latent_recipe)
         texts: dict[str, str] = {}  # a caption repeated in the chunk is keyed once
         for row, value in enumerate(caption[start : start + _KEY_CHUNK].to_pylist(), start):
-            found = texts.get(value)
-            text[row] = found if found is not None else texts.setdefault(value, text_key(value, text_recipe))
+            found = texts.get(value or "")
+            text[row] = (
+                found if found is not None else texts.setdefault(value or "", text_key(value or "", text_recipe))
+            )
     widths, heights = (table.column(n).to_numpy().astype(np.int32) for n in ("bucket_width", "bucket_height"))
     return ImageJobs(root, path, caption, widths, heights, key, text)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from stk.cache.plan import (
     Captions,
@@ -17,12 +18,18 @@ from stk.cache.plan import (
     distinct_captions,
     latent_batches,
     owned,
+    rank_jobs,
     text_batches,
     text_costs,
     token_counts,
 )
+from stk.errors import InputError
+from stk.metadata import write_parquet
 from stk.models import Family, build_tiny_model, load_encoders
+from stk.models.latents import LatentNorm
+from stk.scan.outputs import METADATA
 from stk.scan.reader import ScanTable
+from stk.shards.config import CacheConfig, EncodeSettings
 from stk.shards.jobs import ImageJob, ImageJobs, job_columns, jobs_for
 from stk.shards.keys import latent_key, text_key
 
@@ -151,3 +158,14 @@ def test_assign_balances_cost_and_covers_every_batch_once() -> None:
     assert abs(loads[0] - loads[1]) <= 2
     assert assign(costs, 1) == [list(range(len(costs)))]
     assert assign([], 3) == [[], [], []]
+
+
+def test_a_rank_reads_its_rows_and_refuses_a_table_that_changed(tmp_path: Path) -> None:
+    rows = _rows(6)
+    write_parquet(pa.Table.from_pylist(rows), str(tmp_path / METADATA))
+    config = CacheConfig("sd", {"vae": "x", "text": "y"}, EncodeSettings(), {}, LatentNorm(0.18215))
+    jobs = rank_jobs(str(tmp_path), config, np.array([4, 1]), planned=6).rows()
+    assert [j.path for j in jobs] == ["img004.jpg", "img001.jpg"]
+    assert [j.key for j in jobs] == [latent_key(rows[i], config.latent_recipe()) for i in (4, 1)]
+    with pytest.raises(InputError, match="changed while stk-cache read it"):
+        rank_jobs(str(tmp_path), config, np.array([0]), planned=7)
