@@ -20,8 +20,7 @@ from stk.cache.inspect import cache_lease
 from stk.cache.memory import check_fits, load_failure, measured
 from stk.cache.parts import PartRecorder, read_parts, remove_parts
 from stk.cache.plan import (
-    Captions,
-    Share,
+    RowShare,
     assign,
     batch_sums,
     cached_keys,
@@ -29,7 +28,7 @@ from stk.cache.plan import (
     latent_batches,
     local_work_dir,
     owned,
-    rank_jobs,
+    rank_share,
     text_batches,
     text_costs,
     token_counts,
@@ -129,11 +128,10 @@ class _Plan:
     captions: int
     reused_images: int
     reused_captions: int
-    rows: int  # the scan table's, that each rank reads its own images' rows from
+    rows: int  # the scan table's, that each rank reads its own rows from
+    extra_captions: list[str]  # the empty caption and the validation prompts (Captions.extra)
 
 
-# one rank's latent batches (scan table rows in batch order, and the batches' bounds), and its caption batches
-_Share = tuple[np.ndarray, np.ndarray, Share[Captions]]
 _Done = tuple[list[ShardInfo], Counters]  # one rank's finished shards and counts
 
 
@@ -222,18 +220,19 @@ def _plan(
     encoders: Encoders,
     prompts: list[str] | None,
     world: World,
-) -> tuple[_Plan, list[_Share]]:
+) -> tuple[_Plan, list[RowShare]]:
     manifest = _prepare_manifest(opts, config, prompts)
     texts = config.text_recipe()
     jobs = job_columns(*scan, config.latent_recipe(), texts)
     # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
-    captions = distinct_captions(jobs, (EMPTY_CAPTION, *manifest.validation_prompts), texts)
+    extra = [EMPTY_CAPTION, *manifest.validation_prompts]
+    captions = distinct_captions(jobs, extra, texts)
     done_latents, done_texts = cached_keys(opts.cache, manifest)
     todo_rows = np.flatnonzero(~np.isin(jobs.key, done_latents)) if len(done_latents) else np.arange(len(jobs))
     todo = jobs.take(todo_rows) if len(todo_rows) < len(jobs) else jobs
     todo_captions = captions.take(np.flatnonzero(~np.isin(captions.key, done_texts))) if len(done_texts) else captions
     lat_order, lat_bounds = latent_batches(todo, opts.batch_size)
-    tokens = token_counts(encoders.text, todo_captions.caption)
+    tokens = token_counts(encoders.text, todo_captions)
     txt_order, txt_bounds = text_batches(todo_captions.key, tokens, opts.text_batch_size)
     lat_owner = assign(batch_sums(todo.pixels[lat_order], lat_bounds), world.size)
     txt_owner = assign(text_costs(tokens[txt_order], txt_bounds), world.size)
@@ -251,12 +250,13 @@ def _plan(
         reused_images=len(jobs) - len(todo),
         reused_captions=len(captions) - len(todo_captions),
         rows=len(jobs),
+        extra_captions=extra,
     )
-    shares: list[_Share] = []
+    shares: list[RowShare] = []
     for lats, txts in zip(lat_owner, txt_owner, strict=True):
         rows, bounds = owned(lat_order, lat_bounds, lats)
         text_rows, text_bounds = owned(txt_order, txt_bounds, txts)
-        shares.append((todo_rows[rows], bounds, Share(todo_captions.take(text_rows), text_bounds)))
+        shares.append((todo_rows[rows], bounds, todo_captions.source[text_rows], text_bounds))
     return plan, shares
 
 
@@ -278,11 +278,10 @@ def _load(opts: CacheOptions, world: World) -> tuple[Encoders, CacheConfig]:
 
 
 def _encode_share(
-    opts: CacheOptions, world: World, encoders: Encoders, config: CacheConfig, plan: _Plan, share: _Share
+    opts: CacheOptions, world: World, encoders: Encoders, config: CacheConfig, plan: _Plan, share: RowShare
 ) -> _Done:
     """This rank's batches into its own shards, each recorded in its part file once finished."""
-    rows, bounds, text = share
-    latent = Share(rank_jobs(opts.scan_dir, config, rows, plan.rows), bounds)
+    latent, text = rank_share(opts.scan_dir, config, plan.rows, plan.extra_captions, share)
     writer_name = f"{plan.run_id}-r{world.rank:05d}"
     recorder = PartRecorder(opts.cache, writer_name)
     counters = Counters()

@@ -29,23 +29,25 @@ from stk.scan.reader import read_scan_columns
 from stk.shards import CacheReader, Manifest
 from stk.shards.config import CacheConfig
 from stk.shards.jobs import JOB_COLUMNS, ImageJobs, job_columns
-from stk.shards.keys import text_key
+from stk.shards.keys import KEY_CHARS, text_key
 
 if TYPE_CHECKING:
     from stk.models.components import TextEncoder
 
 __all__ = [
     "Captions",
+    "RowShare",
     "Share",
     "assign",
     "batch_bounds",
     "batch_sums",
     "cached_keys",
+    "captions_at",
     "distinct_captions",
     "latent_batches",
     "local_work_dir",
     "owned",
-    "rank_jobs",
+    "rank_share",
     "spans",
     "text_batches",
     "text_costs",
@@ -53,25 +55,49 @@ __all__ = [
 ]
 
 TOKENIZE_CHUNK = 4096  # captions per tokenizer call: fast tokenizers batch them, memory stays small
+# a rank's share as rank 0 sends it: its images' scan table rows in batch order and their batches' bounds, then the
+# sources (Captions.source) of its captions in batch order and their batches' bounds
+RowShare = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass
 class Captions:
-    """Distinct captions as columns: text keys (bytes) and the captions (Arrow strings), in the same order."""
+    """Distinct captions as columns: their text keys, and where each one's text is: a row of the scan table's
+    caption column (`source` >= 0) or one of the `extra` captions (`source` -1 - i). No copy of the texts."""
 
     key: np.ndarray
-    caption: pa.ChunkedArray
+    source: np.ndarray  # int64
+    column: pa.ChunkedArray
+    extra: list[str]
 
     def __len__(self) -> int:
         return len(self.key)
 
     def take(self, rows: np.ndarray) -> Captions:
-        return Captions(self.key[rows], self.caption.take(pa.array(rows, pa.int64())))
+        return Captions(self.key[rows], self.source[rows], self.column, self.extra)
+
+    def texts(self, start: int, stop: int) -> list[str]:
+        """The captions [start, stop)."""
+        source = self.source[start:stop]
+        scanned = np.flatnonzero(source >= 0)
+        out = [self.extra[-1 - s] if s < 0 else "" for s in source.tolist()]
+        for at, text in zip(scanned.tolist(), self.column.take(pa.array(source[scanned])).to_pylist(), strict=True):
+            out[at] = text or ""
+        return out
 
     def rows(self, start: int, stop: int) -> list[tuple[str, str]]:
         """(key, caption) of captions [start, stop)."""
         keys = [k.decode() for k in self.key[start:stop].tolist()]
-        return list(zip(keys, self.caption[start:stop].to_pylist(), strict=True))
+        return list(zip(keys, self.texts(start, stop), strict=True))
+
+
+def captions_at(column: pa.ChunkedArray, extra: list[str], source: np.ndarray, recipe: dict[str, Any]) -> Captions:
+    """The captions at `source` (as Captions.source), keyed under `recipe`."""
+    captions = Captions(np.empty(len(source), f"S{KEY_CHARS}"), source, column, extra)
+    for start in range(0, len(source), TOKENIZE_CHUNK):
+        texts = captions.texts(start, start + TOKENIZE_CHUNK)
+        captions.key[start : start + len(texts)] = [text_key(text, recipe) for text in texts]
+    return captions
 
 
 Item = TypeVar("Item", ImageJobs, Captions)
@@ -112,14 +138,13 @@ def batch_sums(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values, bounds[:-1]) if len(values) else np.zeros(0, values.dtype)
 
 
-def distinct_captions(jobs: ImageJobs, extra: Sequence[str], recipe: dict[str, Any]) -> Captions:
-    """The captions of the jobs and the `extra` ones, each once, in key order."""
+def distinct_captions(jobs: ImageJobs, extra: list[str], recipe: dict[str, Any]) -> Captions:
+    """The captions of the jobs (a whole scan table's) and the `extra` ones, each once, in key order."""
     keys, first = np.unique(jobs.text_key, return_index=True)
     extra_keys = np.array([text_key(caption, recipe) for caption in extra], dtype=jobs.text_key.dtype)
-    scanned = pc.fill_null(jobs.caption.take(pa.array(first)).cast(pa.large_string()), "")
-    captions = pa.chunked_array([*scanned.chunks, pa.array(list(extra), pa.large_string())], pa.large_string())
+    source = np.concatenate([first.astype(np.int64), -1 - np.arange(len(extra), dtype=np.int64)])
     keys, first = np.unique(np.concatenate([keys, extra_keys]), return_index=True)
-    return Captions(keys, captions.take(pa.array(first)))
+    return Captions(keys, source[first], jobs.caption, extra)
 
 
 def latent_batches(jobs: ImageJobs, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,13 +155,13 @@ def latent_batches(jobs: ImageJobs, batch_size: int) -> tuple[np.ndarray, np.nda
     return order, batch_bounds(bucket, batch_size)
 
 
-def token_counts(encoders: Sequence[TextEncoder], captions: pa.Array) -> np.ndarray:
+def token_counts(encoders: Sequence[TextEncoder], captions: Captions) -> np.ndarray:
     """Each caption's length in tokens: the most any of the family's tokenizers gives, capped at what that encoder
     reads (its max_length). Tokenizing is cheap next to encoding; no model runs."""
     counts = np.zeros(len(captions), np.int32)
-    for encoder in encoders:
-        for start in range(0, len(captions), TOKENIZE_CHUNK):
-            chunk = captions[start : start + TOKENIZE_CHUNK].to_pylist()
+    for start in range(0, len(captions), TOKENIZE_CHUNK):
+        chunk = captions.texts(start, start + TOKENIZE_CHUNK)
+        for encoder in encoders:
             ids = encoder.tokenizer(chunk, truncation=True, max_length=encoder.max_length)["input_ids"]
             lengths = np.fromiter((len(tokens) for tokens in ids), np.int32, len(chunk))
             np.maximum(counts[start : start + len(chunk)], lengths, out=counts[start : start + len(chunk)])
@@ -188,16 +213,21 @@ def cached_keys(cache: str, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]
         return reader.latent_key_array(), reader.text_key_array()
 
 
-def rank_jobs(scan_dir: str, config: CacheConfig, rows: np.ndarray, planned: int) -> ImageJobs:
-    """A rank's images (`rows` of the scan table, of `planned` rows when planned), read by the rank itself: the
-    plan sends row numbers, not the rows."""
+def rank_share(
+    scan_dir: str, config: CacheConfig, planned: int, extra: list[str], share: RowShare
+) -> tuple[Share[ImageJobs], Share[Captions]]:
+    """A rank's batches from its share of row numbers (of a scan table of `planned` rows), read from the scan table by
+    the rank itself: the plan sends numbers, not the rows."""
     table, root = read_scan_columns(scan_dir, JOB_COLUMNS)
     if table.num_rows != planned:
         raise InputError(
             f"{scan_dir}: the scan table changed while stk-cache read it ({planned} rows, now {table.num_rows}): "
             "let stk-scan finish, then rerun stk-cache"
         )
-    return job_columns(table.take(pa.array(rows, pa.int64())), root, config.latent_recipe(), config.text_recipe())
+    rows, bounds, sources, text_bounds = share
+    jobs = job_columns(table.take(pa.array(rows, pa.int64())), root, config.latent_recipe(), config.text_recipe())
+    captions = captions_at(table.column("caption"), extra, sources, config.text_recipe())
+    return Share(jobs, bounds), Share(captions, text_bounds)
 
 
 def local_work_dir(cache: str, rank: int) -> str:

@@ -15,10 +15,11 @@ from stk.cache.plan import (
     assign,
     batch_bounds,
     batch_sums,
+    captions_at,
     distinct_captions,
     latent_batches,
     owned,
-    rank_jobs,
+    rank_share,
     text_batches,
     text_costs,
     token_counts,
@@ -104,7 +105,7 @@ def test_batch_bounds_cut_each_group_into_batches() -> None:
 def _text_share(keys: list[str], tokens: list[int], batch_size: int) -> list[list[str]]:
     key_array = np.array(keys, "S40")
     order, bounds = text_batches(key_array, np.array(tokens, np.int32), batch_size)
-    captions = Captions(key_array, pa.array(keys, pa.large_string())).take(order)
+    captions = Captions(key_array, np.arange(len(keys)), pa.chunked_array([keys]), []).take(order)
     return [[k for k, _ in batch] for batch in Share(captions, bounds).batches()]
 
 
@@ -128,15 +129,21 @@ def test_text_batches_group_captions_of_similar_token_counts_whatever_the_input_
 
 def test_distinct_captions_hold_the_extra_ones_once() -> None:
     captions = distinct_captions(_columns(_rows(12)), ["", "c1", "a prompt"], RECIPE)
-    assert sorted(captions.caption.to_pylist()) == ["", "a prompt", "c0", "c1", "c2", "c3"]
-    assert captions.key.tolist() == sorted(text_key(c, RECIPE).encode() for c in captions.caption.to_pylist())
+    texts = captions.texts(0, len(captions))
+    assert sorted(texts) == ["", "a prompt", "c0", "c1", "c2", "c3"]
+    assert captions.key.tolist() == sorted(text_key(c, RECIPE).encode() for c in texts)
+    again = captions_at(captions.column, captions.extra, captions.source, RECIPE)  # what a rank rebuilds from sources
+    assert again.key.tolist() == captions.key.tolist() and again.texts(0, len(again)) == texts
 
 
 def test_token_counts_are_the_longest_over_the_family_tokenizers_capped_at_their_length(tmp_path: Path) -> None:
     encoders = load_encoders(build_tiny_model(Family.FLUX, str(tmp_path / "flux")), Family.FLUX, "cpu")  # CLIP + T5
     clip, t5 = encoders.text
     captions = ["a cat", "a photo of " * 200, ""]
-    short, long, empty = token_counts(encoders.text, pa.array(captions)).tolist()
+    column = pa.chunked_array([["a cat", None], ["a photo of " * 200]])
+    short, long, empty = token_counts(
+        encoders.text, Captions(np.zeros(3, "S1"), np.array([0, 2, 1]), column, [])
+    ).tolist()
     assert long == max(clip.max_length, t5.max_length)  # truncated as the encoder reads it
     for count, caption in zip((short, long, empty), captions, strict=True):
         lengths = [len(e.tokenizer(caption, truncation=True, max_length=e.max_length)["input_ids"]) for e in (clip, t5)]
@@ -164,8 +171,11 @@ def test_a_rank_reads_its_rows_and_refuses_a_table_that_changed(tmp_path: Path) 
     rows = _rows(6)
     write_parquet(pa.Table.from_pylist(rows), str(tmp_path / METADATA))
     config = CacheConfig("sd", {"vae": "x", "text": "y"}, EncodeSettings(), {}, LatentNorm(0.18215))
-    jobs = rank_jobs(str(tmp_path), config, np.array([4, 1]), planned=6).rows()
+    share = (np.array([4, 1]), np.array([0, 2]), np.array([3, -1]), np.array([0, 2]))
+    latent, text = rank_share(str(tmp_path), config, 6, ["a prompt"], share)
+    jobs = next(latent.batches())
     assert [j.path for j in jobs] == ["img004.jpg", "img001.jpg"]
     assert [j.key for j in jobs] == [latent_key(rows[i], config.latent_recipe()) for i in (4, 1)]
+    assert next(text.batches()) == [(text_key(c, config.text_recipe()), c) for c in ("c3", "a prompt")]
     with pytest.raises(InputError, match="changed while stk-cache read it"):
-        rank_jobs(str(tmp_path), config, np.array([0]), planned=7)
+        rank_share(str(tmp_path), config, 7, [], share)
