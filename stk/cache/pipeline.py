@@ -224,6 +224,7 @@ def _plan(
     manifest = _prepare_manifest(opts, config, prompts)
     texts = config.text_recipe()
     jobs = job_columns(*scan, config.latent_recipe(), texts)
+    del scan  # the table's other columns: the jobs keep the two they need
     # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
     extra = [EMPTY_CAPTION, *manifest.validation_prompts]
     captions = distinct_captions(jobs, extra, texts)
