@@ -135,8 +135,11 @@ def write_parquet(table: pa.Table, location: str) -> None:
     storage.write_atomic(location, buffer.getvalue())
 
 
-def read_parquet(location: str) -> pa.Table:
-    return pq.read_table(io.BytesIO(storage.read_bytes(location)))
+def read_parquet(location: str, columns: list[str] | None = None) -> pa.Table:
+    """The table, or those of `columns` it has (a missing one is the caller's to report)."""
+    file = pq.ParquetFile(io.BytesIO(storage.read_bytes(location)))
+    names = file.schema_arrow.names
+    return file.read(columns=[c for c in columns if c in names] if columns is not None else None)
 
 
 def to_json_lines(rows: Iterable[Mapping[str, Any]]) -> str:

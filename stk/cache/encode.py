@@ -6,7 +6,7 @@ encoder (a bounded queue), so the GPU does not wait on JPEG decoding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +45,7 @@ class Counters:
 
 def encode_texts(
     encoders: Encoders,
-    batches: list[list[tuple[str, str]]],
+    batches: Iterable[list[tuple[str, str]]],
     writer: ShardWriter,
     settings: EncodeSettings,
     counters: Counters,
@@ -79,7 +79,7 @@ def _load(job: ImageJob, crop: CropMode) -> Preprocessed | tuple[str, str]:
 
 
 def _prefetched(
-    batches: list[list[ImageJob]], crop: CropMode, threads: int
+    batches: Iterable[list[ImageJob]], crop: CropMode, threads: int
 ) -> Iterator[tuple[list[ImageJob], list[Preprocessed | tuple[str, str]]]]:
     with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
         pending: list[tuple[list[ImageJob], list[Future[Preprocessed | tuple[str, str]]]]] = []
@@ -94,7 +94,7 @@ def _prefetched(
 
 def encode_latents(
     encoders: Encoders,
-    batches: list[list[ImageJob]],
+    batches: Iterable[list[ImageJob]],
     writer: ShardWriter,
     settings: EncodeSettings,
     threads: int,

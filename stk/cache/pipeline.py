@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 from stk import storage
@@ -17,7 +19,20 @@ from stk.cache.encode import Counters, encode_latents, encode_texts
 from stk.cache.inspect import cache_lease
 from stk.cache.memory import check_fits, load_failure, measured
 from stk.cache.parts import PartRecorder, read_parts, remove_parts
-from stk.cache.plan import assign, latent_batches, local_work_dir, text_batches, text_costs, token_counts
+from stk.cache.plan import (
+    RowShare,
+    assign,
+    batch_sums,
+    cached_keys,
+    distinct_captions,
+    latent_batches,
+    local_work_dir,
+    owned,
+    rank_share,
+    text_batches,
+    text_costs,
+    token_counts,
+)
 from stk.errors import InputError, check_max_errors, parse_max_errors
 from stk.lease import leased
 from stk.log import get_logger
@@ -27,11 +42,10 @@ from stk.models.alignment import check_aligned, model_alignment
 from stk.models.load import compute_dtype
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION, read_prompts
-from stk.scan.reader import ScanTable, read_buckets, read_scan
-from stk.shards import CacheReader, Manifest, ShardInfo, ShardWriter
+from stk.scan.reader import read_buckets, read_scan_columns
+from stk.shards import Manifest, ShardInfo, ShardWriter
 from stk.shards.config import CacheConfig, EncodeSettings
-from stk.shards.jobs import ERRORS, ImageJob, jobs_for
-from stk.shards.keys import text_key
+from stk.shards.jobs import ERRORS, JOB_COLUMNS, job_columns
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
@@ -114,9 +128,10 @@ class _Plan:
     captions: int
     reused_images: int
     reused_captions: int
+    rows: int  # the scan table's, that each rank reads its own rows from
+    extra_captions: list[str]  # the empty caption and the validation prompts (Captions.extra)
 
 
-_Share = tuple[list[list[ImageJob]], list[list[tuple[str, str]]]]  # one rank's latent and caption batches
 _Done = tuple[list[ShardInfo], Counters]  # one rank's finished shards and counts
 
 
@@ -185,12 +200,12 @@ def _check_alignment(opts: CacheOptions, buckets: dict[str, Any]) -> None:
     check_aligned(sizes, model_alignment(opts.model, family), family, f"{opts.scan_dir}: bucket", fix)
 
 
-def _check_inputs(opts: CacheOptions) -> ScanTable:
+def _check_inputs(opts: CacheOptions) -> tuple[pa.Table, str]:
     """What needs no model weights, checked before they load (minutes with FLUX): the scan table and its
     buckets readable, the cache location writable (on S3: the bucket there, the endpoint S3), its
     manifest readable, and then, from the model's configs, its family able to train the buckets. Returns the
-    scan table."""
-    scan = read_scan(opts.scan_dir)
+    scan table's columns that jobs need, and its root."""
+    scan = read_scan_columns(opts.scan_dir, JOB_COLUMNS)
     buckets = read_buckets(opts.scan_dir)
     storage.check_writable(opts.cache)
     Manifest.load(opts.cache)
@@ -200,47 +215,49 @@ def _check_inputs(opts: CacheOptions) -> ScanTable:
 
 def _plan(
     opts: CacheOptions,
-    scan: ScanTable,
+    scan: tuple[pa.Table, str],
     config: CacheConfig,
     encoders: Encoders,
     prompts: list[str] | None,
     world: World,
-) -> tuple[_Plan, list[_Share]]:
+) -> tuple[_Plan, list[RowShare]]:
     manifest = _prepare_manifest(opts, config, prompts)
-    done_latents: set[str] = set()
-    done_texts: set[str] = set()
-    if manifest.shards:
-        reader = CacheReader(opts.cache)
-        done_latents, done_texts = set(reader.latent_keys()), set(reader.text_keys())
-        reader.close()
     texts = config.text_recipe()
-    jobs = jobs_for(scan, config.latent_recipe(), texts)
-    captions = {job.text_key: job.caption for job in jobs}
+    jobs = job_columns(*scan, config.latent_recipe(), texts)
+    del scan  # the table's other columns: the jobs keep the two they need
     # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
-    for caption in (EMPTY_CAPTION, *manifest.validation_prompts):
-        captions[text_key(caption, texts)] = caption
-    todo_jobs = [job for job in jobs if job.key not in done_latents]
-    todo_captions = {k: c for k, c in captions.items() if k not in done_texts}
-    lat = latent_batches(todo_jobs, opts.batch_size)
+    extra = [EMPTY_CAPTION, *manifest.validation_prompts]
+    captions = distinct_captions(jobs, extra, texts)
+    done_latents, done_texts = cached_keys(opts.cache, manifest)
+    todo_rows = np.flatnonzero(~np.isin(jobs.key, done_latents)) if len(done_latents) else np.arange(len(jobs))
+    todo = jobs.take(todo_rows) if len(todo_rows) < len(jobs) else jobs
+    todo_captions = captions.take(np.flatnonzero(~np.isin(captions.key, done_texts))) if len(done_texts) else captions
+    lat_order, lat_bounds = latent_batches(todo, opts.batch_size)
     tokens = token_counts(encoders.text, todo_captions)
-    txt = text_batches(todo_captions, opts.text_batch_size, tokens)
-    lat_owner = assign([sum(j.pixels for j in b) for b in lat], world.size)
-    txt_owner = assign(text_costs(txt, tokens), world.size)
+    txt_order, txt_bounds = text_batches(todo_captions.key, tokens, opts.text_batch_size)
+    lat_owner = assign(batch_sums(todo.pixels[lat_order], lat_bounds), world.size)
+    txt_owner = assign(text_costs(tokens[txt_order], txt_bounds), world.size)
     log.info(
         "%d images (%d cached), %d distinct captions (%d cached): %d + %d batches on %d rank(s)",
-        len(jobs), len(jobs) - len(todo_jobs), len(captions), len(captions) - len(todo_captions),
-        len(lat), len(txt), world.size,
+        len(jobs), len(jobs) - len(todo), len(captions), len(captions) - len(todo_captions),
+        len(lat_bounds) - 1, len(txt_bounds) - 1, world.size,
     )  # fmt: skip
     plan = _Plan(
         run_id=uuid.uuid4().hex[:8],
-        root=scan.root,
+        root=jobs.root,
         header=manifest.header(),
         images=len(jobs),
         captions=len(captions),
-        reused_images=len(jobs) - len(todo_jobs),
+        reused_images=len(jobs) - len(todo),
         reused_captions=len(captions) - len(todo_captions),
+        rows=len(jobs),
+        extra_captions=extra,
     )
-    shares = [([lat[i] for i in lats], [txt[i] for i in txts]) for lats, txts in zip(lat_owner, txt_owner, strict=True)]
+    shares: list[RowShare] = []
+    for lats, txts in zip(lat_owner, txt_owner, strict=True):
+        rows, bounds = owned(lat_order, lat_bounds, lats)
+        text_rows, text_bounds = owned(txt_order, txt_bounds, txts)
+        shares.append((todo_rows[rows], bounds, todo_captions.source[text_rows], text_bounds))
     return plan, shares
 
 
@@ -261,13 +278,15 @@ def _load(opts: CacheOptions, world: World) -> tuple[Encoders, CacheConfig]:
     return encoders, CacheConfig(encoders.family.value, encoders.config(), opts.settings, buckets, encoders.norm)
 
 
-def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, plan: _Plan, share: _Share) -> _Done:
+def _encode_share(
+    opts: CacheOptions, world: World, encoders: Encoders, config: CacheConfig, plan: _Plan, share: RowShare
+) -> _Done:
     """This rank's batches into its own shards, each recorded in its part file once finished."""
-    latent, text = share
+    latent, text = rank_share(opts.scan_dir, config, plan.rows, plan.extra_captions, share)
     writer_name = f"{plan.run_id}-r{world.rank:05d}"
     recorder = PartRecorder(opts.cache, writer_name)
     counters = Counters()
-    total = sum(len(b) for b in latent) + sum(len(b) for b in text)
+    total = len(latent) + len(text)
     work_dir = local_work_dir(opts.cache, world.rank)
     writer = ShardWriter(opts.cache, work_dir, writer_name, opts.shard_size, recorder, plan.header)
     device = _device(opts.device, world)
@@ -275,7 +294,7 @@ def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, plan: _P
         if opts.two_pass:
             encoders.place(text=device, vae=torch.device("cpu"))
         with measured(device) as counters.text:
-            encode_texts(encoders, text, writer, opts.settings, counters, progress.update)
+            encode_texts(encoders, text.batches(), writer, opts.settings, counters, progress.update)
         log.info(
             "text pass: %d captions in %.1f s (%.1f captions/s), peak %.2f GiB (%s)",
             counters.captions, counters.text.seconds, counters.captions / max(counters.text.seconds, 1e-9),
@@ -283,7 +302,7 @@ def _encode_share(opts: CacheOptions, world: World, encoders: Encoders, plan: _P
         )  # fmt: skip
         if opts.two_pass:
             _vae_pass(encoders, device)
-        encode_latents(encoders, latent, writer, opts.settings, opts.threads, counters, progress.update)
+        encode_latents(encoders, latent.batches(), writer, opts.settings, opts.threads, counters, progress.update)
     writer.close()
     return recorder.finished, counters
 
@@ -361,13 +380,13 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
     file = opts.validation_prompts
     prompts = world.run_everywhere(lambda: read_prompts(file) if file else None)  # before any model loads
     with leased(cache_lease(opts.cache), world):
-        scans: list[ScanTable] = []  # rank 0's: read once, planned from after the model loads
+        scans: list[tuple[pa.Table, str]] = []  # rank 0's: read once, planned from after the model loads
         world.root_call(lambda: scans.append(_check_inputs(opts)))
         encoders, config = world.run_everywhere(lambda: _load(opts, world))
         return split_work(
             world,
-            lambda: _plan(opts, scans[0], config, encoders, prompts, world),
-            lambda plan, share: _encode_share(opts, world, encoders, plan, share),
+            lambda: _plan(opts, scans.pop(), config, encoders, prompts, world),  # not kept while encoding
+            lambda plan, share: _encode_share(opts, world, encoders, config, plan, share),
             lambda plan, done: _finish(opts, world, config, plan, done, started),
             # a disk failure as its StkError naming the rank; nothing unfinished is listed
             lambda exc: _rank_failure(exc, opts.cache, world),

@@ -16,7 +16,7 @@ from stk.log import get_logger
 from stk.metadata import read_parquet
 from stk.scan.outputs import BUCKETS, METADATA, SUMMARY
 
-__all__ = ["ScanTable", "damaged", "read_buckets", "read_scan"]
+__all__ = ["ScanTable", "damaged", "read_buckets", "read_scan", "read_scan_columns"]
 
 log = get_logger("scan")
 
@@ -40,14 +40,21 @@ class ScanTable:
 
 
 def read_scan(scan_dir: str) -> ScanTable:
-    """The scan table and the root its paths are relative to. A directory that is no scan is a wrong
-    input (exit 3); a scan file that cannot be read is damage (exit 6), named with its rebuild."""
+    """The scan table and the root its paths are relative to, as rows."""
+    table, root = read_scan_columns(scan_dir)
+    return ScanTable(table.to_pylist(), root)
+
+
+def read_scan_columns(scan_dir: str, columns: list[str] | None = None) -> tuple[pa.Table, str]:
+    """The scan table (`columns` of it, or all) as Arrow columns, and the root its paths are relative to. A directory
+    that is no scan is a wrong input (exit 3); a scan file that cannot be read is damage (exit 6), named with its
+    rebuild."""
     table_path = storage.join(scan_dir, METADATA)
     summary = _read_summary(scan_dir)
     if not storage.exists(table_path):
         raise InputError(f"{scan_dir}: no {METADATA} (not an stk-scan output directory; run stk-scan first)")
     try:
-        rows = read_parquet(table_path).to_pylist()
+        table = read_parquet(table_path, columns)
     except pa.ArrowException as exc:  # pyarrow's I/O errors are ArrowException too; a permission error is not
         raise damaged(table_path, f"not a readable parquet file: {exc}", scan_dir, summary) from None
     root = str(summary.get("root", ""))
@@ -56,10 +63,10 @@ def read_scan(scan_dir: str) -> ScanTable:
             "%s records the relative root %r (an older stk-scan): read from the current directory; "
             "rerun stk-scan (it reuses unchanged rows) to record it absolutely", storage.join(scan_dir, SUMMARY), root,
         )  # fmt: skip
-    missing = _REQUIRED - set(rows[0] if rows else {})
-    if rows and missing:
+    missing = (_REQUIRED & set(columns or _REQUIRED)) - set(table.column_names)
+    if table.num_rows and missing:
         raise InputError(f"{table_path}: not an stk scan table (missing {sorted(missing)})")
-    return ScanTable(rows, root)
+    return table, root
 
 
 def damaged(location: str, why: str, scan_dir: str, summary: dict[str, Any] | None = None) -> CacheIncomplete:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["digest", "latent_key", "text_key"]
+__all__ = ["digest", "latent_key", "latent_keys", "text_key"]
 
 KEY_CHARS = 40
 
@@ -26,6 +27,14 @@ def digest(value: Any) -> str:
 def latent_key(row: dict[str, Any], recipe: dict[str, Any]) -> str:
     identity = [row["path"], row["bytes"], row["mtime"], row["bucket_width"], row["bucket_height"]]
     return digest([identity, recipe])[:KEY_CHARS]
+
+
+def latent_keys(identities: Iterable[tuple[Any, ...]], recipe: dict[str, Any]) -> list[str]:
+    """`latent_key` of many rows at once, each given as (path, bytes, mtime, bucket_width, bucket_height): the recipe
+    is encoded once, which is most of the time a key takes."""
+    encode = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str).encode
+    tail = "," + encode(recipe) + "]"
+    return [hashlib.sha256(("[" + encode(list(i)) + tail).encode()).hexdigest()[:KEY_CHARS] for i in identities]
 
 
 def text_key(caption: str, recipe: dict[str, Any]) -> str:

@@ -74,6 +74,7 @@ __all__ = [
     "file_sha256",
     "latent_group",
     "open_h5",
+    "shard_key_arrays",
     "shard_keys",
     "shard_location",
 ]
@@ -151,14 +152,22 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def shard_keys(file: h5py.File) -> tuple[dict[str, list[str]], list[str]]:
-    """An open shard's keys: latent keys by group path ('latents/4x64x64'), and text keys. Reads
-    only the `key` datasets; refuses a file that is not a shard this stk can read."""
+def shard_key_arrays(file: h5py.File) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """An open shard's keys as stored (bytes arrays): latent keys by group path ('latents/4x64x64'), and text
+    keys. Reads only the `key` datasets; refuses a file that is not a shard this stk can read."""
     if file.attrs.get("format") != FORMAT or int(file.attrs.get("version", 0)) > VERSION:
         raise ValueError(f"not a version {VERSION} {FORMAT} file")
     latents = {}
     if LATENTS in file:
         for name, group in file[LATENTS].items():
-            latents[f"{LATENTS}/{name}"] = [k.decode() for k in group["key"][()].tolist()]
-    texts = [k.decode() for k in file[TEXT]["key"][()].tolist()] if TEXT in file else []
+            latents[f"{LATENTS}/{name}"] = group["key"][()]
+    texts = file[TEXT]["key"][()] if TEXT in file else np.zeros(0, f"S{KEY_BYTES}")
     return latents, texts
+
+
+def shard_keys(file: h5py.File) -> tuple[dict[str, list[str]], list[str]]:
+    """shard_key_arrays as strings."""
+    latents, texts = shard_key_arrays(file)
+    return {path: [k.decode() for k in keys.tolist()] for path, keys in latents.items()}, [
+        k.decode() for k in texts.tolist()
+    ]

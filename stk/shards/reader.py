@@ -1,9 +1,9 @@
 """Random access to a cache by key, for any number of reader ranks and threads.
 
 On open, the reader reads every listed shard's `key` datasets (nothing else) and maps each key
-to its shard, group and row; a key written twice is served from the first shard in manifest
-order. A record's other metadata is read whole per group on first use, and kept. Payloads are read
-chunk by chunk (read_direct_chunk for latents, a byte range for text) under a lock, and
+to its shard, group and row, as sorted columns (keyindex.py); a key written twice is served from the
+first shard in manifest order. A record's other metadata is read whole per group on first use, and
+kept. Payloads are read chunk by chunk (read_direct_chunk for latents, a byte range for text) under a lock, and
 decompressed outside it, so reader threads decompress in parallel.
 
 Local caches are read in place. For an s3:// cache the keys are read with ranged GETs, and a
@@ -38,7 +38,8 @@ import numpy as np
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
 from stk.shards.integrity import MISSING, damaged, problem
-from stk.shards.layout import TEXT, decompress, open_h5, shard_keys, shard_location
+from stk.shards.keyindex import KeyIndex
+from stk.shards.layout import TEXT, decompress, open_h5, shard_key_arrays, shard_location
 from stk.shards.localcopies import TRIES, LocalCopies
 from stk.shards.manifest import Manifest
 from stk.shards.records import LatentRecord, TextRecord
@@ -139,11 +140,13 @@ class CacheReader:
         self._pid = os.getpid()
         self._open: OrderedDict[int, _Open] = OrderedDict()
         self._groups: list[_Group] = []
-        self._latents: dict[str, tuple[int, int]] = {}  # key -> (group, row)
-        self._texts: dict[str, tuple[int, int]] = {}
+        self._latents = KeyIndex()  # key -> (group, row)
+        self._texts = KeyIndex()
         try:
             for shard in range(len(manifest.shards)):
                 self._index(shard)
+            self._latents.freeze()
+            self._texts.freeze()
         except BaseException:
             self.close()
             raise
@@ -151,10 +154,7 @@ class CacheReader:
     # ---------------------------------------------------------------- public
 
     def latent(self, key: str) -> LatentRecord:
-        try:
-            group_id, row = self._latents[key]
-        except KeyError:
-            raise KeyError(f"latent {key} is not in the cache {self.cache}") from None
+        group_id, row = self._latent_at(key)
         group = self._groups[group_id]
         self._fetch(group.shard)
         with self._locked():
@@ -177,10 +177,10 @@ class CacheReader:
         )
 
     def text(self, key: str) -> TextRecord:
-        try:
-            group_id, row = self._texts[key]
-        except KeyError:
-            raise KeyError(f"text embedding {key} is not in the cache {self.cache}") from None
+        found = self._texts.find(key)
+        if found is None:
+            raise KeyError(f"text embedding {key} is not in the cache {self.cache}")
+        group_id, row = found
         group = self._groups[group_id]
         self._fetch(group.shard)
         with self._locked():
@@ -200,10 +200,7 @@ class CacheReader:
 
     def text_key(self, key: str) -> str:
         """The key of a latent's caption embedding, from its shard's metadata (the latent is not read)."""
-        try:
-            group_id, row = self._latents[key]
-        except KeyError:
-            raise KeyError(f"latent {key} is not in the cache {self.cache}") from None
+        group_id, row = self._latent_at(key)
         group = self._groups[group_id]
         if group.latent_meta is None:
             self._fetch(group.shard)
@@ -221,7 +218,7 @@ class CacheReader:
             return
         shards: dict[int, None] = {}  # an ordered set
         for key in keys:
-            found = self._latents.get(key) or self._texts.get(key)
+            found = self._latents.find(key) or self._texts.find(key)
             if found is None:
                 raise KeyError(f"{key} is neither a latent nor a text embedding in the cache {self.cache}")
             shards.setdefault(self._groups[found[0]].shard, None)
@@ -229,18 +226,37 @@ class CacheReader:
             self._fetch(shard)
 
     def latent_keys(self) -> list[str]:
-        return sorted(self._latents)
+        return self._latents.strings()
 
     def text_keys(self) -> list[str]:
-        return sorted(self._texts)
+        return self._texts.strings()
+
+    def latent_key_array(self) -> np.ndarray:
+        """The latent keys, sorted, as a read-only bytes array (what stays compact at 100M samples)."""
+        return self._latents.keys
+
+    def text_key_array(self) -> np.ndarray:
+        """The text keys, as latent_key_array."""
+        return self._texts.keys
+
+    def bucket_rows(self) -> dict[tuple[int, int], np.ndarray]:
+        """Latent (h, w) -> where its keys are in latent_key_array (ascending: sorted keys), shapes sorted."""
+        shapes = sorted({(g.shape[1], g.shape[2]) for g in self._groups if g.path != TEXT})
+        shape_of_group = np.array(
+            [shapes.index((g.shape[1], g.shape[2])) if g.path != TEXT else -1 for g in self._groups]
+        )
+        shape_of_key = shape_of_group[self._latents.group] if len(self._latents) else np.zeros(0, np.int64)
+        order = np.argsort(shape_of_key, kind="stable")
+        bounds = np.searchsorted(shape_of_key[order], np.arange(len(shapes) + 1))
+        return {hw: order[bounds[i] : bounds[i + 1]] for i, hw in enumerate(shapes) if bounds[i + 1] > bounds[i]}
+
+    def bucket_keys(self) -> dict[tuple[int, int], np.ndarray]:
+        """Latent (h, w) -> its keys as a bytes array, both sorted: the same on every rank."""
+        return {hw: self._latents.keys[rows] for hw, rows in self.bucket_rows().items()}
 
     def buckets(self) -> dict[tuple[int, int], list[str]]:
-        """Latent (h, w) -> its keys, both sorted: the same on every rank."""
-        out: dict[tuple[int, int], list[str]] = {}
-        for key, (group_id, _) in self._latents.items():
-            shape = self._groups[group_id].shape
-            out.setdefault((shape[1], shape[2]), []).append(key)
-        return {hw: sorted(out[hw]) for hw in sorted(out)}
+        """bucket_keys as strings."""
+        return {hw: [k.decode() for k in keys.tolist()] for hw, keys in self.bucket_keys().items()}
 
     def close(self) -> None:
         with self._locked():
@@ -267,10 +283,10 @@ class CacheReader:
             raise damaged(location, why)
         try:
             if local is not None:
-                latents, texts = shard_keys(self._opened(shard).file)
+                latents, texts = shard_key_arrays(self._opened(shard).file)
             else:  # S3, not fetched yet: the keys alone, by ranged GETs
                 with storage.open_read(location, int(entry["bytes"])) as raw, open_h5(raw, "r") as file:
-                    latents, texts = shard_keys(file)
+                    latents, texts = shard_key_arrays(file)
         except FileNotFoundError:
             raise damaged(location, MISSING) from None
         except (OSError, ValueError, KeyError) as exc:
@@ -278,13 +294,17 @@ class CacheReader:
         for path, keys in latents.items():
             group_id = len(self._groups)
             self._groups.append(_Group(shard, path, tuple(int(n) for n in path.rsplit("/", 1)[1].split("x"))))
-            for row, key in enumerate(keys):
-                self._latents.setdefault(key, (group_id, row))
-        if texts:
+            self._latents.add(keys, group_id)
+        if len(texts):
             group_id = len(self._groups)
             self._groups.append(_Group(shard, TEXT))
-            for row, key in enumerate(texts):
-                self._texts.setdefault(key, (group_id, row))
+            self._texts.add(texts, group_id)
+
+    def _latent_at(self, key: str) -> tuple[int, int]:
+        found = self._latents.find(key)
+        if found is None:
+            raise KeyError(f"latent {key} is not in the cache {self.cache}")
+        return found
 
     # ---------------------------------------------------------------- files
 

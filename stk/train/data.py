@@ -1,7 +1,7 @@
 """The data side of stk-train: micro-batches from a cache (CacheData) or straight from the images
 (ImageData, for --vae-on-the-fly), loaded ahead of the training step by BatchLoader.
 
-A source groups its keys by latent shape (`buckets()`, what BucketSampler draws from) and turns
+A source groups its keys by latent shape (`bucket_keys()`, bytes arrays, what BucketSampler draws from) and turns
 one rank's keys for one micro-step into a Batch (`load(keys)`). BatchLoader calls `load` on a few
 threads, `prefetch` micro-batches ahead and in order, and asks the source to warm the batches
 further ahead (`prefetch(keys)`: for an s3:// cache, whole shards downloaded to node-local disk),
@@ -30,6 +30,7 @@ from stk.shards.config import CacheConfig
 from stk.shards.jobs import ImageJob, jobs_for
 from stk.shards.keys import text_key
 from stk.train.batch import Batch, collate_text, stack_float32
+from stk.train.sampler import key_array
 
 __all__ = ["BatchLoader", "CacheData", "ImageData", "TrainData"]
 
@@ -40,6 +41,9 @@ BucketShape = tuple[int, int]
 class TrainData(Protocol):
     def buckets(self) -> dict[BucketShape, list[str]]:
         """Latent (h, w) -> its keys, sorted: the same on every rank."""
+
+    def bucket_keys(self) -> dict[BucketShape, np.ndarray]:
+        """buckets() as bytes arrays (UTF-8): what stays compact at 100M samples."""
 
     def load(self, keys: list[str]) -> Batch:
         """One micro-batch (keys of one bucket), in the order given; thread-safe."""
@@ -83,13 +87,16 @@ class CacheData:
         try:
             self.manifest: Manifest = self.reader.manifest
             self.config: CacheConfig = self.manifest.cache_config(cache)
-            self._buckets = self.reader.buckets()
+            self._buckets = self.reader.bucket_keys()
         except BaseException:
             self.reader.close()
             raise
 
     def buckets(self) -> dict[BucketShape, list[str]]:
-        return {hw: list(keys) for hw, keys in self._buckets.items()}
+        return {hw: [key.decode() for key in keys.tolist()] for hw, keys in self._buckets.items()}
+
+    def bucket_keys(self) -> dict[BucketShape, np.ndarray]:
+        return dict(self._buckets)
 
     def load(self, keys: list[str]) -> Batch:
         records = [self.reader.latent(key) for key in keys]
@@ -173,6 +180,9 @@ class ImageData:
         for job in self._jobs.values():
             out.setdefault((job.bucket_height // f, job.bucket_width // f), []).append(job.path)
         return {hw: sorted(out[hw]) for hw in sorted(out)}
+
+    def bucket_keys(self) -> dict[BucketShape, np.ndarray]:
+        return {hw: key_array(paths) for hw, paths in self.buckets().items()}
 
     def load(self, keys: list[str]) -> Batch:
         unknown = [key for key in keys if key not in self._jobs]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from stk.buckets import effective_batch_size
 from stk.errors import InputError
 from stk.models import Family, detect_family
@@ -12,7 +14,7 @@ from stk.models.alignment import check_aligned
 from stk.models.families import spec_for
 from stk.models.latents import LatentNorm
 from stk.models.model_json import vae_scale_factor
-from stk.shards.jobs import expected_jobs
+from stk.shards.jobs import expected_columns
 from stk.train.data import CacheData, ImageData, TrainData
 from stk.train.options import TrainOptions
 from stk.train.preflight import check_buckets, check_coverage, scan_repeats
@@ -28,7 +30,7 @@ BucketShape = tuple[int, int]
 class TrainPlan:
     family: Family
     data: TrainData
-    buckets: dict[BucketShape, list[str]]  # latent (h, w) -> keys
+    buckets: dict[BucketShape, np.ndarray]  # latent (h, w) -> keys (bytes, sorted)
     repeats: dict[BucketShape, int]
     norm: LatentNorm | None  # None with --vae-on-the-fly: the VAE's own, once it loads (Encoders.norm)
     vae_scale_factor: int
@@ -43,9 +45,9 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
     else:
         data, buckets, norm = _from_cache(opts, family)
     try:
-        if not any(buckets.values()):
+        if not any(len(keys) for keys in buckets.values()):
             raise InputError("nothing to train on: the cache (or scan) holds no samples")
-        sizes = ((w * factor, h * factor) for (h, w), keys in buckets.items() if keys)
+        sizes = ((w * factor, h * factor) for (h, w), keys in buckets.items() if len(keys))
         check_aligned(sizes, spec_for(family).alignment(factor), family, "bucket", _RESCAN.format(family=family.value))
         ids, repeats = _repeats(opts, buckets, factor)
         effective = effective_batch_size(opts.batch_size, world_size, opts.grad_accum)
@@ -66,14 +68,14 @@ def check_text_encoders_in_train(family: Family, why: str) -> None:
         )
 
 
-def _from_images(opts: TrainOptions, factor: int) -> tuple[TrainData, dict[BucketShape, list[str]], None]:
+def _from_images(opts: TrainOptions, factor: int) -> tuple[TrainData, dict[BucketShape, np.ndarray], None]:
     if not opts.scan:
         raise InputError("--vae-on-the-fly trains from the scan table and its images: give --scan")
     data = ImageData(opts.scan, factor, seed=opts.seed)
-    return data, data.buckets(), None
+    return data, data.bucket_keys(), None
 
 
-def _from_cache(opts: TrainOptions, family: Family) -> tuple[TrainData, dict[BucketShape, list[str]], LatentNorm]:
+def _from_cache(opts: TrainOptions, family: Family) -> tuple[TrainData, dict[BucketShape, np.ndarray], LatentNorm]:
     if not opts.cache:
         raise InputError("give --cache (made by stk-cache), or --vae-on-the-fly with --scan")
     data = CacheData(
@@ -88,7 +90,7 @@ def _from_cache(opts: TrainOptions, family: Family) -> tuple[TrainData, dict[Buc
                 f"{opts.cache} was made for a {data.config.family} model, but {opts.model} is {family.value}: "
                 "cache with the model you train"
             )
-        buckets = data.buckets()
+        buckets = data.bucket_keys()
         if opts.scan:
             buckets = _covered(opts.cache, opts.scan, data, buckets)
     except BaseException:
@@ -98,21 +100,20 @@ def _from_cache(opts: TrainOptions, family: Family) -> tuple[TrainData, dict[Buc
 
 
 def _covered(
-    cache: str, scan: str, data: CacheData, buckets: dict[BucketShape, list[str]]
-) -> dict[BucketShape, list[str]]:
+    cache: str, scan: str, data: CacheData, buckets: dict[BucketShape, np.ndarray]
+) -> dict[BucketShape, np.ndarray]:
     """The scan's rows only (a cache may hold more), after checking the cache has all of them."""
-    jobs, _ = expected_jobs(cache, data.config, scan)
-    cached = {key for keys in buckets.values() for key in keys}
-    texts = set(data.reader.text_keys())
-    missing = [job.path for job in jobs if job.key not in cached]
-    missing_texts = len({job.text_key for job in jobs} - texts)
+    jobs, _ = expected_columns(cache, data.config, scan)
+    cached = np.concatenate(list(buckets.values())) if buckets else np.zeros(0, "S1")
+    missing = jobs.path.take(np.flatnonzero(~np.isin(jobs.key, cached))).to_pylist()
+    missing_texts = len(np.setdiff1d(jobs.text_key, data.reader.text_key_array()))
     check_coverage(missing, missing_texts, cache, scan)
-    wanted = {job.key for job in jobs}
-    return {hw: [k for k in keys if k in wanted] for hw, keys in buckets.items() if any(k in wanted for k in keys)}
+    wanted = {hw: np.isin(keys, jobs.key) for hw, keys in buckets.items()}
+    return {hw: keys[wanted[hw]] for hw, keys in buckets.items() if wanted[hw].any()}
 
 
 def _repeats(
-    opts: TrainOptions, buckets: dict[BucketShape, list[str]], factor: int
+    opts: TrainOptions, buckets: dict[BucketShape, np.ndarray], factor: int
 ) -> tuple[dict[BucketShape, int] | None, dict[BucketShape, int]]:
     """Bucket ids (the scan's, for messages) and repeats: --repeats for all, else the scan's, else 1."""
     from_scan = scan_repeats(opts.scan, factor) if opts.scan else {}

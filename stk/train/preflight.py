@@ -19,6 +19,7 @@ from stk.buckets import BatchCheck, Bucket, ShortBucket
 from stk.errors import BatchCheckFailed, CacheIncomplete, InputError, PreflightFailed
 from stk.scan.outputs import BUCKETS
 from stk.scan.reader import read_buckets
+from stk.train.sampler import BucketKeys
 from stk.world import World
 
 __all__ = ["check_buckets", "check_coverage", "check_gpu_layout", "check_shared_output", "scan_repeats"]
@@ -111,7 +112,7 @@ def scan_repeats(scan_dir: str, vae_scale_factor: int) -> dict[BucketShape, tupl
 
 
 def check_buckets(
-    buckets: Mapping[BucketShape, list[str]],
+    buckets: Mapping[BucketShape, BucketKeys],
     repeats: Mapping[BucketShape, int],
     effective: int,
     vae_scale_factor: int,
@@ -130,7 +131,7 @@ def check_buckets(
             math.ceil(effective / len(keys)),
         )
         for hw, keys in sorted(buckets.items())
-        if keys and len(keys) * repeats[hw] < effective
+        if len(keys) and len(keys) * repeats[hw] < effective
     ]
     if short and not oversubscribe:
         raise BatchCheckFailed(BatchCheck(effective, min(repeats.values()), short).message())

@@ -20,6 +20,10 @@ optimizer step by cycling the bucket's shuffled samples, so every bucket is seen
 
 A repeated key may land twice in one batch; that is what repeats mean for a tiny bucket.
 
+Keys are held as bytes arrays and an epoch as int64 positions (8 bytes a sample of this rank's share), so 100M
+samples are arrays, not Python strings; a micro-step's keys become strings when it is yielded. The shuffles are
+Python's `random.shuffle` of positions, the same permutations a shuffle of the keys themselves draws.
+
 The sequence of optimizer steps depends on the effective batch only, not on how it is split into ranks, batch
 size and accumulation, so a position saved as samples trained resumes on any number of ranks that keeps the
 effective batch: M ranks continue at the same sample as the N that saved it.
@@ -33,9 +37,13 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["BucketSampler"]
+import numpy as np
+
+__all__ = ["BucketKeys", "BucketSampler", "key_array"]
 
 BucketShape = tuple[int, int]
+BucketKeys = Sequence[str] | np.ndarray  # a bucket's keys: strings, or UTF-8 bytes (a numpy "S" array)
+_HASH_CHUNK = 65_536  # keys joined at a time for the fingerprint
 
 
 class BucketSampler:
@@ -47,7 +55,7 @@ class BucketSampler:
 
     def __init__(
         self,
-        buckets: Mapping[BucketShape, Sequence[str]],
+        buckets: Mapping[BucketShape, BucketKeys],
         repeats: Mapping[BucketShape, int] | int,
         batch_size: int,
         world_size: int,
@@ -60,7 +68,8 @@ class BucketSampler:
             raise ValueError("batch size, world size and gradient accumulation must be at least 1")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
-        self._keys = {hw: list(buckets[hw]) for hw in sorted(buckets) if buckets[hw]}
+        self._keys = {hw: key_array(buckets[hw]) for hw in sorted(buckets) if len(buckets[hw])}
+        self._offsets = np.cumsum([0] + [len(keys) for keys in self._keys.values()])  # positions of each bucket
         self._repeats = {hw: _repeats_for(repeats, hw) for hw in self._keys}
         self.batch_size, self.world_size, self.rank = batch_size, world_size, rank
         self.grad_accum, self.seed, self.drop_last = grad_accum, seed, drop_last
@@ -74,7 +83,7 @@ class BucketSampler:
         self.steps_per_epoch = sum(self._steps.values())
         self.fingerprint = self._fingerprint()
         self.epoch, self.step = 0, 0
-        self._plan: list[list[str]] | None = None
+        self._plan: np.ndarray | None = None  # (micro-steps, batch_size) positions
 
     def __len__(self) -> int:
         """Micro-steps per epoch (the same on every rank)."""
@@ -82,10 +91,13 @@ class BucketSampler:
 
     def __iter__(self) -> Iterator[list[str]]:
         plan = self._epoch_plan()
+        buckets = list(self._keys.values())
         while self.step < len(plan):
-            batch = plan[self.step]
+            positions = plan[self.step]
+            bucket = int(np.searchsorted(self._offsets, positions[0], side="right")) - 1
+            keys = buckets[bucket][positions - self._offsets[bucket]]
             self.step += 1
-            yield batch
+            yield [key.decode("utf-8", "surrogateescape") for key in keys.tolist()]
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its first micro-step; the current epoch keeps its position, so the usual
@@ -128,29 +140,39 @@ class BucketSampler:
         digest.update(json.dumps(settings).encode())
         for hw, keys in self._keys.items():
             digest.update(json.dumps([hw, len(keys), self._repeats[hw]]).encode())
-            digest.update("\0".join(keys).encode())
+            for start in range(0, len(keys), _HASH_CHUNK):  # the bytes of "\0".join(keys), a chunk at a time
+                digest.update((b"\0" if start else b"") + b"\0".join(keys[start : start + _HASH_CHUNK].tolist()))
         return digest.hexdigest()[:16]
 
-    def _epoch_plan(self) -> list[list[str]]:
-        """This rank's micro-steps for the current epoch, computed once per epoch."""
+    def _epoch_plan(self) -> np.ndarray:
+        """This rank's micro-steps for the current epoch (positions of keys), computed once per epoch."""
         if self._plan is not None:
             return self._plan
-        steps: list[list[str]] = []  # optimizer steps, effective_batch samples each
-        for hw, keys in self._keys.items():
-            samples = keys * self._repeats[hw]
-            random.Random(f"stk-bucket:{self.seed}:{self.epoch}:{hw[0]}x{hw[1]}").shuffle(samples)
-            need = self._steps[hw] * self.effective_batch
-            while len(samples) < need:  # only without drop_last: fill the tail by cycling
-                samples += samples[: need - len(samples)]
-            steps.extend(samples[i : i + self.effective_batch] for i in range(0, need, self.effective_batch))
-        random.Random(f"stk-steps:{self.seed}:{self.epoch}").shuffle(steps)
-        lo = self.rank * self.batch_size
-        self._plan = [
-            step[g + lo : g + lo + self.batch_size]
-            for step in steps
-            for g in range(0, self.effective_batch, self.global_batch)
-        ]
+        lo = self.rank * self.batch_size  # this rank's samples of each global batch of an optimizer step
+        mine = (
+            np.arange(0, self.effective_batch, self.global_batch)[:, None] + lo + np.arange(self.batch_size)
+        ).ravel()
+        steps = []  # optimizer steps of each bucket: this rank's samples of each
+        for bucket, (hw, keys) in enumerate(self._keys.items()):
+            order = list(range(len(keys) * self._repeats[hw]))  # the bucket's keys, repeated
+            random.Random(f"stk-bucket:{self.seed}:{self.epoch}:{hw[0]}x{hw[1]}").shuffle(order)
+            samples = np.array(order, np.int64) % len(keys) + self._offsets[bucket]
+            del order
+            # drop_last: whole steps only; else the tail is filled by cycling the shuffled samples
+            samples = np.resize(samples, self._steps[hw] * self.effective_batch)
+            steps.append(samples.reshape(-1, self.effective_batch)[:, mine])
+        every = np.concatenate(steps) if steps else np.zeros((0, len(mine)), np.int64)
+        order = list(range(len(every)))
+        random.Random(f"stk-steps:{self.seed}:{self.epoch}").shuffle(order)
+        self._plan = every[order].reshape(-1, self.batch_size)
         return self._plan
+
+
+def key_array(keys: BucketKeys) -> np.ndarray:
+    """A bucket's keys as a bytes array (UTF-8; kept as given when it is one already)."""
+    if isinstance(keys, np.ndarray) and keys.dtype.kind == "S":
+        return keys
+    return np.array([str(key).encode("utf-8", "surrogateescape") for key in keys], dtype=bytes)
 
 
 def _repeats_for(repeats: Mapping[BucketShape, int] | int, hw: BucketShape) -> int:

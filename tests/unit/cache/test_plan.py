@@ -5,10 +5,33 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from stk.cache.plan import assign, latent_batches, text_batches, text_costs, token_counts
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from stk.cache.plan import (
+    Captions,
+    Share,
+    assign,
+    batch_bounds,
+    batch_sums,
+    captions_at,
+    distinct_captions,
+    latent_batches,
+    owned,
+    rank_share,
+    text_batches,
+    text_costs,
+    token_counts,
+)
+from stk.errors import InputError
+from stk.metadata import write_parquet
 from stk.models import Family, build_tiny_model, load_encoders
+from stk.models.latents import LatentNorm
+from stk.scan.outputs import METADATA
 from stk.scan.reader import ScanTable
-from stk.shards.jobs import ImageJob, jobs_for
+from stk.shards.config import CacheConfig, EncodeSettings
+from stk.shards.jobs import ImageJob, ImageJobs, job_columns, jobs_for
 from stk.shards.keys import latent_key, text_key
 
 ROW = {"path": "a/b.jpg", "bytes": 1000, "mtime": 1.5, "bucket_width": 64, "bucket_height": 48, "caption": "a cat"}
@@ -32,12 +55,19 @@ def test_one_text_key_per_caption_and_encoder() -> None:
     assert text_key("a cat", RECIPE) != text_key("a cat", {"model": "other"})
 
 
-def _jobs(n: int) -> list[ImageJob]:
-    rows = [
+def _rows(n: int) -> list[dict[str, object]]:
+    return [
         {**ROW, "path": f"img{i:03d}.jpg", "bucket_width": 64 if i % 3 else 48, "caption": f"c{i % 4}"}
         for i in range(n)
     ]
-    return jobs_for(ScanTable(rows, "/data"), RECIPE, RECIPE)
+
+
+def _jobs(n: int) -> list[ImageJob]:
+    return jobs_for(ScanTable(_rows(n), "/data"), RECIPE, RECIPE)
+
+
+def _columns(rows: list[dict[str, object]]) -> ImageJobs:
+    return job_columns(pa.Table.from_pylist(rows), "/data", RECIPE, RECIPE)
 
 
 def test_jobs_locate_images_under_the_scan_root_and_share_caption_keys() -> None:
@@ -45,45 +75,86 @@ def test_jobs_locate_images_under_the_scan_root_and_share_caption_keys() -> None
     assert jobs[0].location == "/data/img000.jpg"
     assert len({j.text_key for j in jobs}) == 4
     assert jobs_for(ScanTable([ROW], ""), RECIPE, RECIPE)[0].location == "a/b.jpg"
+    for job, row in zip(jobs, _rows(12), strict=True):  # the columns key every row as latent_key does
+        assert (job.key, job.text_key) == (latent_key(row, RECIPE), text_key(str(row["caption"]), RECIPE))
+    assert jobs_for(ScanTable([{**ROW, "caption": None}], ""), RECIPE, RECIPE)[0].caption == ""
+
+
+def _latent_share(jobs: ImageJobs, batch_size: int) -> list[list[ImageJob]]:
+    order, bounds = latent_batches(jobs, batch_size)
+    return list(Share(jobs.take(order), bounds).batches())
 
 
 def test_latent_batches_hold_one_bucket_and_do_not_depend_on_input_order() -> None:
-    jobs = _jobs(25)
-    batches = latent_batches(jobs, 4)
+    rows = _rows(25)
+    batches = _latent_share(_columns(rows), 4)
     assert sum(len(b) for b in batches) == 25
     assert all(len({(j.bucket_width, j.bucket_height) for j in b}) == 1 for b in batches)
     assert all(len(b) <= 4 for b in batches)
-    reordered = latent_batches(list(reversed(jobs)), 4)
+    assert [len(b) for b in batches] == [4, 4, 1, 4, 4, 4, 4]  # 9 images of 48x48, then 16 of 64x48
+    reordered = _latent_share(_columns(list(reversed(rows))), 4)
     assert [[j.key for j in b] for b in reordered] == [[j.key for j in b] for b in batches]
 
 
+def test_batch_bounds_cut_each_group_into_batches() -> None:
+    assert batch_bounds(np.array([1, 1, 1, 2, 2, 3]), 2).tolist() == [0, 2, 3, 5, 6]
+    assert batch_bounds(np.array([], np.int64), 2).tolist() == [0]
+    assert batch_sums(np.array([1, 2, 3, 4, 5, 6]), np.array([0, 2, 3, 5, 6])).tolist() == [3, 3, 9, 6]
+
+
+def _text_share(keys: list[str], tokens: list[int], batch_size: int) -> list[list[str]]:
+    key_array = np.array(keys, "S40")
+    order, bounds = text_batches(key_array, np.array(tokens, np.int32), batch_size)
+    captions = Captions(key_array, np.arange(len(keys)), pa.chunked_array([keys]), []).take(order)
+    return [[k for k, _ in batch] for batch in Share(captions, bounds).batches()]
+
+
 def test_text_batches_are_sorted_by_key() -> None:
-    batches = text_batches({"k3": "c", "k1": "a", "k2": "b"}, 2)
-    assert batches == [[("k1", "a"), ("k2", "b")], [("k3", "c")]]
+    assert _text_share(["k3", "k1", "k2"], [0, 0, 0], 2) == [["k1", "k2"], ["k3"]]
 
 
 def test_text_batches_group_captions_of_similar_token_counts_whatever_the_input_order() -> None:
-    captions = {f"k{i:02d}": "word " * n for i, n in enumerate([30, 2, 31, 3, 29, 1, 2, 30])}
-    tokens = {key: len(caption.split()) for key, caption in captions.items()}
-    batches = text_batches(captions, 4, tokens)
-    assert [[tokens[k] for k, _ in b] for b in batches] == [[1, 2, 2, 3], [29, 30, 30, 31]]
-    assert text_batches(dict(reversed(captions.items())), 4, tokens) == batches  # the rank count cannot change it
-    assert [len(b) for b in text_batches(captions, 3, tokens)] == [3, 3, 2]  # --text-batch-size: captions a batch
+    counts = [30, 2, 31, 3, 29, 1, 2, 30]
+    keys = [f"k{i:02d}" for i in range(len(counts))]
+    tokens = dict(zip(keys, counts, strict=True))
+    batches = _text_share(keys, counts, 4)
+    assert [[tokens[k] for k in b] for b in batches] == [[1, 2, 2, 3], [29, 30, 30, 31]]
+    assert _text_share(keys[::-1], counts[::-1], 4) == batches  # the rank count cannot change it
+    assert [len(b) for b in _text_share(keys, counts, 3)] == [3, 3, 2]  # --text-batch-size: captions a batch
     # ranks share batches by what a padded batch runs: its captions times its longest caption's tokens
-    assert text_costs(batches, tokens) == [4 * 3, 4 * 31]
-    assert text_costs([[("none", "")]], {}) == [1]
+    in_order = np.array([tokens[k] for b in batches for k in b], np.int32)
+    assert text_costs(in_order, np.array([0, 4, 8])).tolist() == [4 * 3, 4 * 31]
+    assert text_costs(np.array([0], np.int32), np.array([0, 1])).tolist() == [1]
+
+
+def test_distinct_captions_hold_the_extra_ones_once() -> None:
+    captions = distinct_captions(_columns(_rows(12)), ["", "c1", "a prompt"], RECIPE)
+    texts = captions.texts(0, len(captions))
+    assert sorted(texts) == ["", "a prompt", "c0", "c1", "c2", "c3"]
+    assert captions.key.tolist() == sorted(text_key(c, RECIPE).encode() for c in texts)
+    again = captions_at(captions.column, captions.extra, captions.source, RECIPE)  # what a rank rebuilds from sources
+    assert again.key.tolist() == captions.key.tolist() and again.texts(0, len(again)) == texts
 
 
 def test_token_counts_are_the_longest_over_the_family_tokenizers_capped_at_their_length(tmp_path: Path) -> None:
     encoders = load_encoders(build_tiny_model(Family.FLUX, str(tmp_path / "flux")), Family.FLUX, "cpu")  # CLIP + T5
     clip, t5 = encoders.text
-    captions = {"short": "a cat", "long": "a photo of " * 200, "empty": ""}
-    counts = token_counts(encoders.text, captions)
-    assert counts["long"] == max(clip.max_length, t5.max_length)  # truncated as the encoder reads it
-    for key, caption in captions.items():
+    captions = ["a cat", "a photo of " * 200, ""]
+    column = pa.chunked_array([["a cat", None], ["a photo of " * 200]])
+    short, long, empty = token_counts(
+        encoders.text, Captions(np.zeros(3, "S1"), np.array([0, 2, 1]), column, [])
+    ).tolist()
+    assert long == max(clip.max_length, t5.max_length)  # truncated as the encoder reads it
+    for count, caption in zip((short, long, empty), captions, strict=True):
         lengths = [len(e.tokenizer(caption, truncation=True, max_length=e.max_length)["input_ids"]) for e in (clip, t5)]
-        assert counts[key] == max(lengths), key
-    assert counts["empty"] < counts["short"] < counts["long"]
+        assert count == max(lengths), caption
+    assert empty < short < long
+
+
+def test_owned_takes_whole_batches_in_batch_order() -> None:
+    order = np.array([5, 4, 3, 2, 1, 0])
+    items, bounds = owned(order, np.array([0, 2, 3, 6]), [0, 2])
+    assert items.tolist() == [5, 4, 2, 1, 0] and bounds.tolist() == [0, 2, 5]
 
 
 def test_assign_balances_cost_and_covers_every_batch_once() -> None:
@@ -94,3 +165,17 @@ def test_assign_balances_cost_and_covers_every_batch_once() -> None:
     assert abs(loads[0] - loads[1]) <= 2
     assert assign(costs, 1) == [list(range(len(costs)))]
     assert assign([], 3) == [[], [], []]
+
+
+def test_a_rank_reads_its_rows_and_refuses_a_table_that_changed(tmp_path: Path) -> None:
+    rows = _rows(6)
+    write_parquet(pa.Table.from_pylist(rows), str(tmp_path / METADATA))
+    config = CacheConfig("sd", {"vae": "x", "text": "y"}, EncodeSettings(), {}, LatentNorm(0.18215))
+    share = (np.array([4, 1]), np.array([0, 2]), np.array([3, -1]), np.array([0, 2]))
+    latent, text = rank_share(str(tmp_path), config, 6, ["a prompt"], share)
+    jobs = next(latent.batches())
+    assert [j.path for j in jobs] == ["img004.jpg", "img001.jpg"]
+    assert [j.key for j in jobs] == [latent_key(rows[i], config.latent_recipe()) for i in (4, 1)]
+    assert next(text.batches()) == [(text_key(c, config.text_recipe()), c) for c in ("c3", "a prompt")]
+    with pytest.raises(InputError, match="changed while stk-cache read it"):
+        rank_share(str(tmp_path), config, 7, [], share)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import pytest
 
 from stk.train.sampler import BucketSampler
@@ -200,3 +202,36 @@ def test_invalid_settings() -> None:
         BucketSampler(BUCKETS, 1, 2, 2, 2)
     with pytest.raises(ValueError, match="at least 1"):
         BucketSampler(BUCKETS, 1, 0, 1, 0)
+
+
+def _list_plan(buckets: dict[tuple[int, int], list[str]], repeats: int, batch: int, world: int, rank: int,
+               accum: int, seed: int, epoch: int, drop_last: bool) -> list[list[str]]:  # fmt: skip
+    """The epoch as a shuffle of the key lists themselves: what the positions must reproduce."""
+    effective, steps = batch * world * accum, []
+    for hw in sorted(buckets):
+        samples = list(buckets[hw]) * repeats
+        random.Random(f"stk-bucket:{seed}:{epoch}:{hw[0]}x{hw[1]}").shuffle(samples)
+        need = (len(samples) // effective if drop_last else -(-len(samples) // effective)) * effective
+        while len(samples) < need:
+            samples += samples[: need - len(samples)]
+        steps += [samples[i : i + effective] for i in range(0, need, effective)]
+    random.Random(f"stk-steps:{seed}:{epoch}").shuffle(steps)
+    lo = rank * batch
+    return [step[g + lo : g + lo + batch] for step in steps for g in range(0, effective, batch * world)]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_positions_draw_the_sequence_a_shuffle_of_the_keys_draws_from_strings_or_bytes_arrays(drop_last: bool) -> None:
+    buckets = {**BUCKETS, (32, 32): ["ü-path/ä.jpg", "b.jpg", "c.jpg"]}  # --vae-on-the-fly keys are paths
+    as_bytes = {hw: np.array([k.encode() for k in keys]) for hw, keys in buckets.items()}
+    for source in (buckets, as_bytes):
+        sampler = BucketSampler(source, 2, 2, 2, 1, grad_accum=2, seed=9, drop_last=drop_last)
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            assert list(sampler) == _list_plan(buckets, 2, 2, 2, 1, 2, 9, epoch, drop_last)
+        assert sampler.fingerprint == BucketSampler(buckets, 2, 2, 2, 1, 2, 9, drop_last).fingerprint
+
+
+def test_the_fingerprint_is_the_one_checkpoints_already_hold() -> None:
+    # as computed before keys were arrays: a checkpoint written then resumes
+    assert BucketSampler(BUCKETS, 1, 2, 2, 1, grad_accum=2, seed=7).fingerprint == "4fccfe89ddd43250"
