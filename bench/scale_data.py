@@ -5,6 +5,7 @@ objects of a bucket on a local S3 server (SeaweedFS `weed mini`, the tests' Weed
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.weed_server import WeedServer, s3_client  # the tests' S3 server, started the same way
 
 FILES_PER_DIR = 1000
+LINKS_PER_SOURCE = 60_000  # hard links to one source file (ext4 takes 65,000)
 REAL_SIZES = ((1024, 768), (768, 1024), (1024, 1024), (1216, 832))  # every one kept by stk-scan's default filters
 S3_PREFIX = "images"
 UPLOAD_THREADS = 16
@@ -41,6 +43,17 @@ def real_images(data: Path) -> list[Path]:
     return paths
 
 
+def link_source(data: Path, images: int, real: list[Path], i: int) -> Path:
+    """The file image `i` links to: a copy of one of the real JPEGs per LINKS_PER_SOURCE links, outside the tree,
+    since a file takes at most 65,000 links on ext4."""
+    group, k = divmod(i, len(real))
+    source = data / f"sources-{images}" / f"{group // LINKS_PER_SOURCE}-{k}.jpg"
+    if not source.exists():
+        source.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(real[k], source)
+    return source
+
+
 def ensure_files(data: Path, images: int) -> tuple[Path, Path]:
     """DATA/files-N (the tree) and DATA/files-N.parquet (path relative to DATA, caption, width, height)."""
     root, table, stamp = data / f"files-{images}", data / f"files-{images}.parquet", data / f"files-{images}.done"
@@ -53,7 +66,7 @@ def ensure_files(data: Path, images: int) -> tuple[Path, Path]:
         if i % FILES_PER_DIR == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
-            os.link(real[i % len(real)], path)
+            os.link(link_source(data, images, real, i), path)
     sizes = [REAL_SIZES[i % len(REAL_SIZES)] for i in range(images)]
     columns = {
         "path": [f"{root.name}/{relative_path(i)}" for i in range(images)],
