@@ -16,6 +16,7 @@ import torch
 from denoisers import flow_configs, full_depth, reduced_depth
 from gpu_setup import (
     KEYS,
+    LORA_RANK,
     PYTHON,
     Scale,
     cached,
@@ -29,13 +30,13 @@ from gpu_setup import (
     step_flops,
     step_inputs,
     stk,
+    train_args,
 )
 
 TARGETS = {"health_s": 1.0, "baseline_ratio": 1.0, "baseline_ratio_compiled": 1.2, "breaker_pct": 0.1,
            "flux_s_per_step": 7.5, "oom_s": 120.0, "fp8_ratio": 1.2}  # fmt: skip
 REFERENCE_FLUX_S_PER_STEP = 15.0  # the reference guide's Flux.1-dev full fine-tune, 32 GPUs, batch 8 per GPU
 FLUX_GPUS, FLUX_BATCH = 32, 8
-LORA_RANK = 16
 SCRIPT = str(Path(__file__).with_name("gpu.py"))  # its --baseline-child runs baseline_child()
 WARMUP_STEPS = 2  # first steps (allocation, autotuning, compilation) left out of step times
 
@@ -117,12 +118,9 @@ def train_stk(
     code, "error": the end of its log}, so that the part's other rows are still measured."""
     out = work / f"train-{name}-{variant}-b{batch}"
     shutil.rmtree(out, ignore_errors=True)
-    flags = ["--lora-rank", LORA_RANK] if variant.startswith("lora") else []
-    flags += [] if variant.endswith("ckpt") else ["--no-gradient-checkpointing"]
-    ran = run(stk("train", "--cache", cached(scale, work, name), "--scan", scanned(scale, work), "--model",
-                  model(scale, work, name), "--output-dir", out, "--max-steps", scale.steps, "--epochs", 1000,
-                  "--batch-size", batch, "--deepspeed", "zero2", "--checkpoint-every", 0, "--resume", "none",
-                  "--allow-oversubscription", "-q", *flags, *extra), scale, check=False)  # fmt: skip
+    ran = run(
+        stk("train", *train_args(scale, work, name, out, batch, variant, scale.steps), *extra), scale, check=False
+    )
     if ran.code != 0:
         line = (ran.stderr.strip().splitlines() or [""])[-1]
         if "out of GPU memory" in line or "out of host memory" in line:

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_setup import Scale, cached, model, run, scanned
+from gpu_setup import Scale, run, train_args
 
-LORA_RANK = 16
 WARMUP_STEPS = 2  # left out of the medians, with the steps either profiler records
 SCRIPT = str(Path(__file__).resolve())
 
@@ -43,12 +42,9 @@ def part_profile(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator
     out, folder = work / "train-profile", Path(args.profile_dir or work / "profile")
     shutil.rmtree(out, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
-    train_args = ["--cache", cached(scale, work, "sdxl"), "--scan", scanned(scale, work), "--model",
-                  model(scale, work, "sdxl"), "--output-dir", out, "--max-steps", steps, "--epochs", 1000,
-                  "--batch-size", batch, "--deepspeed", "zero2", "--checkpoint-every", 0, "--resume", "none",
-                  "--allow-oversubscription", "-q", "--lora-rank", LORA_RANK]  # fmt: skip
+    args = train_args(scale, work, "sdxl", out, batch, "lora-ckpt", steps)
     command = [sys.executable, SCRIPT, "--profile-dir", str(folder), "--first", str(first), "--count", str(count)]
-    ran = run([*command, "--", *map(str, train_args)], scale, check=False)
+    ran = run([*command, "--", *map(str, args)], scale, check=False)
     if ran.code != 0:
         raise SystemExit(f"profiled stk-train failed ({ran.code}):\n{ran.stderr[-3000:]}")
     split = json.loads((folder / "split.json").read_text())

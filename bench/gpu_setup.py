@@ -27,6 +27,7 @@ PEAK_BF16_TFLOPS = (
     ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.1), ("L4", 121.0), ("A10G", 70.0), ("RTX 4090", 165.2),
 )  # fmt: skip
 PYTHON = sys.executable
+LORA_RANK = 16  # the kit's adapter runs
 
 
 CAPTION_WORDS = ("a", "photo", "of", "the", "red", "cat", "on", "blue", "painting", "dog", "with", "man")
@@ -95,6 +96,16 @@ def run(command: list[str], scale: Scale, check: bool = True, limit_bytes: int |
 
 def stk(command: str, *args: Any) -> list[str]:
     return [PYTHON, "-m", f"stk.cli.{command}", *map(str, args)]
+
+
+def train_args(scale: Scale, work: Path, name: str, out: Path, batch: int, variant: str, steps: int) -> list[Any]:
+    """stk-train's arguments for the kit's runs: `name`'s model and cache, ZeRO-2, no checkpoints, the variant's
+    adapter (LoRA rank LORA_RANK) and checkpointing."""
+    flags: list[Any] = ["--lora-rank", LORA_RANK] if variant.startswith("lora") else []
+    flags += [] if variant.endswith("ckpt") else ["--no-gradient-checkpointing"]
+    return ["--cache", cached(scale, work, name), "--scan", scanned(scale, work), "--model", model(scale, work, name),
+            "--output-dir", out, "--max-steps", steps, "--epochs", 1000, "--batch-size", batch, "--deepspeed", "zero2",
+            "--checkpoint-every", 0, "--resume", "none", "--allow-oversubscription", "-q", *flags]  # fmt: skip
 
 
 def last_json(text: str) -> dict[str, Any]:

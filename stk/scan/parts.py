@@ -63,16 +63,15 @@ def _atomic(location: str) -> Iterator[str]:
     the old file or the new one, never a part."""
     with storage_errors(location, saving=True):  # pyarrow's errors name no file: name the one being written
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(location) or ".")
-    os.close(fd)
-    try:
-        with storage_errors(location, saving=True):
+        os.close(fd)
+        try:
             yield tmp
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, location)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def stream_parquet(parts: list[str], location: str, schema: pa.Schema) -> None:

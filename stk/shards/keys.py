@@ -25,13 +25,14 @@ def digest(value: Any) -> str:
 
 
 def latent_key(row: dict[str, Any], recipe: dict[str, Any]) -> str:
-    identity = [row["path"], row["bytes"], row["mtime"], row["bucket_width"], row["bucket_height"]]
-    return digest([identity, recipe])[:KEY_CHARS]
+    identity = (row["path"], row["bytes"], row["mtime"], row["bucket_width"], row["bucket_height"])
+    return latent_keys([identity], recipe)[0]
 
 
 def latent_keys(identities: Iterable[tuple[Any, ...]], recipe: dict[str, Any]) -> list[str]:
-    """`latent_key` of many rows at once, each given as (path, bytes, mtime, bucket_width, bucket_height): the recipe
-    is encoded once, which is most of the time a key takes."""
+    """`digest([identity, recipe])` of many rows at once, each identity given as (path, bytes, mtime, bucket_width,
+    bucket_height): the recipe is encoded once, which is most of the time a key takes; the text hashed is the one
+    `digest` would encode."""
     encode = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str).encode
     tail = "," + encode(recipe) + "]"
     return [hashlib.sha256(("[" + encode(list(i)) + tail).encode()).hexdigest()[:KEY_CHARS] for i in identities]
