@@ -39,6 +39,7 @@ U = TypeVar("U")
 _EVERYWHERE = "stk_raised_on_every_rank"
 _ORIGIN = "stk_failed_rank"
 _abort_hooks: list[Callable[[int], None]] = []
+_SCATTER_TAG = 7_001  # World.scatter's messages, apart from any other point-to-point ones
 _ABORT_GRACE_SECONDS = 0.5  # for the launcher to forward a failing rank's last lines (World.abort)
 
 # Variables that MPI launchers set in every rank they start.
@@ -73,10 +74,19 @@ class World:
         return value if self.comm is None else self.comm.bcast(value, root=root)
 
     def scatter(self, values: list[T] | None, root: int = 0) -> T:
+        """Each rank its value, sent one rank at a time: a collective scatter pickles every value at once
+        on `root` (its own too), and the values can be the ranks' shares of a million-row table."""
         if self.comm is None:
             assert values is not None
             return values[0]
-        return self.comm.scatter(values, root=root)
+        if self.rank != root:
+            value: T = self.comm.recv(source=root, tag=_SCATTER_TAG)
+            return value
+        assert values is not None
+        for rank, value in enumerate(values):
+            if rank != root:
+                self.comm.send(value, dest=rank, tag=_SCATTER_TAG)
+        return values[root]
 
     def gather(self, value: T, root: int = 0) -> list[T] | None:
         return [value] if self.comm is None else self.comm.gather(value, root=root)

@@ -35,7 +35,34 @@ __all__ = ["ScanOptions", "ScanSummary", "run_scan", "split_by_bytes"]
 log = get_logger("scan")
 
 BLOCK = 65_536  # paths a rank assembles at a time
-Share = list[tuple[pa.Table, pa.Table]]  # a rank's blocks in path order: (candidates to probe, records reused)
+
+
+@dataclass
+class Block:
+    """A range of paths a rank assembles at once: the candidates to probe and the records reused.
+
+    Sent to its rank as Arrow IPC, its own rows only: a pickled slice of a table carries every
+    buffer of the whole table, so each block of a million candidates would carry all of them."""
+
+    todo: pa.Table
+    reused: pa.Table
+
+    def __reduce__(self) -> tuple[Any, tuple[pa.Buffer, pa.Buffer]]:
+        return _block, (_ipc(self.todo), _ipc(self.reused))
+
+
+def _ipc(table: pa.Table) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def _block(todo: pa.Buffer, reused: pa.Buffer) -> Block:
+    return Block(pa.ipc.open_stream(todo).read_all(), pa.ipc.open_stream(reused).read_all())
+
+
+Share = list[Block]  # a rank's blocks, in path order
 
 
 @dataclass
@@ -176,7 +203,7 @@ def _shares(found: pa.Table, reuse: np.ndarray, reused: pa.Table, ranks: int) ->
             todo, mask = found.slice(block.start, len(block)), reuse[block.start : block.stop]
             if mask.any():
                 todo = todo.filter(pa.array(~mask))
-            share.append((todo, reused.slice(int(first_reused[block.start]), int(mask.sum()))))
+            share.append(Block(todo, reused.slice(int(first_reused[block.start]), int(mask.sum()))))
         shares.append(share)
     return shares
 
@@ -239,17 +266,17 @@ def _probe_share(share: Share, opts: ScanOptions, world: World, run_id: str) -> 
     tally = Tally()
     desc = f"scan (rank 0 of {world.size})"
     with (
-        Progress(world, total=sum(todo.num_rows for todo, _ in share), unit="img", desc=desc) as progress,
+        Progress(world, total=sum(block.todo.num_rows for block in share), unit="img", desc=desc) as progress,
         ThreadPoolExecutor(max_workers=max(opts.threads, 1)) as pool,
     ):
-        for todo, reused in share:
-            new = []
+        for block in share:
+            todo, new = block.todo, []
             for start in range(0, todo.num_rows, opts.commit_every):
                 records = records_to_table(_probe_chunk(pool, todo.slice(start, opts.commit_every).to_pylist(), opts))
                 journal.commit(records)
                 new.append(records)
                 progress.update(records.num_rows)
-            assembled = assemble(pa.concat_tables([reused, *new]), index, filters)  # this run's records win
+            assembled = assemble(pa.concat_tables([block.reused, *new]), index, filters)  # this run's records win
             write_part(parts, assembled)
             tally = tally.plus(assembled.tally)
     return _RankResult(tally, parts.close())

@@ -1,10 +1,11 @@
-"""Unit tests for the pure parts of a scan: assemble() and the outputs, split_by_bytes and
+"""Unit tests for the pure parts of a scan: assemble() and the outputs, split_by_bytes, a rank's Block and
 parse_max_errors (stk.scan.outputs, stk.scan.pipeline and stk.errors)."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from stk.scan.outputs import (
     write_part,
 )
 from stk.scan.parts import PartWriter
-from stk.scan.pipeline import split_by_bytes
+from stk.scan.pipeline import Block, split_by_bytes
 from stk.scan.records import RECORD_SCHEMA, Record, error_record, records_to_table
 
 BUCKETS_256 = make_buckets(BucketSpec(256, alignment=64))  # 256 short edge: 256x512 .. 512x256, 9 buckets
@@ -326,6 +327,16 @@ def test_split_unknown_and_zero_sizes_count_as_one_byte() -> None:
     items = candidates([0, -1, 0, -1])
     out = split(items, 2)
     assert [len(part) for part in out] == [2, 2]
+
+
+def test_a_block_sent_to_its_rank_carries_its_own_rows_only() -> None:
+    records = records_to_table([image(f"img{i:06d}.jpg", 64, 64) for i in range(20_000)])
+    whole = pickle.dumps(Block(records, records.slice(0, 0)))
+    block = Block(records.slice(10_000, 100), records.slice(500, 3))
+    sent = pickle.dumps(block)
+    assert len(sent) < len(whole) / 50  # a pickled slice would carry all 20,000 rows
+    received = pickle.loads(sent)
+    assert received.todo.equals(block.todo) and received.reused.equals(block.reused)
 
 
 def test_split_keeps_joined_rows_with_the_row_before() -> None:
