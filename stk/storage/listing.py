@@ -19,11 +19,13 @@ cut goes inside a directory's name.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -85,25 +87,52 @@ def _table(infos: list[FileInfo]) -> pa.Table:
 
 
 def _list_parts(parts: _Parts[P], world: World, threads: int) -> pa.Table:
-    listed: list[pa.Table] = [_table([])]
-    pool = ThreadPoolExecutor(threads)
+    listed: list[pa.Table] = []
 
     def plan() -> tuple[int, list[list[P]]]:
         done, todo = parts.plan(world.size * threads * _PARTS_PER_THREAD, pool)
-        listed.append(_table(done))
+        listed.append(_by_key(_table(done)))
         return len(todo), [todo[rank :: world.size] for rank in range(world.size)]
 
     def work(_: int, share: list[P]) -> pa.Table:
-        return pa.concat_tables([_table([]), *pool.map(lambda part: _table(parts.list(part)), share)])
+        return pa.concat_tables([_table([]), *pool.map(lambda part: _by_key(_table(parts.list(part))), share)])
 
     def finish(count: int, results: list[pa.Table]) -> None:
-        whole = pa.concat_tables(listed + results)
-        listed[:] = [whole.take(pc.sort_indices(whole, sort_keys=[("key", "ascending")]))]
-        log.debug("listed %d files in %d parts on %d rank(s) x %d threads", whole.num_rows, count, world.size, threads)
+        listed.extend(results)
+        files = sum(table.num_rows for table in listed)
+        log.debug("listed %d files in %d parts on %d rank(s) x %d threads", files, count, world.size, threads)
 
-    with pool:
+    with ThreadPoolExecutor(threads) as pool:
         split_work(world, plan, work, finish)
-    return listed[-1] if world.is_root else _table([])
+    return _merged(listed[0], listed[1:]) if world.is_root else _table([])
+
+
+def _by_key(table: pa.Table) -> pa.Table:
+    return table.take(pc.sort_indices(table, sort_keys=[("key", "ascending")]))
+
+
+def _merged(top: pa.Table, ranks: list[pa.Table]) -> pa.Table:
+    """The top levels' files and the ranks' parts (a chunk each), every one sorted by key, put in key
+    order without a copy: a part is a subdirectory or a prefix, so its keys come together in key
+    order, with the top levels' files between parts. Sorting the whole instead holds it three times
+    (its parts, their concatenation, the result); that is left for runs that overlap after all."""
+    runs = sorted((run for table in ranks for run in table.to_batches() if run.num_rows), key=_first)
+    keys = top.column("key").to_numpy(zero_copy_only=False)
+    cuts = [0, *(int(cut) for cut in np.searchsorted(keys, [_first(run) for run in runs])), top.num_rows]
+    pieces = [top.slice(start, stop - start) for start, stop in itertools.pairwise(cuts)]
+    batches = [b for i, piece in enumerate(pieces) for b in [*piece.to_batches(), *runs[i : i + 1]] if b.num_rows]
+    merged = pa.Table.from_batches(batches, _SCHEMA)
+    if all(_last(before) < _first(after) for before, after in itertools.pairwise(batches)):
+        return merged
+    return _by_key(merged)
+
+
+def _first(run: pa.RecordBatch) -> bytes:
+    return bytes(run.column(0)[0].as_py())
+
+
+def _last(run: pa.RecordBatch) -> bytes:
+    return bytes(run.column(0)[-1].as_py())
 
 
 class _LocalParts:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from support.commands import MPIEXEC
 from support.weed_server import S3_ENV, WeedServer, s3_client
@@ -44,6 +45,20 @@ def test_a_local_tree_in_parts_is_the_sequential_listing(tmp_path: Path) -> None
     found = list(file_infos(list_sorted(str(root), World(), threads=3)))
     assert len(found) == 5 * 3 * 3 + 2
     assert found == _sequential(str(root))
+
+
+def _files(*keys: str) -> pa.Table:
+    return listing._table([storage.FileInfo(key, f"/r/{key}", i, 0.0) for i, key in enumerate(keys)])
+
+
+def test_parts_are_put_in_key_order_and_overlapping_ones_sorted_whole() -> None:
+    top = listing._by_key(_files("c.jpg", "a.jpg", "z.jpg"))
+    ranks = [[_files("d/1", "d/2"), _files("b/2", "b/1")], [_files("e/1")]]  # each rank's parts, a chunk each
+    disjoint = listing._merged(top, [pa.concat_tables([listing._by_key(p) for p in parts]) for parts in ranks])
+    assert disjoint.column("key").to_pylist() == [b"a.jpg", b"b/1", b"b/2", b"c.jpg", b"d/1", b"d/2", b"e/1", b"z.jpg"]
+    assert disjoint.column("size").to_pylist() == [1, 1, 0, 0, 0, 1, 0, 2]
+    overlapping = listing._merged(top, [_files("b", "y"), _files("c", "d")])
+    assert overlapping.column("key").to_pylist() == [b"a.jpg", b"b", b"c", b"c.jpg", b"d", b"y", b"z.jpg"]
 
 
 # --- S3 ---------------------------------------------------------------------------------------------
