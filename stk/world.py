@@ -39,7 +39,7 @@ U = TypeVar("U")
 _EVERYWHERE = "stk_raised_on_every_rank"
 _ORIGIN = "stk_failed_rank"
 _abort_hooks: list[Callable[[int], None]] = []
-_SCATTER_TAG = 7_001  # World.scatter's messages, apart from any other point-to-point ones
+_SCATTER_TAG, _GATHER_TAG = 7_001, 7_002  # World.scatter's and gather's messages, apart from any others
 _ABORT_GRACE_SECONDS = 0.5  # for the launcher to forward a failing rank's last lines (World.abort)
 
 # Variables that MPI launchers set in every rank they start.
@@ -89,7 +89,13 @@ class World:
         return values[root]
 
     def gather(self, value: T, root: int = 0) -> list[T] | None:
-        return [value] if self.comm is None else self.comm.gather(value, root=root)
+        """Every rank's value on `root` (None elsewhere), received one rank at a time, for the reason of scatter."""
+        if self.comm is None:
+            return [value]
+        if self.rank != root:
+            self.comm.send(value, dest=root, tag=_GATHER_TAG)
+            return None
+        return [value if rank == root else self.comm.recv(source=rank, tag=_GATHER_TAG) for rank in range(self.size)]
 
     def allgather(self, value: T) -> list[T]:
         return [value] if self.comm is None else self.comm.allgather(value)

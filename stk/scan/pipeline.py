@@ -361,6 +361,7 @@ def run_scan(opts: ScanOptions, world: World) -> ScanSummary:
     def plan() -> tuple[tuple[int, int, str], list[Share]]:
         os.makedirs(opts.out_dir, exist_ok=True)
         shares, files, scanned, run_id = _plan(opts, world, listed.pop() if listed else None)
+        pa.default_memory_pool().release_unused()  # the listing's, freed by now: for the shares' messages
         return (files, scanned, run_id), shares
 
     def work(shared: tuple[int, int, str], share: Share) -> _RankResult:
