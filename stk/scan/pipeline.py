@@ -210,6 +210,7 @@ def _shares(found: pa.Table, reuse: np.ndarray, reused: pa.Table, ranks: int) ->
 
 def _plan(opts: ScanOptions, world: World, listed: pa.Table | None) -> tuple[list[Share], int, int, str]:
     found = _list(opts, listed)
+    del listed  # the caller holds none: freed before the earlier records are read
     previous = _previous(opts)
     if previous.num_rows:
         reuse, reused = _reuse(found, previous)
