@@ -74,18 +74,26 @@ class World:
         return value if self.comm is None else self.comm.bcast(value, root=root)
 
     def scatter(self, values: list[T] | None, root: int = 0) -> T:
-        """Each rank its value, sent one rank at a time: a collective scatter pickles every value at once
-        on `root` (its own too), and the values can be the ranks' shares of a million-row table."""
+        """Each rank its value, sent one rank at a time, and a list one item at a time: a collective
+        scatter pickles every value at once on `root` (its own too), and a value can be a rank's share
+        of a million-row table, in blocks."""
         if self.comm is None:
             assert values is not None
             return values[0]
         if self.rank != root:
-            value: T = self.comm.recv(source=root, tag=_SCATTER_TAG)
+            count, received = self.comm.recv(source=root, tag=_SCATTER_TAG)
+            if count is not None:
+                received = [self.comm.recv(source=root, tag=_SCATTER_TAG) for _ in range(count)]
+            value: T = received
             return value
         assert values is not None
         for rank, value in enumerate(values):
-            if rank != root:
-                self.comm.send(value, dest=rank, tag=_SCATTER_TAG)
+            if rank == root:
+                continue
+            items: list[Any] = value if isinstance(value, list) else []
+            self.comm.send((len(items), None) if items else (None, value), dest=rank, tag=_SCATTER_TAG)
+            for item in items:
+                self.comm.send(item, dest=rank, tag=_SCATTER_TAG)
         return values[root]
 
     def gather(self, value: T, root: int = 0) -> list[T] | None:
