@@ -2,7 +2,7 @@
 side, with the floors, the linear extrapolation to 100M images (and to 100M over 32 ranks) and the targets.
 
     python bench/scale.py [--sizes 1000000,10000000] [--s3-sizes 100000,1000000] [--ranks 2] [--data DIR]
-                          [--only table,dir,s3,cache,train]
+                          [--only table,nocap,dir,s3,cache,train]
 
 Every command runs as users run it (a subprocess, under `mpiexec -n RANKS` for the multi-rank stages), on data made
 once under --data and reused: N files that are hard links to 4 real JPEGs (1000 to a directory), a table of their paths,
@@ -44,7 +44,7 @@ from support.commands import cache_command, cache_env, scan_command, scan_env, t
 
 FLOORS = [sys.executable, str(Path(__file__).resolve().parent / "scale_floors.py")]
 LISTED, SUMMARY = r"\d+ images listed", r"\d+ files: .* reused in [\d.]+ s"
-STAGES = ("table", "dir", "s3", "cache", "train")
+STAGES = ("table", "nocap", "dir", "s3", "cache", "train")
 
 
 def _checked(run: Run, what: str) -> Run:
@@ -83,12 +83,11 @@ def _floor(*args: str) -> tuple[Run, dict[str, float]]:
 def table_and_dir(args: argparse.Namespace, n: int, rows: list[Row]) -> None:
     tree, table = ensure_files(args.data, n)
     run = args.data / "run"
+    floor = _floor("stat", str(table), str(args.data)) if {"table", "nocap"} & args.only else None
     if "table" in args.only:
-        floor = _floor("stat", str(table), str(args.data))
-        scan = _scan(str(table), run / f"scan-table-{n}", 1)
-        rows.append(_scan_row("table", 1, scan, floor))
-        scan = _scan(str(without_captions(table)), run / f"scan-nocap-{n}", 1)
-        rows.append(_scan_row("nocap", 1, scan, floor))
+        rows.append(_scan_row("table", 1, _scan(str(table), run / f"scan-table-{n}", 1), floor))
+    if "nocap" in args.only:
+        rows.append(_scan_row("nocap", 1, _scan(str(without_captions(table)), run / f"scan-nocap-{n}", 1), floor))
     if "dir" in args.only:
         scan = _scan(str(tree), run / f"scan-dir-{n}", args.ranks)
         rows.append(_scan_row("dir", args.ranks, scan))

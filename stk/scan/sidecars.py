@@ -39,11 +39,12 @@ class Sidecars:
 
     def find(self, image: str) -> str | None:
         """The sidecar of `image` (the preferred extension first), or None."""
-        stem, parts = sidecar_stem(image), _parts(image)
-        names = self._listed.get(parts[0]) if parts else None
-        if parts is None or names is None:
+        stem = sidecar_stem(image)
+        directory, _, name = stem.rpartition("/")
+        names = self._listed.get(directory)  # only directories that _parts accepts were listed
+        if names is None:
             return next((stem + ext for ext in CAPTION_EXTENSIONS if storage.exists(stem + ext)), None)
-        return next((stem + ext for ext in CAPTION_EXTENSIONS if parts[1] + ext in names), None)
+        return next((stem + ext for ext in CAPTION_EXTENSIONS if name + ext in names), None)
 
 
 def _found(directory: str, wanted: frozenset[str], images: int) -> frozenset[str] | None:

@@ -235,7 +235,7 @@ def test_s3_sidecars_of_a_list_come_from_one_listing(s3_server: str, monkeypatch
     try:
         table = settle(from_list(urls), threads=2)
         one_by_one = [probe(cand, ProbeOptions()) for cand in table.to_pylist()]
-        assert len(asked) == 8
+        assert len(asked) == 9  # one for img0 (its .txt), two for each other image
         asked.clear()
         with ThreadPoolExecutor(2) as pool:
             found = listed_for(table, pool)
