@@ -270,14 +270,13 @@ def _stat_rows(batch: pa.RecordBatch, rows: np.ndarray, pool: ThreadPoolExecutor
     locations = batch.column("location").take(pa.array(rows)).to_pylist()
     parts = [locations[start : start + 256] for start in range(0, len(locations), 256)]
     stats = [stat for part in pool.map(_stat_many, parts) for stat in part]
-    mask = np.zeros(batch.num_rows, bool)
-    mask[rows] = True
-    for name, values in zip(_STATED, zip(*stats, strict=True), strict=True):
+    columns = {name: batch.column(name).to_pylist() for name in _STATED}
+    for row, stat in zip(rows.tolist(), stats, strict=True):
+        for name, value in zip(_STATED, stat, strict=True):
+            columns[name][row] = value
+    for name, values in columns.items():
         index = batch.schema.get_field_index(name)
-        field = batch.schema.field(index)
-        stated = pa.array(values, field.type)
-        column = stated if mask.all() else pc.replace_with_mask(batch.column(index), pa.array(mask), stated)
-        batch = batch.set_column(index, field, column)
+        batch = batch.set_column(index, batch.schema.field(index), pa.array(values, batch.schema.field(index).type))
     return batch
 
 
