@@ -32,19 +32,18 @@ def _parts(image: str) -> tuple[str, str] | None:
 
 
 class Sidecars:
-    """Where each image's sidecar caption is, from directory listings; directories not listed are asked per name."""
+    """Where each image's sidecar caption is: known for the images of the directories listed, asked per name for the
+    others."""
 
-    def __init__(self, listed: dict[str, frozenset[str]] | None = None) -> None:
-        self._listed = listed or {}  # directory: the caption names found in it (of those the block wanted)
+    def __init__(self, known: dict[str, str | None] | None = None) -> None:
+        self._known = known or {}  # image: its sidecar, None where it has none
 
     def find(self, image: str) -> str | None:
         """The sidecar of `image` (the preferred extension first), or None."""
+        if image in self._known:
+            return self._known[image]
         stem = sidecar_stem(image)
-        directory, _, name = stem.rpartition("/")
-        names = self._listed.get(directory)  # only directories that _parts accepts were listed
-        if names is None:
-            return next((stem + ext for ext in CAPTION_EXTENSIONS if storage.exists(stem + ext)), None)
-        return next((stem + ext for ext in CAPTION_EXTENSIONS if name + ext in names), None)
+        return next((stem + ext for ext in CAPTION_EXTENSIONS if storage.exists(stem + ext)), None)
 
 
 def _found(directory: str, wanted: frozenset[str], images: int) -> frozenset[str] | None:
@@ -72,15 +71,24 @@ def listed_for(todo: pa.Table, pool: Executor) -> Sidecars:
         pc.and_(todo.column("find_sidecar"), pc.is_null(todo.column("caption"))),
         pc.and_(pc.equal(caption_location, ""), pc.is_null(todo.column("error_kind"))),
     )
-    stems: defaultdict[str, list[str]] = defaultdict(list)
+    images: defaultdict[str, list[tuple[str, str]]] = defaultdict(list)  # directory: (image, its stem's name)
     for location in todo.column("location").filter(looking).to_pylist():
-        parts = _parts(storage.text_name(location))
+        image = storage.text_name(location)
+        parts = _parts(image)
         if parts:
-            stems[parts[0]].append(parts[1])
-    listed = [(directory, names) for directory, names in stems.items() if len(names) >= LIST_FROM]
+            images[parts[0]].append((image, parts[1]))
+    listed = [(directory, named) for directory, named in images.items() if len(named) >= LIST_FROM]
     found = pool.map(lambda item: _found(item[0], _wanted(item[1]), len(item[1])), listed)
-    return Sidecars({d: names for (d, _), names in zip(listed, found, strict=True) if names is not None})
+    known: dict[str, str | None] = {}
+    for (directory, named), names in zip(listed, found, strict=True):
+        if names is not None:
+            known.update((image, _first(directory, stem, names)) for image, stem in named)
+    return Sidecars(known)
 
 
-def _wanted(stems: list[str]) -> frozenset[str]:
-    return frozenset(stem + ext for stem in stems for ext in CAPTION_EXTENSIONS)
+def _first(directory: str, stem: str, names: frozenset[str]) -> str | None:
+    return next((f"{directory}/{stem}{ext}" for ext in CAPTION_EXTENSIONS if stem + ext in names), None)
+
+
+def _wanted(named: list[tuple[str, str]]) -> frozenset[str]:
+    return frozenset(stem + ext for _, stem in named for ext in CAPTION_EXTENSIONS)
