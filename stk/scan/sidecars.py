@@ -5,7 +5,7 @@ calls, or HEAD requests on S3) per image.
 A directory is asked name by name as before where listing it costs more: few of the block's images are in it, it
 holds far more entries than they need (a huge flat directory), or it cannot be listed. A caption that appears or
 goes between the listing and the read is as it is when it does so between exists() and the read: one that went is
-an unreadable caption (its error row), one that came is found by the next scan."""
+an unreadable caption (its error row), one that came is not seen (as one made just after exists() was not)."""
 
 from __future__ import annotations
 
