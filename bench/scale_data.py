@@ -79,6 +79,14 @@ def ensure_files(data: Path, images: int) -> tuple[Path, Path]:
     return root, table
 
 
+def without_captions(table: Path) -> Path:
+    """TABLE's paths and sizes without its caption column (made once, next to it): a scan of it looks for sidecars."""
+    bare = table.with_name(f"{table.stem}-nocaption.parquet")
+    if not bare.exists():
+        pq.write_table(pq.read_table(table, columns=["path", "width", "height"]), bare)
+    return bare
+
+
 def start_s3(data: Path) -> WeedServer:
     """The local S3 server on DATA/weed (its objects kept between runs)."""
     (data / "weed").mkdir(parents=True, exist_ok=True)
@@ -108,4 +116,4 @@ def ensure_bucket(data: Path, client: Any, images: int) -> str:
     return url
 
 
-__all__ = ["S3_PREFIX", "ensure_bucket", "ensure_files", "real_images", "s3_client", "start_s3"]
+__all__ = ["S3_PREFIX", "ensure_bucket", "ensure_files", "real_images", "s3_client", "start_s3", "without_captions"]

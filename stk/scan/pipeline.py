@@ -26,6 +26,7 @@ from stk.scan.outputs import ERRORS, Filters, Tally, assemble, buckets_document,
 from stk.scan.parts import PartWriter, clear_parts
 from stk.scan.probe import ProbeOptions, probe
 from stk.scan.records import RECORD_SCHEMA, Record, records_to_table
+from stk.scan.sidecars import Sidecars, listed_for
 from stk.scan.state import Journal, clear_previous, load_previous, save_state
 from stk.storage.listing import file_infos, list_sorted
 from stk.world import World, split_work
@@ -230,7 +231,9 @@ def _plan(opts: ScanOptions, world: World, listed: pa.Table | None) -> tuple[lis
     return _shares(found, reuse, reused, world.size), files, todo, uuid.uuid4().hex[:8]
 
 
-def _probe_chunk(pool: ThreadPoolExecutor, chunk: list[dict[str, Any]], opts: ScanOptions) -> list[Record]:
+def _probe_chunk(
+    pool: ThreadPoolExecutor, chunk: list[dict[str, Any]], opts: ScanOptions, sidecars: Sidecars
+) -> list[Record]:
     """The records of `chunk`, in its order, each thread pulling the next file from a shared
     queue: a pool task per file costs more in futures and thread wake-ups than probing a header
     in the page cache does, and fixed batches would leave threads idle on slow storage."""
@@ -245,7 +248,7 @@ def _probe_chunk(pool: ThreadPoolExecutor, chunk: list[dict[str, Any]], opts: Sc
                 index = todo.get_nowait()
             except queue.Empty:
                 return
-            records[index] = probe(chunk[index], opts.probe)
+            records[index] = probe(chunk[index], opts.probe, sidecars)
 
     for worker in [pool.submit(work) for _ in range(min(max(opts.threads, 1), len(chunk)))]:
         worker.result()
@@ -272,8 +275,10 @@ def _probe_share(share: Share, opts: ScanOptions, world: World, run_id: str) -> 
     ):
         for block in share:
             todo, new = block.todo, []
+            sidecars = listed_for(todo, pool)
             for start in range(0, todo.num_rows, opts.commit_every):
-                records = records_to_table(_probe_chunk(pool, todo.slice(start, opts.commit_every).to_pylist(), opts))
+                chunk = todo.slice(start, opts.commit_every).to_pylist()
+                records = records_to_table(_probe_chunk(pool, chunk, opts, sidecars))
                 journal.commit(records)
                 new.append(records)
                 progress.update(records.num_rows)

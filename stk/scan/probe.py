@@ -7,19 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stk import storage
-from stk.captions import (
-    CAPTION_EXTENSIONS,
-    CaptionError,
-    MissingCaption,
-    caption_from_filename,
-    decode_caption,
-    sidecar_stem,
-)
+from stk.captions import CaptionError, MissingCaption, caption_from_filename, decode_caption
 from stk.errors import StkError, described
 from stk.imageformats import ACCEPTED
 from stk.imageheaders import MetadataWarning
 from stk.imageinfo import ImageError, read_header
 from stk.scan.records import Record, error_record
+from stk.scan.sidecars import Sidecars
 
 __all__ = ["ProbeOptions", "probe"]
 
@@ -37,25 +31,18 @@ class ProbeOptions:
         return f"max_pixels={self.max_pixels};missing_caption={self.missing_caption.value};formats={formats}"
 
 
-def _find_sidecar(location: str) -> str | None:
-    stem = sidecar_stem(location)
-    for ext in CAPTION_EXTENSIONS:
-        if storage.exists(stem + ext):
-            return stem + ext
-    return None
-
-
 Candidate = Mapping[str, Any]  # a row of stk.scan.candidates.CANDIDATE_SCHEMA, with its fingerprint
+_ASKED = Sidecars()  # no listing: each sidecar name asked for
 
 
-def _caption(cand: Candidate, image: str, opts: ProbeOptions) -> tuple[str, str]:
+def _caption(cand: Candidate, image: str, opts: ProbeOptions, sidecars: Sidecars) -> tuple[str, str]:
     """(caption, source); raises CaptionError when none may be used."""
     if cand["caption"] is not None:
         return cand["caption"], "table"
     if cand["caption_location"]:
         location: str | None = storage.text_name(cand["caption_location"])
     else:
-        location = _find_sidecar(image) if cand["find_sidecar"] else None
+        location = sidecars.find(image) if cand["find_sidecar"] else None
     if location is not None:
         try:
             return decode_caption(storage.read_bytes(location)), "sidecar"
@@ -96,16 +83,17 @@ def _failure(exc: Exception) -> tuple[str, str]:
     return "unreadable", f"cannot read: {described(exc)}"
 
 
-def probe(cand: Candidate, opts: ProbeOptions) -> Record:
+def probe(cand: Candidate, opts: ProbeOptions, sidecars: Sidecars = _ASKED) -> Record:
     """A record for `cand`; whatever fails for this one file becomes its error record, never an
-    exception. Only a failure of the storage itself (InfraError: S3 down past its budget) ends the scan."""
+    exception. Only a failure of the storage itself (InfraError: S3 down past its budget) ends the scan.
+    `sidecars`: the listings of its block's directories (stk.scan.sidecars), else each name is asked for."""
     fp, location, path = cand["fingerprint"], cand["location"], cand["path"]
     if cand["error_kind"]:
         return error_record(path, location, fp, cand["error_kind"], cand["error"] or cand["error_kind"])
     name = storage.text_name(location)  # the name that opens the file
     try:
         width, height, fmt, warning = _size(cand, name, opts)
-        caption, source = _caption(cand, name, opts)
+        caption, source = _caption(cand, name, opts, sidecars)
     except StkError:
         raise
     except Exception as exc:

@@ -28,6 +28,7 @@ __all__ = [
     "join",
     "list_files",
     "name_text",
+    "names",
     "open_read",
     "printable",
     "read_bytes",
@@ -59,6 +60,12 @@ def join(root: str, key: str) -> str:
 def list_files(root: str) -> Iterator[FileInfo]:
     """Every file under `root`, recursively, with keys relative to it ('/'-separated)."""
     return _backend(root).list_files(root)
+
+
+def names(directory: str) -> Iterator[str]:
+    """The names directly in `directory` (a directory or an s3:// prefix), as they come: one listing where asking
+    whether each of many names exists would cost a request or a system call each."""
+    return _backend(directory).names(directory)
 
 
 def stat(location: str) -> FileInfo:

@@ -74,6 +74,13 @@ class LocalBackend:
                 files.append(_info(key, entry.path, st))
         return files, subdirs
 
+    def names(self, directory: str) -> Iterator[str]:
+        """What exists() finds in `directory`: its entries, a symlink only where it leads somewhere."""
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not entry.is_symlink() or os.path.exists(entry.path):
+                    yield entry.name
+
     def stat(self, location: str) -> FileInfo:
         return _info(location, location, os.stat(location))
 

@@ -333,6 +333,10 @@ class S3Backend:
     def list_files(self, root: str) -> Iterator[FileInfo]:
         return (info for info in list_entries(root) if not info.key.endswith("/"))  # not folder markers ("a/")
 
+    def names(self, directory: str) -> Iterator[str]:
+        """The objects directly under the prefix `directory` (what exists() finds there), a page at a time."""
+        return (info.key for info in list_entries(directory, levels=True) if info.size >= 0)
+
     def stat(self, location: str) -> FileInfo:
         bucket, key = split_url(location)
         head = _call(lambda: client().head_object(Bucket=bucket, Key=key), bucket, key)

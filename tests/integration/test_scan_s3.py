@@ -202,3 +202,47 @@ def test_s3_scan_on_two_ranks(uploaded: tuple[Path, str, Any], s3_server: str, r
     tables = [pq.read_table(tmp_path / name / "metadata.parquet") for name in ("one", "two")]
     assert tables[1].equals(tables[0])
     assert (tmp_path / "two" / "buckets.json").read_bytes() == (tmp_path / "one" / "buckets.json").read_bytes()
+
+
+def test_s3_sidecars_of_a_list_come_from_one_listing(s3_server: str, monkeypatch: pytest.MonkeyPatch):
+    """Images named by a list look for sidecars: a prefix holding several is listed once (no HEAD per name), with the
+    records that asking for each name gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stk import storage
+    from stk.scan.candidates import from_list, settle
+    from stk.scan.probe import ProbeOptions, probe
+    from stk.scan.sidecars import listed_for
+    from stk.storage.s3 import S3Backend
+
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    client, buffer = s3_client(s3_server), io.BytesIO()
+    bucket = _new_bucket(client)
+    make_image(16, 8, seed=1).save(buffer, "PNG")
+    urls = [f"s3://{bucket}/set/img{i}.png" for i in range(5)]
+    for url in urls:
+        client.put_object(Bucket=bucket, Key=url.split("/", 3)[3], Body=buffer.getvalue())
+    client.put_object(Bucket=bucket, Key="set/img0.txt", Body=b"zero\n")
+    client.put_object(Bucket=bucket, Key="set/img1.caption", Body=b"one\n")
+    client.put_object(Bucket=bucket, Key="set/img2.txt/inner", Body=b"")  # a 'directory', not a caption
+    asked: list[str] = []
+    exists = S3Backend.exists
+    monkeypatch.setattr(S3Backend, "exists", lambda self, location: asked.append(location) or exists(self, location))
+    storage.configure_s3(s3_server)
+    try:
+        table = settle(from_list(urls), threads=2)
+        one_by_one = [probe(cand, ProbeOptions()) for cand in table.to_pylist()]
+        assert len(asked) == 9  # one for img0 (its .txt), two for each other image
+        asked.clear()
+        with ThreadPoolExecutor(2) as pool:
+            found = listed_for(table, pool)
+        listed = [probe(cand, ProbeOptions(), found) for cand in table.to_pylist()]
+    finally:
+        storage.configure_s3(None)
+    assert listed == one_by_one and asked == []
+    assert [(r["caption"], r["caption_source"]) for r in listed] == [
+        ("zero", "sidecar"), ("one", "sidecar"), ("img2", "filename"), ("img3", "filename"), ("img4", "filename")
+    ]  # fmt: skip
