@@ -26,7 +26,7 @@ from stk.models import Family
 pytestmark = pytest.mark.integration
 
 HOST = socket.gethostname()
-TIMEOUT_S = 15  # --collective-timeout in these tests
+TIMEOUT_S = 8  # --collective-timeout in these tests: the wait of the two tests that stop a rank
 PEER = "a peer rank failed, stopped answering or was cut off"
 STEPS = 20  # long enough that every fault, applied after step 3, lands mid-run
 TRAIN_ARGS = ["--batch-size", "1", "--lr", "1e-3", "--precision", "fp32", "-q", "--collective-timeout", TIMEOUT_S]

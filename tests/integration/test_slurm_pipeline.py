@@ -175,9 +175,11 @@ def test_usr2_checkpoints_every_node_at_one_step_requeues_and_resumes(pipeline: 
     finally:
         slurm_nodes.run(["scancel", job], check=False)
         slurm_nodes.wait(job)
-    first, second = summaries(log(pipeline.root, "train", job))
+    text = log(pipeline.root, "train", job)
+    first, second = summaries(text)
     stopped = first["steps"]
-    assert first["outcome"] == "requeue" and 2 <= stopped < 30
+    assert first["outcome"] == "requeue" and 2 <= stopped < 30 and first["final"] is None
+    assert text.count("SIGUSR2 received: checkpointing") == 1, text[-4000:]  # by the rank stk-launch asked, once
     assert second["outcome"] == "finished" and second["steps"] == 30
     assert second["resumed_from"].endswith(f"step-{stopped:08d}")
     assert first["hosts"] == second["hosts"] == dict.fromkeys(NODES, 1)

@@ -85,23 +85,22 @@ def test_a_killed_runs_lease_is_taken_over_and_the_rerun_resumes(setups, tmp_pat
 
 
 @pytest.mark.integration
-def test_resuming_with_other_settings_is_refused_unless_overridden(setups, tmp_path):
-    model, cache = setups(Family.SD)
-    out = tmp_path / "run"
-    base = ["--cache", cache, "--model", model, "--output-dir", out, *FAST]
-    assert run_train([*base, "--max-steps", "2"]).returncode == 0
+def test_resuming_with_other_settings_is_refused_unless_overridden(copied):
+    """On a copy of the session's `trained` run (4 steps, seed 0, lr 1e-3)."""
+    args, out = copied
+    base = [*args, "--output-dir", out]
     started = time.monotonic()
-    refused = run_train([*base, "--max-steps", "4", "--seed", "5", "--lr", "5e-4"])
+    refused = run_train([*base, "--max-steps", "6", "--seed", "5", "--lr", "5e-4"])
     assert refused.returncode == InputError.exit_code, refused.stderr
     assert "seed 0 -> 5, lr 0.001 -> 0.0005" in refused.stderr and "--override-resume" in refused.stderr
     assert time.monotonic() - started < 120
-    assert [row["step"] for row in metrics(out)] == [1, 2]  # nothing trained, nothing overwritten
+    assert [row["step"] for row in metrics(out)] == [1, 2, 3, 4]  # nothing trained, nothing overwritten
 
-    changed = run_train([*base, "--max-steps", "4", "--lr", "5e-4", "--seed", "5", "--override-resume"])
+    changed = run_train([*base, "--max-steps", "6", "--lr", "5e-4", "--seed", "5", "--override-resume"])
     assert changed.returncode == 0, changed.stderr
     rows = metrics(out)
-    assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    assert [row["lr"] for row in rows] == [1e-3, 1e-3, 5e-4, 5e-4]  # the new lr from the resumed step on
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    assert [row["lr"] for row in rows] == [1e-3] * 4 + [5e-4] * 2  # the new lr from the resumed step on
     # TensorBoard (the default report) shows the same curves: each step once across the two runs
     assert board_scalars(out / "tensorboard", "train/lr") == [(r["step"], pytest.approx(r["lr"])) for r in rows]
     assert {"train/loss", "train/grad_norm", "train/samples_per_s", "train/step_time", "train/data_wait"} <= set(

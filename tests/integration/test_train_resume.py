@@ -1,27 +1,21 @@
-"""stk-train's determinism and resume: the loss falls on a fixed dataset, ten steps equal five then five resumed, and
-SIGUSR2 checkpoints and exits for a requeue that resumes.
+"""stk-train's determinism and resume: the loss falls on a fixed dataset, and ten steps equal five then five resumed.
+SIGUSR2 on one rank (a checkpoint, exit for requeue, the rerun resumes): test_slurm_pipeline.py's USR2 job across four
+nodes, and under mpiexec test_train_lease.py's first run.
 
 Real DeepSpeed engines on the CPU under `mpiexec -n 2`, tiny random-weight pipelines and caches made by stk-cache
 (fixtures `scan` and `setups`)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from support.commands import FAST, run_train, summary_of, train_command, train_env
-from support.processes import mpi_rank_pids
-from support.train_checks import denoiser_weights, latest
+from support.commands import FAST, run_train, summary_of
+from support.train_checks import denoiser_weights
 from support.train_outputs import SAMPLING, metrics, sample_pngs, samples_match
 
-from stk.errors import ExitCode
 from stk.models import Family
 
 pytestmark = pytest.mark.integration
@@ -90,34 +84,3 @@ def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
     for weights, close in (("final", True), ("final-no-ema", False)):
         pipe = DiffusionPipeline.from_pretrained(straight / weights)
         assert samples_match(pipe, sample_pngs(straight, 10), guidance=5.0) == close, weights
-
-
-def test_sigusr2_checkpoints_exits_for_requeue_and_the_rerun_resumes(setups, scan, tmp_path):
-    model, cache = setups(Family.SD)
-    out = tmp_path / "run"
-    args = ["--cache", cache, "--model", model, "--output-dir", out, "--deepspeed", "zero3", "--epochs", "50",
-            "--checkpoint-every", "0", *FAST]  # fmt: skip
-    proc = subprocess.Popen(train_command(args, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=train_env())  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 3):
-            time.sleep(0.2)
-        assert (out / "metrics.jsonl").exists(), "training did not start"
-        ranks = mpi_rank_pids(proc.pid, "stk.cli.train")
-        os.kill(ranks[1], signal.SIGUSR2)  # one rank only: the step agreement tells the other
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == ExitCode.REQUEUE, stderr
-    summary = json.loads(stdout)
-    stopped = summary["steps"]
-    assert summary["outcome"] == "requeue" and summary["final"] is None
-    assert latest(out) == f"step-{stopped:08d}" and not (out / "final").exists()
-    assert "SIGUSR2 received" in stderr
-
-    rerun = run_train([*args[: args.index("--epochs")], "--max-steps", str(stopped + 2), *FAST])
-    assert rerun.returncode == 0, rerun.stderr
-    resumed = summary_of(rerun)
-    assert resumed["resumed_from"].endswith(f"step-{stopped:08d}") and resumed["steps"] == stopped + 2
-    assert [r["step"] for r in metrics(out)] == list(range(1, stopped + 3))
