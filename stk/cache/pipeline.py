@@ -218,13 +218,14 @@ def _plan(
 ) -> tuple[_Plan, list[RowShare]]:
     manifest = _prepare_manifest(opts, config, prompts)
     texts = config.text_recipe()
-    jobs, row_texts = read_keys(scan, config.latent_recipe(), texts)
+    jobs, row_keys, row_texts = read_keys(scan, config.latent_recipe(), texts)
+    done_latents, done_texts = cached_keys(opts.cache, manifest)
+    todo_rows = np.flatnonzero(~held(row_keys, done_latents)) if len(done_latents) else np.arange(len(jobs))
+    del row_keys  # each row's keys are dropped once used: the ranks key their own rows again
     # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
     extra = [EMPTY_CAPTION, *manifest.validation_prompts]
     captions = distinct_captions(row_texts, extra, texts)
-    del row_texts  # each row's text key: not needed once the distinct captions are known
-    done_latents, done_texts = cached_keys(opts.cache, manifest)
-    todo_rows = np.flatnonzero(~held(jobs.key, done_latents)) if len(done_latents) else np.arange(len(jobs))
+    del row_texts
     todo = jobs.take(todo_rows) if len(todo_rows) < len(jobs) else jobs
     todo_captions = captions.take(np.flatnonzero(~held(captions.key, done_texts))) if len(done_texts) else captions
     lat_order, lat_bounds = latent_batches(todo, opts.batch_size)

@@ -6,9 +6,9 @@ to ranks balanced by pixels and tokens. Every
 sample is therefore encoded in the same batch whatever the rank count, which is what makes 1
 rank and N ranks give bitwise-equal tensors on CPU.
 
-Planning works on columns (stk.shards.jobs.ScanKeys): fixed-width keys and integers, under a hundred bytes an
-image and no Python object per image; the scan table's paths and captions are read a batch of rows at a time and
-not kept. A rank's share holds its rows only, and makes ImageJobs one batch at a time.
+Planning works on columns (stk.shards.jobs.read_keys, ScanBuckets): fixed-width keys and integers, a few dozen
+bytes an image once the keys are used, and no Python object per image; the scan table's paths and captions are read
+a batch of rows at a time and not kept. A rank's share holds its rows only, and makes ImageJobs one batch at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from stk import storage
 from stk.errors import InputError
 from stk.shards import CacheReader, Manifest
 from stk.shards.config import CacheConfig
-from stk.shards.jobs import JOB_COLUMNS, ImageJobs, ScanKeys, ScanRows, job_columns
+from stk.shards.jobs import JOB_COLUMNS, ImageJobs, ScanBuckets, ScanRows, job_columns
 from stk.shards.keys import KEY_CHARS, text_key
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def held(keys: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
     return sorted_keys[at] == keys
 
 
-def latent_batches(keys: ScanKeys, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+def latent_batches(keys: ScanBuckets, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows in (bucket, path) order and the bounds of their batches, one bucket each."""
     height, width = keys.bucket_height, keys.bucket_width
     order = np.lexsort((width, height) if keys.path_rank is None else (keys.path_rank, width, height))

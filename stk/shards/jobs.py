@@ -1,7 +1,7 @@
 """What a scan asks of a cache: its rows keyed under a cache config's recipes, and the rows a cache must hold (those
 the last build did not skip as bad input). stk-cache plans and encodes them; stk-cache verify and stk-train check a
 cache covers them. Every row is read as columns, a batch of rows at a time (ScanRows), and kept as fixed-width keys
-and integers (ScanKeys); ImageJob objects are made only for the rows one batch encodes. Nothing here loads a model.
+and integers (ScanBuckets); ImageJob objects are made only for the rows one batch encodes. Nothing here loads a model.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = [
     "JOB_COLUMNS",
     "ImageJob",
     "ImageJobs",
-    "ScanKeys",
+    "ScanBuckets",
     "ScanRows",
     "expected_columns",
     "expected_keys",
@@ -185,26 +185,25 @@ def read_jobs(scan_dir: str, latent_recipe: dict[str, Any], text_recipe: dict[st
 
 
 @dataclass
-class ScanKeys:
-    """Every scan row's latent key and bucket, and the rows' path order: what planning and checking a cache need of
-    every row beside its caption's text key (read_keys), about 50 bytes a row and no strings."""
+class ScanBuckets:
+    """Every scan row's bucket and place in path order: what batching the rows needs, 8 to 16 bytes a row (read_keys
+    gives the keys beside it)."""
 
-    key: np.ndarray  # latent keys, bytes (S40)
     bucket_width: np.ndarray  # int32
     bucket_height: np.ndarray  # int32
     path_rank: np.ndarray | None  # each row's place in path order; None: the rows are in path order
 
     def __len__(self) -> int:
-        return len(self.key)
+        return len(self.bucket_width)
 
     @property
     def pixels(self) -> np.ndarray:
         return self.bucket_width.astype(np.int64) * self.bucket_height
 
-    def take(self, rows: np.ndarray) -> ScanKeys:
+    def take(self, rows: np.ndarray) -> ScanBuckets:
         """These rows, in this order (their path ranks kept: still comparable)."""
         rank = self.path_rank[rows] if self.path_rank is not None else rows.astype(np.int64)
-        return ScanKeys(self.key[rows], self.bucket_width[rows], self.bucket_height[rows], rank)
+        return ScanBuckets(self.bucket_width[rows], self.bucket_height[rows], rank)
 
 
 def _path_rank(scan: ScanRows) -> np.ndarray:
@@ -217,9 +216,9 @@ def _path_rank(scan: ScanRows) -> np.ndarray:
 
 def read_keys(
     scan: ScanRows, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]
-) -> tuple[ScanKeys, np.ndarray]:
-    """Every row keyed under the recipes, read a batch at a time (the paths and captions are not kept), and each
-    row's caption's text key (bytes, S40): what the distinct captions are found from, then dropped."""
+) -> tuple[ScanBuckets, np.ndarray, np.ndarray]:
+    """Every row's bucket and path order, latent key and caption's text key (bytes, S40) under the recipes, read a
+    batch of rows at a time: the paths and captions are not kept, and the keys can be dropped once used."""
     key = np.empty(scan.rows, dtype=f"S{KEY_CHARS}")
     text = np.empty(scan.rows, dtype=f"S{KEY_CHARS}")
     start, last, in_order = 0, "", True
@@ -230,7 +229,7 @@ def read_keys(
         in_order = in_order and last <= paths[0].as_py() and pc.all(pc.less_equal(paths[:-1], paths[1:])).as_py()
         last, start = paths[-1].as_py(), stop
     rank = None if in_order else _path_rank(scan)
-    return ScanKeys(key, scan.bucket_width, scan.bucket_height, rank), text
+    return ScanBuckets(scan.bucket_width, scan.bucket_height, rank), key, text
 
 
 def _bad_input_keys(cache: str) -> np.ndarray:
@@ -263,8 +262,8 @@ def expected_columns(cache: str, config: CacheConfig, scan_dir: str) -> tuple[Im
 def expected_keys(cache: str, config: CacheConfig, scan: ScanRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """expected_columns as keys alone, no strings kept: the latent keys and the distinct text keys (sorted) of the
     rows the cache must hold, and which rows those are."""
-    keys, texts = read_keys(scan, config.latent_recipe(), config.text_recipe())
-    kept = _expected_rows(cache, keys.key)
+    _, keys, texts = read_keys(scan, config.latent_recipe(), config.text_recipe())
+    kept = _expected_rows(cache, keys)
     if kept is None:
-        return keys.key, np.unique(texts), np.arange(len(keys))
-    return keys.key[kept], np.unique(texts[kept]), kept
+        return keys, np.unique(texts), np.arange(len(keys))
+    return keys[kept], np.unique(texts[kept]), kept

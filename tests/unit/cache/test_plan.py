@@ -109,7 +109,7 @@ def test_plan_on_keys_matches_sorting_the_table_by_bucket_and_path(tmp_path: Pat
     for name, table in (("sorted", sorted(rows, key=lambda r: str(r["path"]))), ("shuffled", rows)):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("stk.shards.jobs._KEY_CHUNK", 256)
-            keys, texts = read_keys(_scan(tmp_path / name, table), RECIPE, RECIPE)
+            keys, _, texts = read_keys(_scan(tmp_path / name, table), RECIPE, RECIPE)
         whole = pa.Table.from_pylist(table)
         wanted = pc.sort_indices(whole, [("bucket_height", "ascending"), ("bucket_width", "ascending"),
                                          ("path", "ascending")]).to_numpy()  # fmt: skip
@@ -156,7 +156,7 @@ def test_text_batches_group_captions_of_similar_token_counts_whatever_the_input_
 
 def test_distinct_captions_hold_the_extra_ones_once(tmp_path: Path) -> None:
     scan = _scan(tmp_path, _rows(12))
-    captions = distinct_captions(read_keys(scan, RECIPE, RECIPE)[1], ["", "c1", "a prompt"], RECIPE)
+    captions = distinct_captions(read_keys(scan, RECIPE, RECIPE)[2], ["", "c1", "a prompt"], RECIPE)
     again = captions_at(scan, captions.extra, captions.source, RECIPE)  # what a rank rebuilds from sources
     texts = again.texts(0, len(again))
     assert sorted(texts) == ["", "a prompt", "c0", "c1", "c2", "c3"]
