@@ -141,10 +141,6 @@ class ImageJobs:
     def __len__(self) -> int:
         return len(self.key)
 
-    @property
-    def pixels(self) -> np.ndarray:
-        return self.bucket_width.astype(np.int64) * self.bucket_height
-
     def take(self, rows: np.ndarray) -> ImageJobs:
         """These rows, in this order."""
         index = pa.array(rows, pa.int64())
