@@ -222,7 +222,9 @@ def read_keys(
         stop = start + batch.num_rows
         key[start:stop], text[start:stop] = _keyed(batch, latent_recipe, text_recipe)
         paths = batch.column("path")
-        in_order = in_order and last <= paths[0].as_py() and pc.all(pc.less_equal(paths[:-1], paths[1:])).as_py()
+        in_order = (
+            in_order and last <= paths[0].as_py() and pc.all(pc.less_equal(paths[:-1], paths[1:]), min_count=0).as_py()
+        )
         last, start = paths[-1].as_py(), stop
     rank = None if in_order else _path_rank(scan)
     return ScanBuckets(scan.bucket_width, scan.bucket_height, rank), key, text
