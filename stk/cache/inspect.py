@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
 from stk.lease import Lease, leased
 from stk.log import get_logger
 from stk.shards import CacheReader, Manifest, VerifyReport, shard_location, verify
-from stk.shards.jobs import expected_jobs
+from stk.shards.jobs import ScanRows, expected_keys
 from stk.shards.manifest import ManifestDamaged
 from stk.shards.rebuild import rebuild_manifest
 
@@ -66,16 +68,7 @@ def verify_cache(cache: str, scan_dir: str | None, repair: bool = False) -> Veri
 
 def _verify_cache(cache: str, scan_dir: str | None, repair: bool) -> VerifyReport:
     manifest, dropped = _load_or_rebuild(cache, repair)
-    latent_keys = text_keys = None
-    paths: dict[str, str] = {}
-    bad_input = 0
-    if scan_dir is not None:
-        jobs, bad_input = expected_jobs(cache, manifest.cache_config(cache), scan_dir)
-        latent_keys = [j.key for j in jobs]
-        text_keys = sorted({j.text_key for j in jobs})
-        paths = {j.key: j.path for j in jobs}
-    report = verify(cache, latent_keys, text_keys)
-    report.bad_input = bad_input
+    report, paths = (verify(cache), {}) if scan_dir is None else _verify_rows(cache, manifest, ScanRows(scan_dir))
     report.damaged_shards += dropped  # deleted by the rebuild: their samples are encoded again by stk-cache
     repaired = _unlist_bad_shards(cache, report) if repair else []
     if not report.ok:
@@ -94,6 +87,17 @@ def _verify_cache(cache: str, scan_dir: str | None, repair: bool) -> VerifyRepor
         lines.append("Rerun the same stk-cache command to encode what is missing.")
         raise CacheIncomplete("\n".join(lines))
     return report
+
+
+def _verify_rows(cache: str, manifest: Manifest, scan: ScanRows) -> tuple[VerifyReport, dict[str, str]]:
+    """verify, expecting the scan's rows (as keys: no Python object per row), and the paths of the first missing
+    ones, which the error names."""
+    keys, texts, rows = expected_keys(cache, manifest.cache_config(cache), scan)
+    report = verify(cache, keys, texts)
+    report.bad_input = scan.rows - len(rows)
+    at = np.flatnonzero(np.isin(keys, np.array(report.missing_latent_keys[:LISTED], dtype=keys.dtype)))
+    paths = scan.take(rows[at], ["path"]).column("path").to_pylist()
+    return report, {key.decode(): path for key, path in zip(keys[at].tolist(), paths, strict=True)}
 
 
 def cache_info(cache: str) -> dict[str, Any]:

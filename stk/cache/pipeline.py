@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from stk import storage
@@ -25,6 +24,7 @@ from stk.cache.plan import (
     batch_sums,
     cached_keys,
     distinct_captions,
+    held,
     latent_batches,
     local_work_dir,
     owned,
@@ -42,10 +42,10 @@ from stk.models.alignment import check_aligned, model_alignment
 from stk.models.load import compute_dtype
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION, read_prompts
-from stk.scan.reader import read_buckets, read_scan_columns
+from stk.scan.reader import read_buckets
 from stk.shards import Manifest, ShardInfo, ShardWriter
 from stk.shards.config import CacheConfig, EncodeSettings
-from stk.shards.jobs import ERRORS, JOB_COLUMNS, job_columns
+from stk.shards.jobs import ERRORS, ScanRows, read_keys
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
@@ -200,12 +200,12 @@ def _check_alignment(opts: CacheOptions, buckets: dict[str, Any]) -> None:
     check_aligned(sizes, model_alignment(opts.model, family), family, f"{opts.scan_dir}: bucket", fix)
 
 
-def _check_inputs(opts: CacheOptions) -> tuple[pa.Table, str]:
+def _check_inputs(opts: CacheOptions) -> ScanRows:
     """What needs no model weights, checked before they load (minutes with FLUX): the scan table and its
     buckets readable, the cache location writable (on S3: the bucket there, the endpoint S3), its
     manifest readable, and then, from the model's configs, its family able to train the buckets. Returns the
-    scan table's columns that jobs need, and its root."""
-    scan = read_scan_columns(opts.scan_dir, JOB_COLUMNS)
+    scan table opened to be read a batch of rows at a time."""
+    scan = ScanRows(opts.scan_dir)
     buckets = read_buckets(opts.scan_dir)
     storage.check_writable(opts.cache)
     Manifest.load(opts.cache)
@@ -214,26 +214,22 @@ def _check_inputs(opts: CacheOptions) -> tuple[pa.Table, str]:
 
 
 def _plan(
-    opts: CacheOptions,
-    scan: tuple[pa.Table, str],
-    config: CacheConfig,
-    encoders: Encoders,
-    prompts: list[str] | None,
-    world: World,
+    opts: CacheOptions, scan: ScanRows, config: CacheConfig, encoders: Encoders, prompts: list[str] | None, world: World
 ) -> tuple[_Plan, list[RowShare]]:
     manifest = _prepare_manifest(opts, config, prompts)
     texts = config.text_recipe()
-    jobs = job_columns(*scan, config.latent_recipe(), texts)
-    del scan  # the table's other columns: the jobs keep the two they need
+    jobs, row_keys, row_texts = read_keys(scan, config.latent_recipe(), texts)
+    done_latents, done_texts = cached_keys(opts.cache, manifest)
+    todo_rows = np.flatnonzero(~held(row_keys, done_latents)) if len(done_latents) else np.arange(len(jobs))
+    del row_keys  # each row's keys are dropped once used: the ranks key their own rows again
     # stk-train's extra captions, keyed like any: the empty one (--caption-dropout, guidance) and the prompts
     extra = [EMPTY_CAPTION, *manifest.validation_prompts]
-    captions = distinct_captions(jobs, extra, texts)
-    done_latents, done_texts = cached_keys(opts.cache, manifest)
-    todo_rows = np.flatnonzero(~np.isin(jobs.key, done_latents)) if len(done_latents) else np.arange(len(jobs))
+    captions = distinct_captions(row_texts, extra, texts)
+    del row_texts
     todo = jobs.take(todo_rows) if len(todo_rows) < len(jobs) else jobs
-    todo_captions = captions.take(np.flatnonzero(~np.isin(captions.key, done_texts))) if len(done_texts) else captions
+    todo_captions = captions.take(np.flatnonzero(~held(captions.key, done_texts))) if len(done_texts) else captions
     lat_order, lat_bounds = latent_batches(todo, opts.batch_size)
-    tokens = token_counts(encoders.text, todo_captions)
+    tokens = token_counts(encoders.text, todo_captions, scan)
     txt_order, txt_bounds = text_batches(todo_captions.key, tokens, opts.text_batch_size)
     lat_owner = assign(batch_sums(todo.pixels[lat_order], lat_bounds), world.size)
     txt_owner = assign(text_costs(tokens[txt_order], txt_bounds), world.size)
@@ -244,7 +240,7 @@ def _plan(
     )  # fmt: skip
     plan = _Plan(
         run_id=uuid.uuid4().hex[:8],
-        root=jobs.root,
+        root=scan.root,
         header=manifest.header(),
         images=len(jobs),
         captions=len(captions),
@@ -380,7 +376,7 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
     file = opts.validation_prompts
     prompts = world.run_everywhere(lambda: read_prompts(file) if file else None)  # before any model loads
     with leased(cache_lease(opts.cache), world):
-        scans: list[tuple[pa.Table, str]] = []  # rank 0's: read once, planned from after the model loads
+        scans: list[ScanRows] = []  # rank 0's: opened once, planned from after the model loads
         world.root_call(lambda: scans.append(_check_inputs(opts)))
         encoders, config = world.run_everywhere(lambda: _load(opts, world))
         return split_work(

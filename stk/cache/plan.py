@@ -6,9 +6,9 @@ to ranks balanced by pixels and tokens. Every
 sample is therefore encoded in the same batch whatever the rank count, which is what makes 1
 rank and N ranks give bitwise-equal tensors on CPU.
 
-Planning works on columns (stk.shards.jobs.ImageJobs, numpy and Arrow arrays): a few hundred bytes an
-image, no Python object per image; a rank's share holds its rows only, and makes ImageJobs one
-batch at a time.
+Planning works on columns (stk.shards.jobs.read_keys, ScanBuckets): fixed-width keys and integers, a few dozen
+bytes an image once the keys are used, and no Python object per image; the scan table's paths and captions are read
+a batch of rows at a time and not kept. A rank's share holds its rows only, and makes ImageJobs one batch at a time.
 """
 
 from __future__ import annotations
@@ -21,14 +21,12 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from stk import storage
 from stk.errors import InputError
-from stk.scan.reader import read_scan_columns
 from stk.shards import CacheReader, Manifest
 from stk.shards.config import CacheConfig
-from stk.shards.jobs import JOB_COLUMNS, ImageJobs, job_columns
+from stk.shards.jobs import JOB_COLUMNS, ImageJobs, ScanBuckets, ScanRows, job_columns
 from stk.shards.keys import KEY_CHARS, text_key
 
 if TYPE_CHECKING:
@@ -42,8 +40,10 @@ __all__ = [
     "batch_bounds",
     "batch_sums",
     "cached_keys",
+    "caption_chunks",
     "captions_at",
     "distinct_captions",
+    "held",
     "latent_batches",
     "local_work_dir",
     "owned",
@@ -63,27 +63,25 @@ RowShare = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 @dataclass
 class Captions:
     """Distinct captions as columns: their text keys, and where each one's text is: a row of the scan table's
-    caption column (`source` >= 0) or one of the `extra` captions (`source` -1 - i). No copy of the texts."""
+    caption column (`source` >= 0) or one of the `extra` captions (`source` -1 - i); on the rank that encodes them,
+    their texts too (`text`, read by captions_at). Rank 0 plans without holding the texts."""
 
     key: np.ndarray
     source: np.ndarray  # int64
-    column: pa.ChunkedArray
     extra: list[str]
+    text: pa.Array | None = None  # in key's order: null where the table has none
 
     def __len__(self) -> int:
         return len(self.key)
 
     def take(self, rows: np.ndarray) -> Captions:
-        return Captions(self.key[rows], self.source[rows], self.column, self.extra)
+        text = self.text.take(pa.array(rows, pa.int64())) if self.text is not None else None
+        return Captions(self.key[rows], self.source[rows], self.extra, text)
 
     def texts(self, start: int, stop: int) -> list[str]:
-        """The captions [start, stop)."""
-        source = self.source[start:stop]
-        scanned = np.flatnonzero(source >= 0)
-        out = [self.extra[-1 - s] if s < 0 else "" for s in source.tolist()]
-        for at, text in zip(scanned.tolist(), self.column.take(pa.array(source[scanned])).to_pylist(), strict=True):
-            out[at] = text or ""
-        return out
+        """The captions [start, stop) (read: captions_at)."""
+        assert self.text is not None, "captions_at reads the texts"
+        return [text or "" for text in self.text[start:stop].to_pylist()]
 
     def rows(self, start: int, stop: int) -> list[tuple[str, str]]:
         """(key, caption) of captions [start, stop)."""
@@ -91,13 +89,30 @@ class Captions:
         return list(zip(keys, self.texts(start, stop), strict=True))
 
 
-def captions_at(column: pa.ChunkedArray, extra: list[str], source: np.ndarray, recipe: dict[str, Any]) -> Captions:
-    """The captions at `source` (as Captions.source), keyed under `recipe`."""
-    captions = Captions(np.empty(len(source), f"S{KEY_CHARS}"), source, column, extra)
-    for start in range(0, len(source), TOKENIZE_CHUNK):
-        texts = captions.texts(start, start + TOKENIZE_CHUNK)
-        captions.key[start : start + len(texts)] = [text_key(text, recipe) for text in texts]
-    return captions
+def caption_chunks(scan: ScanRows, source: np.ndarray, extra: list[str]) -> Iterator[tuple[np.ndarray, list[str]]]:
+    """The texts of captions at `source` (as Captions.source), read from the scan a batch of rows at a time, in
+    chunks of at most TOKENIZE_CHUNK: where they are in `source`, and their texts."""
+    scanned = np.flatnonzero(source >= 0)
+    for at, batch in scan.by_batch(source[scanned], ["caption"]):
+        texts = [text or "" for text in batch.column(0).to_pylist()]
+        for start in range(0, len(texts), TOKENIZE_CHUNK):
+            yield scanned[at[start : start + TOKENIZE_CHUNK]], texts[start : start + TOKENIZE_CHUNK]
+    extras = np.flatnonzero(source < 0)
+    if len(extras):
+        yield extras, [extra[-1 - s] for s in source[extras].tolist()]
+
+
+def captions_at(scan: ScanRows, extra: list[str], source: np.ndarray, recipe: dict[str, Any]) -> Captions:
+    """The captions at `source` (as Captions.source) with their texts, keyed under `recipe`."""
+    key, where, texts = np.empty(len(source), f"S{KEY_CHARS}"), [], []
+    for at, chunk in caption_chunks(scan, source, extra):
+        key[at] = [text_key(text, recipe) for text in chunk]
+        where.append(at)
+        texts.append(pa.array(chunk, pa.string()))
+    inverse = np.empty(len(source), np.int64)
+    inverse[np.concatenate(where) if where else np.zeros(0, np.int64)] = np.arange(len(source))
+    text = pa.concat_arrays(texts).take(pa.array(inverse)) if texts else pa.array([], pa.string())
+    return Captions(key, source, extra, text)
 
 
 Item = TypeVar("Item", ImageJobs, Captions)
@@ -138,33 +153,44 @@ def batch_sums(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values, bounds[:-1]) if len(values) else np.zeros(0, values.dtype)
 
 
-def distinct_captions(jobs: ImageJobs, extra: list[str], recipe: dict[str, Any]) -> Captions:
-    """The captions of the jobs (a whole scan table's) and the `extra` ones, each once, in key order."""
-    keys, first = np.unique(jobs.text_key, return_index=True)
-    extra_keys = np.array([text_key(caption, recipe) for caption in extra], dtype=jobs.text_key.dtype)
-    source = np.concatenate([first.astype(np.int64), -1 - np.arange(len(extra), dtype=np.int64)])
-    keys, first = np.unique(np.concatenate([keys, extra_keys]), return_index=True)
-    return Captions(keys, source[first], jobs.caption, extra)
+def distinct_captions(row_keys: np.ndarray, extra: list[str], recipe: dict[str, Any]) -> Captions:
+    """The captions of a scan table (each row's text key) and the `extra` ones, each once, in key order; a caption
+    both scanned and extra is the scanned one."""
+    keys, first = np.unique(row_keys, return_index=True)
+    extra_keys = np.array([text_key(caption, recipe) for caption in extra], dtype=f"S{KEY_CHARS}")
+    extra_keys, extra_first = np.unique(extra_keys, return_index=True)
+    new = ~held(extra_keys, keys)
+    at = np.searchsorted(keys, extra_keys[new])
+    source = np.insert(first.astype(np.int64), at, -1 - extra_first[new].astype(np.int64))
+    return Captions(np.insert(keys, at, extra_keys[new]), source, extra)
 
 
-def latent_batches(jobs: ImageJobs, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+def held(keys: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
+    """Which of `keys` are among `sorted_keys` (sorted bytes arrays): a binary search, no sort of both."""
+    if not len(sorted_keys):
+        return np.zeros(len(keys), bool)
+    at = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    return sorted_keys[at] == keys
+
+
+def latent_batches(keys: ScanBuckets, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows in (bucket, path) order and the bounds of their batches, one bucket each."""
-    table = pa.table({"h": jobs.bucket_height, "w": jobs.bucket_width, "path": jobs.path})
-    order = pc.sort_indices(table, [("h", "ascending"), ("w", "ascending"), ("path", "ascending")]).to_numpy()
-    bucket = jobs.bucket_height[order].astype(np.int64) << 32 | jobs.bucket_width[order].astype(np.int64)
+    height, width = keys.bucket_height, keys.bucket_width
+    order = np.lexsort((width, height) if keys.path_rank is None else (keys.path_rank, width, height))
+    bucket = height[order].astype(np.int64) << 32 | width[order].astype(np.int64)
     return order, batch_bounds(bucket, batch_size)
 
 
-def token_counts(encoders: Sequence[TextEncoder], captions: Captions) -> np.ndarray:
+def token_counts(encoders: Sequence[TextEncoder], captions: Captions, scan: ScanRows) -> np.ndarray:
     """Each caption's length in tokens: the most any of the family's tokenizers gives, capped at what that encoder
-    reads (its max_length). Tokenizing is cheap next to encoding; no model runs."""
+    reads (its max_length); the texts are read from the scan a chunk at a time. Tokenizing is cheap next to
+    encoding; no model runs."""
     counts = np.zeros(len(captions), np.int32)
-    for start in range(0, len(captions), TOKENIZE_CHUNK):
-        chunk = captions.texts(start, start + TOKENIZE_CHUNK)
+    for at, chunk in caption_chunks(scan, captions.source, captions.extra):
         for encoder in encoders:
             ids = encoder.tokenizer(chunk, truncation=True, max_length=encoder.max_length)["input_ids"]
             lengths = np.fromiter((len(tokens) for tokens in ids), np.int32, len(chunk))
-            np.maximum(counts[start : start + len(chunk)], lengths, out=counts[start : start + len(chunk)])
+            counts[at] = np.maximum(counts[at], lengths)
     return counts
 
 
@@ -218,15 +244,15 @@ def rank_share(
 ) -> tuple[Share[ImageJobs], Share[Captions]]:
     """A rank's batches from its share of row numbers (of a scan table of `planned` rows), read from the scan table by
     the rank itself: the plan sends numbers, not the rows."""
-    table, root = read_scan_columns(scan_dir, JOB_COLUMNS)
-    if table.num_rows != planned:
+    scan = ScanRows(scan_dir)
+    if scan.rows != planned:
         raise InputError(
-            f"{scan_dir}: the scan table changed while stk-cache read it ({planned} rows, now {table.num_rows}): "
+            f"{scan_dir}: the scan table changed while stk-cache read it ({planned} rows, now {scan.rows}): "
             "let stk-scan finish, then rerun stk-cache"
         )
     rows, bounds, sources, text_bounds = share
-    jobs = job_columns(table.take(pa.array(rows, pa.int64())), root, config.latent_recipe(), config.text_recipe())
-    captions = captions_at(table.column("caption"), extra, sources, config.text_recipe())
+    jobs = job_columns(scan.take(rows, JOB_COLUMNS), scan.root, config.latent_recipe(), config.text_recipe())
+    captions = captions_at(scan, extra, sources, config.text_recipe())
     return Share(jobs, bounds), Share(captions, text_bounds)
 
 

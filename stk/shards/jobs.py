@@ -1,18 +1,24 @@
-"""What a scan asks of a cache: one ImageJob per scan row, keyed under a cache config's recipes, and the rows a
-cache must hold (those the last build did not skip as bad input). stk-cache encodes the jobs; stk-cache verify
-and stk-train check a cache covers them. Nothing here loads a model.
+"""What a scan asks of a cache: its rows keyed under a cache config's recipes, and the rows a cache must hold (those
+the last build did not skip as bad input). stk-cache plans and encodes them; stk-cache verify and stk-train check a
+cache covers them. Every row is read as columns, a batch of rows at a time (ScanRows), and kept as fixed-width keys
+and integers (ScanBuckets); ImageJob objects are made only for the rows one batch encodes. Nothing here loads a model.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from stk import storage
+from stk.errors import InputError
+from stk.metadata import parquet_file
+from stk.scan.outputs import METADATA
 from stk.scan.reader import ScanTable, read_scan_columns
 from stk.shards.config import CacheConfig
 from stk.shards.keys import KEY_CHARS, latent_keys, text_key
@@ -22,11 +28,13 @@ __all__ = [
     "JOB_COLUMNS",
     "ImageJob",
     "ImageJobs",
+    "ScanBuckets",
+    "ScanRows",
     "expected_columns",
-    "expected_jobs",
+    "expected_keys",
     "job_columns",
-    "jobs_for",
     "read_jobs",
+    "read_keys",
 ]
 
 ERRORS = "errors.jsonl"  # CACHE/errors.jsonl: the records the last build could not encode
@@ -51,12 +59,75 @@ class ImageJob:
 
 # the scan table's columns a job needs
 JOB_COLUMNS = ["path", "caption", "bucket_width", "bucket_height", "bytes", "mtime"]
-_KEY_CHUNK = 65_536  # rows keyed at a time: their Python values live only that long
+_IDENTITY = ["path", "bytes", "mtime", "bucket_width", "bucket_height"]  # what a latent key is made of
+_KEY_CHUNK = 65_536  # rows read and keyed at a time: their Python values live only that long
+_REQUIRED = ["path", "caption", "bytes", "mtime"]  # read a batch at a time; the buckets are read whole
+
+
+class ScanRows:
+    """The scan table opened to be read a batch of rows at a time: its compressed file is held, and each row's bucket
+    (8 bytes a row); paths and captions are read when needed, a batch at a time."""
+
+    def __init__(self, scan_dir: str) -> None:
+        table, self.root = read_scan_columns(scan_dir, ["bucket_width", "bucket_height"])
+        self.scan_dir, self.rows = scan_dir, table.num_rows
+        self.bucket_width, self.bucket_height = (
+            table.column(n).to_numpy().astype(np.int32) for n in ("bucket_width", "bucket_height")
+        )
+        location = storage.join(scan_dir, METADATA)
+        self._file = parquet_file(location)
+        missing = sorted(set(_REQUIRED) - set(self._file.schema_arrow.names))
+        if self.rows and missing:
+            raise InputError(f"{location}: not an stk scan table (missing {missing})")
+
+    def batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        """The table's `columns`, in row order, _KEY_CHUNK rows at a time."""
+        return self._file.iter_batches(_KEY_CHUNK, columns=columns) if self.rows else iter(())
+
+    def by_batch(self, rows: np.ndarray, columns: list[str]) -> Iterator[tuple[np.ndarray, pa.RecordBatch]]:
+        """Rows (numbers in the table) read a batch at a time: for each batch that holds some, where they are in
+        `rows` and their `columns`."""
+        order = np.argsort(rows, kind="stable")
+        wanted, start = rows[order], 0
+        for batch in self.batches(columns):
+            low, high = np.searchsorted(wanted, [start, start + batch.num_rows])
+            if high > low:
+                yield order[low:high], batch.take(pa.array(wanted[low:high] - start))
+            start += batch.num_rows
+
+    def take(self, rows: np.ndarray, columns: list[str]) -> pa.Table:
+        """These rows' `columns`, in the order of `rows`."""
+        where, parts = [], []
+        for at, batch in self.by_batch(rows, columns):
+            where.append(at)
+            parts.append(batch)
+        schema = self._file.schema_arrow
+        table = pa.Table.from_batches(parts, pa.schema([schema.field(c) for c in columns]))
+        inverse = np.empty(len(rows), np.int64)
+        inverse[np.concatenate(where) if where else np.zeros(0, np.int64)] = np.arange(len(rows))
+        return table.take(pa.array(inverse))
+
+    def location(self, path: str) -> str:
+        return ScanTable([], self.root).image_location(path)
+
+
+def _keyed(batch: pa.Table | pa.RecordBatch, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> tuple[
+    np.ndarray, np.ndarray
+]:  # fmt: skip
+    """Some rows' latent keys and their captions' text keys; a caption repeated among them is keyed once."""
+    identities = zip(*(batch.column(name).to_pylist() for name in _IDENTITY), strict=True)
+    key = np.array(latent_keys(identities, latent_recipe), dtype=f"S{KEY_CHARS}")
+    texts: dict[str, str] = {}
+    captions = [value or "" for value in batch.column("caption").to_pylist()]
+    for value in captions:
+        if value not in texts:
+            texts[value] = text_key(value, text_recipe)
+    return key, np.array([texts[value] for value in captions], dtype=f"S{KEY_CHARS}")
 
 
 @dataclass
 class ImageJobs:
-    """The scan rows as columns, keyed: what stk-cache plans with, a few hundred bytes a row and no Python
+    """Scan rows as columns, keyed: a rank's share of them, or the rows stk-train checks a cache covers; no Python
     object per row. `rows()` makes ImageJobs for the few rows a batch needs."""
 
     root: str  # the scan's, that relative paths are under (ScanTable.image_location)
@@ -69,10 +140,6 @@ class ImageJobs:
 
     def __len__(self) -> int:
         return len(self.key)
-
-    @property
-    def pixels(self) -> np.ndarray:
-        return self.bucket_width.astype(np.int64) * self.bucket_height
 
     def take(self, rows: np.ndarray) -> ImageJobs:
         """These rows, in this order."""
@@ -97,29 +164,14 @@ class ImageJobs:
 
 
 def job_columns(table: pa.Table, root: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> ImageJobs:
-    """A scan table's rows (JOB_COLUMNS of it) keyed under the given recipes; each distinct caption is keyed once."""
-    path, caption = table.column("path"), table.column("caption")  # the table's chunks: no copy
+    """A scan table's rows (JOB_COLUMNS of it) keyed under the given recipes."""
     key = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     text = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
-    identity = ["path", "bytes", "mtime", "bucket_width", "bucket_height"]
     for start in range(0, table.num_rows, _KEY_CHUNK):
-        chunk = table.slice(start, _KEY_CHUNK)
-        columns = [chunk.column(name).to_pylist() for name in identity]
-        key[start : start + chunk.num_rows] = latent_keys(zip(*columns, strict=True), latent_recipe)
-        texts: dict[str, str] = {}  # a caption repeated in the chunk is keyed once
-        for row, value in enumerate(caption[start : start + _KEY_CHUNK].to_pylist(), start):
-            found = texts.get(value or "")
-            text[row] = (
-                found if found is not None else texts.setdefault(value or "", text_key(value or "", text_recipe))
-            )
+        stop = min(start + _KEY_CHUNK, table.num_rows)
+        key[start:stop], text[start:stop] = _keyed(table.slice(start, _KEY_CHUNK), latent_recipe, text_recipe)
     widths, heights = (table.column(n).to_numpy().astype(np.int32) for n in ("bucket_width", "bucket_height"))
-    return ImageJobs(root, path, caption, widths, heights, key, text)
-
-
-def jobs_for(scan: ScanTable, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> list[ImageJob]:
-    """One job per scan row, keyed under the given recipes."""
-    table = pa.Table.from_pylist([{c: row.get(c) for c in JOB_COLUMNS} for row in scan.rows])
-    return job_columns(table, scan.root, latent_recipe, text_recipe).rows() if scan.rows else []
+    return ImageJobs(root, table.column("path"), table.column("caption"), widths, heights, key, text)
 
 
 def read_jobs(scan_dir: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> ImageJobs:
@@ -128,27 +180,88 @@ def read_jobs(scan_dir: str, latent_recipe: dict[str, Any], text_recipe: dict[st
     return job_columns(table, root, latent_recipe, text_recipe)
 
 
-def _bad_input_keys(cache: str) -> set[str]:
-    """Keys of the records the last build skipped as bad input (CACHE/errors.jsonl). A changed
+@dataclass
+class ScanBuckets:
+    """Every scan row's bucket and place in path order: what batching the rows needs, 8 to 16 bytes a row (read_keys
+    gives the keys beside it)."""
+
+    bucket_width: np.ndarray  # int32
+    bucket_height: np.ndarray  # int32
+    path_rank: np.ndarray | None  # each row's place in path order; None: the rows are in path order
+
+    def __len__(self) -> int:
+        return len(self.bucket_width)
+
+    @property
+    def pixels(self) -> np.ndarray:
+        return self.bucket_width.astype(np.int64) * self.bucket_height
+
+    def take(self, rows: np.ndarray) -> ScanBuckets:
+        """These rows, in this order (their path ranks kept: still comparable)."""
+        rank = self.path_rank[rows] if self.path_rank is not None else rows.astype(np.int64)
+        return ScanBuckets(self.bucket_width[rows], self.bucket_height[rows], rank)
+
+
+def _path_rank(scan: ScanRows) -> np.ndarray:
+    """Each row's place in path order (a stable sort: equal paths in row order), for a table not written in it."""
+    order = pc.sort_indices(pa.chunked_array(b.column(0) for b in scan.batches(["path"]))).to_numpy()
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return rank
+
+
+def read_keys(
+    scan: ScanRows, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]
+) -> tuple[ScanBuckets, np.ndarray, np.ndarray]:
+    """Every row's bucket and path order, latent key and caption's text key (bytes, S40) under the recipes, read a
+    batch of rows at a time: the paths and captions are not kept, and the keys can be dropped once used."""
+    key = np.empty(scan.rows, dtype=f"S{KEY_CHARS}")
+    text = np.empty(scan.rows, dtype=f"S{KEY_CHARS}")
+    start, last, in_order = 0, "", True
+    for batch in scan.batches([*_IDENTITY, "caption"]):
+        stop = start + batch.num_rows
+        key[start:stop], text[start:stop] = _keyed(batch, latent_recipe, text_recipe)
+        paths = batch.column("path")
+        in_order = (
+            in_order and last <= paths[0].as_py() and pc.all(pc.less_equal(paths[:-1], paths[1:]), min_count=0).as_py()
+        )
+        last, start = paths[-1].as_py(), stop
+    rank = None if in_order else _path_rank(scan)
+    return ScanBuckets(scan.bucket_width, scan.bucket_height, rank), key, text
+
+
+def _bad_input_keys(cache: str) -> np.ndarray:
+    """Keys of the records the last build skipped as bad input (CACHE/errors.jsonl), sorted. A changed
     image gets another key, so it is expected again."""
     try:
         raw = storage.read_bytes(storage.join(cache, ERRORS))
     except FileNotFoundError:
-        return set()
+        return np.zeros(0, f"S{KEY_CHARS}")
     rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
-    return {str(r["key"]) for r in rows if r.get("kind") in BAD_INPUT and r.get("key")}
+    keys = {str(r["key"]) for r in rows if r.get("kind") in BAD_INPUT and r.get("key")}
+    return np.array(sorted(keys), dtype=f"S{KEY_CHARS}")
+
+
+def _expected_rows(cache: str, key: np.ndarray) -> np.ndarray | None:
+    """The rows (by their latent keys) the cache must hold; None: all of them."""
+    skipped = _bad_input_keys(cache)
+    kept = np.flatnonzero(~np.isin(key, skipped)) if len(skipped) else None
+    return kept if kept is not None and len(kept) < len(key) else None
 
 
 def expected_columns(cache: str, config: CacheConfig, scan_dir: str) -> tuple[ImageJobs, int]:
     """The scan rows the cache must hold, as columns keyed under its config's recipes, and how many rows the
     last build skipped as bad input (not expected)."""
     jobs = read_jobs(scan_dir, config.latent_recipe(), config.text_recipe())
-    skipped = np.array(sorted(_bad_input_keys(cache)), dtype=f"S{KEY_CHARS}")
-    kept = np.flatnonzero(~np.isin(jobs.key, skipped)) if len(skipped) else np.arange(len(jobs))
-    return (jobs.take(kept) if len(kept) < len(jobs) else jobs), len(jobs) - len(kept)
+    kept = _expected_rows(cache, jobs.key)
+    return (jobs, 0) if kept is None else (jobs.take(kept), len(jobs) - len(kept))
 
 
-def expected_jobs(cache: str, config: CacheConfig, scan_dir: str) -> tuple[list[ImageJob], int]:
-    """expected_columns as ImageJobs."""
-    jobs, skipped = expected_columns(cache, config, scan_dir)
-    return jobs.rows(), skipped
+def expected_keys(cache: str, config: CacheConfig, scan: ScanRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """expected_columns as keys alone, no strings kept: the latent keys and the distinct text keys (sorted) of the
+    rows the cache must hold, and which rows those are."""
+    _, keys, texts = read_keys(scan, config.latent_recipe(), config.text_recipe())
+    kept = _expected_rows(cache, keys)
+    if kept is None:
+        return keys, np.unique(texts), np.arange(len(keys))
+    return keys[kept], np.unique(texts[kept]), kept

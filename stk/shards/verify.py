@@ -9,10 +9,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from stk import storage
 from stk.errors import InputError
 from stk.shards.integrity import MISSING, problem
-from stk.shards.layout import open_h5, shard_keys, shard_location
+from stk.shards.layout import open_h5, shard_key_arrays, shard_location
 from stk.shards.manifest import Manifest
 
 __all__ = ["VerifyReport", "verify"]
@@ -34,25 +36,39 @@ class VerifyReport:
         return not (self.missing_shards or self.damaged_shards or self.missing_latent_keys or self.missing_text_keys)
 
 
-def _check(path: str, entry: dict[str, Any]) -> tuple[str | None, list[str], list[str]]:
-    """Why a local shard file is damaged (or None), and its latent and text keys."""
+_NONE = np.zeros(0, "S1")
+
+
+def _check(path: str, entry: dict[str, Any]) -> tuple[str | None, list[np.ndarray], np.ndarray]:
+    """Why a local shard file is damaged (or None), and its latent and text keys (bytes arrays)."""
     why = problem(path, entry)
     if why is not None:
-        return why, [], []
+        return why, [], _NONE
     try:
         with open_h5(path, "r") as file:
-            latents, texts = shard_keys(file)
+            latents, texts = shard_key_arrays(file)
     except (OSError, ValueError) as exc:
-        return f"unreadable: {exc}", [], []
+        return f"unreadable: {exc}", [], _NONE
     found = sum(len(keys) for keys in latents.values())
     if (found, len(texts)) != (entry["latents"], entry["texts"]):
         listed = f"{entry['latents']} and {entry['texts']}"
-        return f"{found} latents and {len(texts)} texts, the manifest lists {listed}", [], []
-    return None, [k for keys in latents.values() for k in keys], texts
+        return f"{found} latents and {len(texts)} texts, the manifest lists {listed}", [], _NONE
+    return None, list(latents.values()), texts
+
+
+def _missing(expected: Iterable[str] | np.ndarray | None, found: list[np.ndarray]) -> list[str]:
+    """The expected keys no intact shard holds, sorted (arrays compared: no Python object per key)."""
+    if expected is None:
+        return []
+    wanted = expected if isinstance(expected, np.ndarray) else np.array([k.encode() for k in expected], dtype=bytes)
+    held = np.concatenate(found) if found else _NONE
+    return [key.decode() for key in np.setdiff1d(wanted, held).tolist()]
 
 
 def verify(
-    cache: str, expected_latent_keys: Iterable[str] | None = None, expected_text_keys: Iterable[str] | None = None
+    cache: str,
+    expected_latent_keys: Iterable[str] | np.ndarray | None = None,
+    expected_text_keys: Iterable[str] | np.ndarray | None = None,
 ) -> VerifyReport:
     """Recompute every listed shard's sha256 (an s3:// shard is downloaded to a temp file, one at
     a time) and report missing or damaged shards, and expected keys that no intact shard holds."""
@@ -60,8 +76,8 @@ def verify(
     if manifest is None:
         raise InputError(f"{cache}: no manifest.json (not a cache, or stk-cache has not finished a shard yet)")
     report = VerifyReport(shards=len(manifest.shards))
-    latent_keys: set[str] = set()
-    text_keys: set[str] = set()
+    latent_keys: list[np.ndarray] = []  # each intact shard's, as stored
+    text_keys: list[np.ndarray] = []
     with tempfile.TemporaryDirectory(prefix="stk-verify-") as scratch:
         for entry in manifest.shards:
             name = str(entry["name"])
@@ -82,9 +98,9 @@ def verify(
                 report.missing_shards.append(name)
             elif why is not None:
                 report.damaged_shards.append(f"{name}: {why}")
-            latent_keys.update(latents)
-            text_keys.update(texts)
-    report.latents, report.texts = len(latent_keys), len(text_keys)
-    report.missing_latent_keys = sorted(set(expected_latent_keys or ()) - latent_keys)
-    report.missing_text_keys = sorted(set(expected_text_keys or ()) - text_keys)
+            latent_keys += latents
+            text_keys.append(texts)
+    report.latents, report.texts = (len(np.unique(np.concatenate(k))) if k else 0 for k in (latent_keys, text_keys))
+    report.missing_latent_keys = _missing(expected_latent_keys, latent_keys)
+    report.missing_text_keys = _missing(expected_text_keys, text_keys)
     return report

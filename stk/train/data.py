@@ -24,10 +24,9 @@ from stk import storage
 from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
 from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
-from stk.scan.reader import read_scan
 from stk.shards import CacheReader, Manifest, TextRecord
 from stk.shards.config import CacheConfig
-from stk.shards.jobs import ImageJob, jobs_for
+from stk.shards.jobs import ImageJob, ImageJobs, read_jobs
 from stk.shards.keys import text_key
 from stk.train.batch import Batch, collate_text, stack_float32
 from stk.train.sampler import key_array
@@ -149,6 +148,26 @@ class CacheData:
 
 # --------------------------------------------------------------------------------------- images
 
+_PATH_CHUNK = 65_536  # paths made bytes at a time: their Python values live only that long
+
+
+def _path_buckets(jobs: ImageJobs, factor: int) -> tuple[dict[BucketShape, np.ndarray], dict[BucketShape, np.ndarray]]:
+    """Latent (h, w) -> its rows' paths (UTF-8 bytes, sorted) and, beside them, the rows: columns, no Python object
+    per row."""
+    paths = np.concatenate(
+        [key_array(jobs.path[start : start + _PATH_CHUNK].to_pylist()) for start in range(0, len(jobs), _PATH_CHUNK)]
+        or [np.zeros(0, "S1")]
+    )
+    height, width = jobs.bucket_height // factor, jobs.bucket_width // factor
+    order = np.lexsort((paths, width, height))
+    bucket = height[order].astype(np.int64) << 32 | width[order]
+    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]]) if len(order) else np.zeros(0, np.int64)
+    by_path, rows = {}, {}
+    for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), len(order)], strict=True):
+        hw = (int(height[order[start]]), int(width[order[start]]))
+        by_path[hw], rows[hw] = paths[order[start:stop]], order[start:stop]
+    return by_path, rows
+
 
 class ImageData:
     """TrainData for --vae-on-the-fly, straight from a stk-scan table and its images; thread-safe.
@@ -165,32 +184,31 @@ class ImageData:
         self.vae_scale_factor = vae_scale_factor
         self.crop = CropMode(crop)
         # the latent key of a made-up recipe: a stable per-image seed for random crops
-        jobs = jobs_for(read_scan(scan_dir), {"on_the_fly_crop_seed": seed}, {})
-        self._jobs = {job.path: job for job in jobs}
-        for job in jobs:
-            if job.bucket_width % vae_scale_factor or job.bucket_height % vae_scale_factor:
-                raise InputError(
-                    f"{scan_dir}: bucket {job.bucket_width}x{job.bucket_height} is not a multiple of the VAE's "
-                    f"scale factor {vae_scale_factor}: scan again with an --alignment that is"
-                )
+        self._jobs = read_jobs(scan_dir, {"on_the_fly_crop_seed": seed}, {})
+        jobs, f = self._jobs, vae_scale_factor
+        bad = np.flatnonzero((jobs.bucket_width % f != 0) | (jobs.bucket_height % f != 0))
+        if len(bad):
+            raise InputError(
+                f"{scan_dir}: bucket {jobs.bucket_width[bad[0]]}x{jobs.bucket_height[bad[0]]} is not a multiple of the "
+                f"VAE's scale factor {f}: scan again with an --alignment that is"
+            )
+        self._buckets, self._rows = _path_buckets(jobs, f)
 
     def buckets(self) -> dict[BucketShape, list[str]]:
-        f = self.vae_scale_factor
-        out: dict[BucketShape, list[str]] = {}
-        for job in self._jobs.values():
-            out.setdefault((job.bucket_height // f, job.bucket_width // f), []).append(job.path)
-        return {hw: sorted(out[hw]) for hw in sorted(out)}
+        return {hw: [path.decode("utf-8", "surrogateescape") for path in paths.tolist()] for hw, paths in
+                self._buckets.items()}  # fmt: skip
 
     def bucket_keys(self) -> dict[BucketShape, np.ndarray]:
-        return {hw: key_array(paths) for hw, paths in self.buckets().items()}
+        return dict(self._buckets)
 
     def load(self, keys: list[str]) -> Batch:
-        unknown = [key for key in keys if key not in self._jobs]
+        rows = self._find(keys)
+        unknown = [key for key, row in zip(keys, rows.tolist(), strict=True) if row < 0]
         if unknown:
             raise InputError(
                 f"{len(unknown)} paths are not in the scan table {self.scan_dir} (the first: {unknown[0]})"
             )
-        jobs = [self._jobs[key] for key in keys]
+        jobs = self._jobs.take(rows).rows()
         sizes = sorted({(job.bucket_width, job.bucket_height) for job in jobs})
         if len(sizes) != 1:
             raise ValueError(f"a batch holds one bucket, got {sizes}")
@@ -202,6 +220,15 @@ class ImageData:
             pixels=torch.from_numpy(np.stack([item.pixels for item in items])),  # as stk-cache feeds its VAE
             captions=[job.caption for job in jobs],
         )
+
+    def _find(self, keys: list[str]) -> np.ndarray:
+        """The scan rows of these paths (-1: not in the scan), searched in each bucket's sorted paths."""
+        wanted, rows = key_array(keys), np.full(len(keys), -1, np.int64)
+        for hw, paths in self._buckets.items():
+            at = np.minimum(np.searchsorted(paths, wanted), len(paths) - 1)
+            found = paths[at] == wanted
+            rows[found] = self._rows[hw][at[found]]
+        return rows
 
     def _pixels(self, job: ImageJob) -> Preprocessed:
         try:

@@ -30,9 +30,8 @@ from support.commands import summary_of
 from stk.models import Family, load_encoders
 from stk.preprocess import CropMode, preprocess
 from stk.prompts import EMPTY_CAPTION
-from stk.scan.reader import read_scan
 from stk.shards import CacheReader, Manifest
-from stk.shards.jobs import ImageJob, jobs_for
+from stk.shards.jobs import ImageJob, read_jobs
 from stk.shards.keys import text_key
 
 pytestmark = pytest.mark.integration
@@ -51,7 +50,7 @@ def jobs_of(cache: Path | str, scan: Path) -> list[ImageJob]:
     manifest = Manifest.load(str(cache))
     assert manifest is not None
     config = manifest.cache_config(str(cache))
-    return jobs_for(read_scan(str(scan)), config.latent_recipe(), config.text_recipe())
+    return read_jobs(str(scan), config.latent_recipe(), config.text_recipe()).rows()
 
 
 @families

@@ -15,9 +15,8 @@ import torch
 from support.processes import loader_threads
 from support.train_caches import Built, assert_same_batch, sampler_batches
 
-from stk.scan.reader import read_scan
 from stk.shards import CacheReader, Manifest
-from stk.shards.jobs import jobs_for
+from stk.shards.jobs import read_jobs
 from stk.train.batch import Batch
 from stk.train.data import BatchLoader, CacheData, TrainData
 
@@ -26,7 +25,7 @@ integration = pytest.mark.integration
 
 @integration
 def test_cache_data_buckets_and_batches_are_the_cached_arrays_as_float32(train_data_built: Built) -> None:
-    jobs = jobs_for(read_scan(str(train_data_built.scan)), *_recipes(train_data_built.cache))
+    jobs = read_jobs(str(train_data_built.scan), *_recipes(train_data_built.cache)).rows()
     with CacheData(str(train_data_built.cache)) as data, CacheReader(str(train_data_built.cache)) as reader:
         assert data.config.family == "sdxl" and data.manifest.config["family"] == "sdxl"
         assert data.config.norm.scaling_factor == pytest.approx(0.13025) and data.config.norm.shift_factor is None
