@@ -1,18 +1,16 @@
 """S3 and S3-compatible stores (R2, MinIO, SeaweedFS) through boto3.
 
-Credentials come only from boto3's standard chain (environment, profile, instance role); the
-endpoint from `configure_s3(endpoint_url=...)`, or boto3's own AWS_ENDPOINT_URL(_S3) / profile.
+Credentials come only from boto3's standard chain (environment, profile, instance role); the endpoint from
+`configure_s3(endpoint_url=...)`, or boto3's own AWS_ENDPOINT_URL(_S3) / profile.
 
-Outages are ridden through in two layers. botocore's standard retry mode absorbs blips (a few
-attempts, its own backoff and throttling handling). Past that, every call goes through `_call`,
-which retries transient failures (no connection, timeouts, 5xx, throttling: botocore's own
-classification) with backoff until `retry_seconds` have passed since the call, or the endpoint,
-stopped answering; then it raises InfraError. Each waiting period is logged once per process,
-when it starts and when it ends, whatever the number of threads waiting in it. Errors that a
-retry cannot fix (no bucket, access denied, no such key) are raised at once, and so are two that
-look like an outage but are a wrong --s3-endpoint-url: a host name that has never resolved in
-this process (one that resolved before and fails now is an outage: a DNS server can go down), and
-a server that answers HTTP without S3's error documents (a web server, a proxy's own page).
+Outages are ridden through in two layers. botocore's standard retry mode absorbs blips (a few attempts, its own backoff
+and throttling handling). Past that, every call goes through `_call`, which retries transient failures (no connection,
+timeouts, 5xx, throttling: botocore's own classification) with backoff until `retry_seconds` have passed since the call,
+or the endpoint, stopped answering; then it raises InfraError. Each waiting period is logged once per process, when it
+starts and when it ends, whatever the number of threads waiting in it. Errors that a retry cannot fix (no bucket, access
+denied, no such key) are raised at once, and so are two that look like an outage but are a wrong --s3-endpoint-url: a
+host name that has never resolved in this process (one that resolved before and fails now is an outage: a DNS server can
+go down), and a server that answers HTTP without S3's error documents (a web server, a proxy's own page).
 """
 
 from __future__ import annotations
