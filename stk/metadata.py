@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from stk import storage
 from stk.errors import InputError
 
-__all__ = ["DEFAULT_ALIASES", "parquet_file", "read_columns", "read_parquet", "to_json_lines", "write_parquet"]
+__all__ = ["DEFAULT_ALIASES", "parquet_file", "read_columns", "to_json_lines", "write_parquet"]
 
 # Column names other trainers use, in order of preference, for each field stk reads.
 DEFAULT_ALIASES: dict[str, tuple[str, ...]] = {
@@ -139,13 +139,6 @@ def parquet_file(location: str) -> pq.ParquetFile:
     """A parquet file to read in parts (row groups, batches, some columns): its compressed bytes are held, not its
     decoded table."""
     return pq.ParquetFile(io.BytesIO(storage.read_bytes(location)))
-
-
-def read_parquet(location: str, columns: list[str] | None = None) -> pa.Table:
-    """The table, or those of `columns` it has (a missing one is the caller's to report)."""
-    file = parquet_file(location)
-    names = file.schema_arrow.names
-    return file.read(columns=[c for c in columns if c in names] if columns is not None else None)
 
 
 def to_json_lines(rows: Iterable[Mapping[str, Any]]) -> str:

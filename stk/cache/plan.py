@@ -26,7 +26,7 @@ from stk import storage
 from stk.errors import InputError
 from stk.shards import CacheReader, Manifest
 from stk.shards.config import CacheConfig
-from stk.shards.jobs import JOB_COLUMNS, ImageJobs, ScanBuckets, ScanRows, job_columns
+from stk.shards.jobs import JOB_COLUMNS, ImageJobs, ScanBuckets, ScanRows, inverse_permutation, job_columns
 from stk.shards.keys import KEY_CHARS, text_key
 
 if TYPE_CHECKING:
@@ -109,8 +109,7 @@ def captions_at(scan: ScanRows, extra: list[str], source: np.ndarray, recipe: di
         key[at] = [text_key(text, recipe) for text in chunk]
         where.append(at)
         texts.append(pa.array(chunk, pa.string()))
-    inverse = np.empty(len(source), np.int64)
-    inverse[np.concatenate(where) if where else np.zeros(0, np.int64)] = np.arange(len(source))
+    inverse = inverse_permutation(np.concatenate([np.zeros(0, np.int64), *where]))
     text = pa.concat_arrays(texts).take(pa.array(inverse)) if texts else pa.array([], pa.string())
     return Captions(key, source, extra, text)
 

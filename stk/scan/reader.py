@@ -9,14 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
-from stk.metadata import read_parquet
+from stk.metadata import parquet_file
 from stk.scan.outputs import BUCKETS, METADATA, SUMMARY
 
-__all__ = ["ScanTable", "damaged", "read_buckets", "read_scan", "read_scan_columns"]
+__all__ = ["ScanTable", "damaged", "open_scan", "read_buckets", "read_scan", "read_scan_columns"]
 
 log = get_logger("scan")
 
@@ -45,16 +46,16 @@ def read_scan(scan_dir: str) -> ScanTable:
     return ScanTable(table.to_pylist(), root)
 
 
-def read_scan_columns(scan_dir: str, columns: list[str] | None = None) -> tuple[pa.Table, str]:
-    """The scan table (`columns` of it, or all) as Arrow columns, and the root its paths are relative to. A directory
-    that is no scan is a wrong input (exit 3); a scan file that cannot be read is damage (exit 6), named with its
-    rebuild."""
+def open_scan(scan_dir: str, columns: list[str] | None = None) -> tuple[pq.ParquetFile, str]:
+    """The scan table opened to be read in parts (its compressed bytes read once and held), and the root its paths are
+    relative to. A directory that is no scan is a wrong input (exit 3), and so is a table without the `columns` (or
+    all of stk's) that stk needs; a scan file that cannot be read is damage (exit 6), named with its rebuild."""
     table_path = storage.join(scan_dir, METADATA)
     summary = _read_summary(scan_dir)
     if not storage.exists(table_path):
         raise InputError(f"{scan_dir}: no {METADATA} (not an stk-scan output directory; run stk-scan first)")
     try:
-        table = read_parquet(table_path, columns)
+        file = parquet_file(table_path)
     except pa.ArrowException as exc:  # pyarrow's I/O errors are ArrowException too; a permission error is not
         raise damaged(table_path, f"not a readable parquet file: {exc}", scan_dir, summary) from None
     root = str(summary.get("root", ""))
@@ -63,10 +64,22 @@ def read_scan_columns(scan_dir: str, columns: list[str] | None = None) -> tuple[
             "%s records the relative root %r (an older stk-scan): read from the current directory; "
             "rerun stk-scan (it reuses unchanged rows) to record it absolutely", storage.join(scan_dir, SUMMARY), root,
         )  # fmt: skip
-    missing = (_REQUIRED & set(columns or _REQUIRED)) - set(table.column_names)
-    if table.num_rows and missing:
+    missing = (_REQUIRED & set(columns or _REQUIRED)) - set(file.schema_arrow.names)
+    if file.metadata.num_rows and missing:
         raise InputError(f"{table_path}: not an stk scan table (missing {sorted(missing)})")
-    return table, root
+    return file, root
+
+
+def read_scan_columns(scan_dir: str, columns: list[str] | None = None) -> tuple[pa.Table, str]:
+    """The scan table (`columns` of it, or all) as Arrow columns, and the root its paths are relative to (errors as
+    open_scan's)."""
+    file, root = open_scan(scan_dir, columns)
+    names = file.schema_arrow.names
+    try:
+        return file.read(columns=[c for c in columns if c in names] if columns is not None else None), root
+    except pa.ArrowException as exc:
+        table_path = storage.join(scan_dir, METADATA)
+        raise damaged(table_path, f"not a readable parquet file: {exc}", scan_dir, _read_summary(scan_dir)) from None
 
 
 def damaged(location: str, why: str, scan_dir: str, summary: dict[str, Any] | None = None) -> CacheIncomplete:

@@ -16,10 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
-from stk.errors import InputError
-from stk.metadata import parquet_file
-from stk.scan.outputs import METADATA
-from stk.scan.reader import ScanTable, read_scan_columns
+from stk.scan.reader import ScanTable, open_scan, read_scan_columns
 from stk.shards.config import CacheConfig
 from stk.shards.keys import KEY_CHARS, latent_keys, text_key
 
@@ -32,6 +29,7 @@ __all__ = [
     "ScanRows",
     "expected_columns",
     "expected_keys",
+    "inverse_permutation",
     "job_columns",
     "read_jobs",
     "read_keys",
@@ -61,7 +59,6 @@ class ImageJob:
 JOB_COLUMNS = ["path", "caption", "bucket_width", "bucket_height", "bytes", "mtime"]
 _IDENTITY = ["path", "bytes", "mtime", "bucket_width", "bucket_height"]  # what a latent key is made of
 _KEY_CHUNK = 65_536  # rows read and keyed at a time: their Python values live only that long
-_REQUIRED = ["path", "caption", "bytes", "mtime"]  # read a batch at a time; the buckets are read whole
 
 
 class ScanRows:
@@ -69,16 +66,13 @@ class ScanRows:
     (8 bytes a row); paths and captions are read when needed, a batch at a time."""
 
     def __init__(self, scan_dir: str) -> None:
-        table, self.root = read_scan_columns(scan_dir, ["bucket_width", "bucket_height"])
-        self.scan_dir, self.rows = scan_dir, table.num_rows
+        self._file, self.root = open_scan(scan_dir, JOB_COLUMNS)
+        self.scan_dir, self.rows = scan_dir, self._file.metadata.num_rows
+        buckets = self._file.read(columns=["bucket_width", "bucket_height"]) if self.rows else None
         self.bucket_width, self.bucket_height = (
-            table.column(n).to_numpy().astype(np.int32) for n in ("bucket_width", "bucket_height")
+            buckets.column(n).to_numpy().astype(np.int32) if buckets else np.zeros(0, np.int32)
+            for n in ("bucket_width", "bucket_height")
         )
-        location = storage.join(scan_dir, METADATA)
-        self._file = parquet_file(location)
-        missing = sorted(set(_REQUIRED) - set(self._file.schema_arrow.names))
-        if self.rows and missing:
-            raise InputError(f"{location}: not an stk scan table (missing {missing})")
 
     def batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         """The table's `columns`, in row order, _KEY_CHUNK rows at a time."""
@@ -103,12 +97,15 @@ class ScanRows:
             parts.append(batch)
         schema = self._file.schema_arrow
         table = pa.Table.from_batches(parts, pa.schema([schema.field(c) for c in columns]))
-        inverse = np.empty(len(rows), np.int64)
-        inverse[np.concatenate(where) if where else np.zeros(0, np.int64)] = np.arange(len(rows))
-        return table.take(pa.array(inverse))
+        return table.take(pa.array(inverse_permutation(np.concatenate([np.zeros(0, np.int64), *where]))))
 
-    def location(self, path: str) -> str:
-        return ScanTable([], self.root).image_location(path)
+
+def inverse_permutation(order: np.ndarray) -> np.ndarray:
+    """Where each item of a permutation went: `inverse[order[i]] == i`, so taking `inverse` of items put in `order`
+    puts them back (O(n), where an argsort of `order` is O(n log n))."""
+    inverse = np.empty(len(order), np.int64)
+    inverse[order] = np.arange(len(order))
+    return inverse
 
 
 def _keyed(batch: pa.Table | pa.RecordBatch, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> tuple[
@@ -204,10 +201,8 @@ class ScanBuckets:
 
 def _path_rank(scan: ScanRows) -> np.ndarray:
     """Each row's place in path order (a stable sort: equal paths in row order), for a table not written in it."""
-    order = pc.sort_indices(pa.chunked_array(b.column(0) for b in scan.batches(["path"]))).to_numpy()
-    rank = np.empty(len(order), np.int64)
-    rank[order] = np.arange(len(order))
-    return rank
+    paths = pa.chunked_array(batch.column(0) for batch in scan.batches(["path"]))
+    return inverse_permutation(pc.sort_indices(paths).to_numpy())
 
 
 def read_keys(

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stk.errors import InputError
-from stk.metadata import read_columns, read_parquet, to_json_lines, write_parquet
+from stk.metadata import read_columns, to_json_lines, write_parquet
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ def test_parquet_round_trip(tmp_path: Path) -> None:
     )
     location = str(tmp_path / "new" / "dir" / "t.parquet")
     write_parquet(table, location)
-    back = read_parquet(location)
+    back = pq.read_table(location)
     assert back.equals(table)
     assert back.schema == table.schema
     assert os.listdir(tmp_path / "new" / "dir") == ["t.parquet"]  # no temp file left
@@ -205,7 +205,7 @@ def test_write_parquet_replaces_the_old_table(tmp_path: Path) -> None:
     location = str(tmp_path / "t.parquet")
     write_parquet(pa.table({"path": ["old.jpg"]}), location)
     write_parquet(pa.table({"path": ["new1.jpg", "new2.jpg"]}), location)
-    assert read_parquet(location).column("path").to_pylist() == ["new1.jpg", "new2.jpg"]
+    assert pq.read_table(location).column("path").to_pylist() == ["new1.jpg", "new2.jpg"]
     # and stk reads its own table back
     assert [r.path for r in read_rows(location, {})] == ["new1.jpg", "new2.jpg"]
 
