@@ -27,6 +27,7 @@ __all__ = [
     "make_buckets",
     "nearest_aligned",
     "nearest_multiples",
+    "ways_out",
 ]
 
 
@@ -171,21 +172,30 @@ class BatchCheck:
         return self.repeats
 
     def message(self) -> str:
+        return "\n".join([*self.short_lines(), ways_out(datasets=False)])
+
+    def short_lines(self, dataset: str | None = None) -> list[str]:
+        """The short buckets; of one `dataset` of several, named, with its own repeats."""
+        given = f"in dataset {dataset!r} with repeats" if dataset else "with --repeats"
         lines = [
             f"{len(self.short)} bucket(s) hold fewer samples than the effective batch size "
-            f"{self.effective_batch_size} (batch size x GPUs x gradient accumulation), with --repeats {self.repeats}:"
+            f"{self.effective_batch_size} (batch size x GPUs x gradient accumulation), {given} {self.repeats}:"
         ]
         for s in self.short:
             lines.append(
                 f"  bucket {s.bucket.id} ({s.bucket.width}x{s.bucket.height}): {s.count} images, "
-                f"{s.samples} samples; needs --repeats >= {s.min_repeats}"
+                f"{s.samples} samples; needs {'repeats' if dataset else '--repeats'} >= {s.min_repeats}"
             )
-        lines.append(
-            "Ways out: --allow-oversubscription (applies those repeats to the short buckets), a smaller "
-            "--batch-size or --grad-accum, more images, or a wider --alignment / narrower aspect range "
-            "so that fewer, fuller buckets are made."
-        )
-        return "\n".join(lines)
+        return lines
+
+
+def ways_out(datasets: bool) -> str:
+    """What to change when buckets are short (the last line of a failed batch check)."""
+    return (
+        "Ways out: --allow-oversubscription (applies those repeats to the short buckets), a smaller "
+        f"--batch-size or --grad-accum, more images{', higher repeats' if datasets else ''}, or a wider "
+        "--alignment / narrower aspect range so that fewer, fuller buckets are made."
+    )
 
 
 def check_batches(counts: dict[int, int], buckets: list[Bucket], effective: int, repeats: int = 1) -> BatchCheck:

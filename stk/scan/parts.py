@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from stk.metadata import to_json_lines
 from stk.storage.failures import storage_errors
 
-__all__ = ["PARTS_DIR", "PartWriter", "clear_parts", "stream_jsonl", "stream_parquet"]
+__all__ = ["PARTS_DIR", "PartWriter", "atomic_file", "clear_parts", "stream_jsonl", "stream_parquet"]
 
 PARTS_DIR = ".scan-parts"
 
@@ -58,7 +58,7 @@ def _batches(parts: list[str]) -> Iterator[pa.RecordBatch]:
 
 
 @contextlib.contextmanager
-def _atomic(location: str) -> Iterator[str]:
+def atomic_file(location: str) -> Iterator[str]:
     """A temporary name next to `location`, renamed over it once the block succeeds: readers see
     the old file or the new one, never a part."""
     with storage_errors(location, saving=True):  # pyarrow's errors name no file: name the one being written
@@ -76,14 +76,14 @@ def _atomic(location: str) -> Iterator[str]:
 
 def stream_parquet(parts: list[str], location: str, schema: pa.Schema) -> None:
     """The parts, in order, as one parquet file with `schema` (and its metadata)."""
-    with _atomic(location) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+    with atomic_file(location) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
         for batch in _batches(parts):
             writer.write_batch(batch)
 
 
 def stream_jsonl(parts: list[str], location: str) -> None:
     """The parts' rows, in order, as JSON lines."""
-    with _atomic(location) as tmp, open(tmp, "w", encoding="utf-8") as out:
+    with atomic_file(location) as tmp, open(tmp, "w", encoding="utf-8") as out:
         for batch in _batches(parts):
             out.write(to_json_lines(batch.to_pylist()))
 
