@@ -18,6 +18,7 @@ from stk.storage.failures import storage_errors
 from stk.world import World, exit_now, failed_rank, get_world, raised_on_every_rank
 
 __all__ = [
+    "CONFIG_FILE",
     "CONTEXT",
     "common_options",
     "config_option",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+CONFIG_FILE = "stk.config_file"  # the --config file's path, in click's context meta
 T = TypeVar("T")
 log = get_logger("cli")
 
@@ -44,6 +46,7 @@ def CONTEXT(command: str) -> dict[str, Any]:
 
 def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     if value:
+        ctx.meta[CONFIG_FILE] = value  # for a command that reads more of the file than its table (stk-scan's datasets)
         # the table is named after the command: STK_CACHE -> [cache], whatever the subcommand
         command = (ctx.auto_envvar_prefix or "").removeprefix("STK_").lower()
         try:

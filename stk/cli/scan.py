@@ -12,6 +12,7 @@ import click
 from stk.buckets import BucketSpec, ResolutionType
 from stk.captions import MissingCaption
 from stk.cli.common import (
+    CONFIG_FILE,
     CONTEXT,
     common_options,
     default_of,
@@ -20,14 +21,20 @@ from stk.cli.common import (
     run_command,
     run_process,
 )
+from stk.datasets import DatasetSpec, datasets_in_config, datasets_toml, read_datasets
+from stk.errors import InputError
 from stk.imageformats import FORMAT_NAMES, accepted_formats
+from stk.log import get_logger
 from stk.models.families import Family, family_names
 from stk.scan import ScanOptions, run_scan
+from stk.scan.datasets import run_datasets
 from stk.scan.gpus import training_gpus
 from stk.scan.outputs import METADATA
 from stk.scan.probe import ProbeOptions
 from stk.scan.records import json_lines
 from stk.world import World
+
+log = get_logger("scan")
 
 EPILOG = """\b
 Examples:
@@ -36,9 +43,11 @@ Examples:
   find /data -name '*.jpg' | stk-scan - --out scan --jsonl | jq -r .caption
   stk-scan /data/images --out scan --formats jpeg,png          # only JPEG and PNG
   mpiexec -n 8 stk-scan /data/images --out /shared/scan      # every rank shares the work
+  stk-scan --datasets multidatabackend.json --print-config > datasets.toml   # check, then keep it
+  stk-scan --datasets datasets.toml --out /shared/scan --batch-size 4
 
 \b
-Exit codes: 0 done; 2 bad option; 3 source or output unusable;
+Exit codes: 0 done; 2 bad option; 3 source, dataset list or output unusable;
 4 more bad files than --max-errors (outputs written, see errors.jsonl);
 5 a bucket cannot fill one effective batch (outputs written; see the message).
 """
@@ -60,12 +69,27 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 
 
 @click.command("scan", context_settings=CONTEXT("scan"), epilog=EPILOG)
-@click.argument("source")
+@click.argument("source", required=False)
+@click.option(
+    "--datasets",
+    "datasets_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    show_envvar=True,
+    help="Scan several datasets, each with its own settings, instead of SOURCE: stk's TOML ([[dataset]] "
+    "tables; --config's own [[dataset]] tables do the same), SimpleTuner's multidatabackend.json or kohya's "
+    "dataset TOML. A field a dataset leaves out takes the option of the same name.",
+)
+@click.option(
+    "--print-config",
+    is_flag=True,
+    help="Print the datasets as stk's TOML (what --datasets understood; warnings on stderr) and exit.",
+)
 @click.option(
     "--out",
-    required=True,
     show_envvar=True,
-    help="Scan directory for metadata.parquet, buckets.json, errors.jsonl (shared storage under MPI).",
+    help="Scan directory for metadata.parquet, buckets.json, errors.jsonl (shared storage under MPI); required "
+    "unless --print-config.",
 )
 @click.option(
     "--root",
@@ -207,7 +231,9 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 )
 @common_options
 def main(
-    source: str,
+    source: str | None,
+    datasets_file: str | None,
+    print_config: bool,
     column: tuple[str, ...],
     formats: str | None,
     jsonl: bool,
@@ -223,7 +249,13 @@ def main(
     trainer), or - for paths and URLs on stdin. Only image headers are read. Rerunning reuses
     unchanged rows and finishes an interrupted scan. Run it under mpiexec or srun to use every
     rank of the job.
+
+    With --datasets, each dataset is scanned into --out/datasets/NAME and --out holds all of them:
+    the table's `dataset` column, each dataset's own buckets and repeats in buckets.json.
     """
+    config_file = click.get_current_context().meta.get(CONFIG_FILE)
+    if not params["out"] and not print_config:
+        raise click.UsageError("Missing option '--out'.")
     mapping = _columns(column)
     try:
         accepted = accepted_formats(formats)
@@ -233,6 +265,13 @@ def main(
     probe = ProbeOptions(params["max_pixels"], MissingCaption(params["missing_caption"]), accepted)
 
     def body(world: World) -> int:
+        datasets = _dataset_list(source, datasets_file, config_file)
+        if print_config:
+            if datasets is None:
+                raise InputError("--print-config prints a list of datasets: give --datasets FILE")
+            if world.is_root:
+                sys.stdout.write(datasets_toml(datasets))
+            return 0
         alignment = _alignment(params["alignment"], family)
         spec = options_from(BucketSpec, params, resolution_type=ResolutionType(params["resolution_type"]),
                             alignment=alignment)  # fmt: skip
@@ -241,7 +280,7 @@ def main(
         opts = options_from(
             ScanOptions,
             params,
-            source=source,
+            source=source or "",
             out_dir=params["out"],
             stdin_lines=_stdin_lines() if source == "-" and world.is_root else None,
             table_root=params["root"],
@@ -252,14 +291,34 @@ def main(
             gpus_from=training_from,
             oversubscribe=params["allow_oversubscription"],
         )
-        summary = run_scan(opts, world)
+        if datasets is None:
+            summary = run_scan(opts, world).__dict__
+        else:
+            summary = run_datasets(datasets, opts, world, datasets_file or str(config_file))
         if world.is_root and jsonl:
             sys.stdout.writelines(json_lines(os.path.join(opts.out_dir, METADATA)))
         elif world.is_root:
-            sys.stdout.write(json.dumps(summary.__dict__) + "\n")
+            sys.stdout.write(json.dumps(summary) + "\n")
         return 0
 
     run_command("stk-scan", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
+
+
+def _dataset_list(source: str | None, datasets_file: str | None, config_file: str | None) -> list[DatasetSpec] | None:
+    """The datasets to scan: --datasets FILE, else --config's [[dataset]] tables, else None (SOURCE alone)."""
+    datasets = None
+    if datasets_file:
+        found = read_datasets(datasets_file)
+        for warning in found.warnings:
+            log.warning("%s", warning)
+        datasets = found.specs
+    elif config_file:
+        datasets = datasets_in_config(config_file)
+    if datasets is not None and source:
+        raise InputError(f"give SOURCE ({source}) or a list of datasets, not both")
+    if datasets is None and not source:
+        raise InputError("give SOURCE (a directory, s3:// prefix, table or -), or --datasets FILE")
+    return datasets
 
 
 def _alignment(given: int | None, family: Family | None) -> int:

@@ -58,24 +58,25 @@ def _given(spec: DatasetSpec, *names: str) -> dict[str, Any]:
 
 
 def check_sources(specs: Sequence[DatasetSpec]) -> None:
-    """Before any work: every local source exists and holds an image (an S3 prefix is known once it is listed)."""
+    """Before any work: every source exists and holds an image (on S3: an object; its images are known once listed)."""
     for spec in specs:
-        source = spec.source
-        if source == "-":
-            raise InputError(
-                f"dataset {spec.name!r}: a dataset's source cannot be '-' (stdin); give a directory or table"
-            )
-        if storage.is_s3(source):
-            continue
-        if source.endswith((".parquet", ".jsonl")):
-            if not os.path.isfile(source):
-                raise InputError(f"dataset {spec.name!r}: {source}: no such table")
-            if not _table_rows(source):
-                raise InputError(f"dataset {spec.name!r}: {source} holds no images (an empty table)")
-        elif not os.path.isdir(source):
-            raise InputError(f"dataset {spec.name!r}: {source}: no such directory")
-        elif not _holds_image(source):
-            raise InputError(f"dataset {spec.name!r}: {source} holds no images")
+        problem = _source_problem(spec.source)
+        if problem:
+            raise InputError(f"dataset {spec.name!r}: {problem}")
+
+
+def _source_problem(source: str) -> str | None:
+    if source == "-":
+        return "its source cannot be '-' (stdin); give a directory or a table"
+    if source.endswith((".parquet", ".jsonl")):
+        if not storage.exists(source):
+            return f"{source}: no such table"
+        return None if storage.is_s3(source) or _table_rows(source) else f"{source} holds no images (an empty table)"
+    if storage.is_s3(source):
+        return None if next(iter(storage.list_files(source)), None) else f"{source} holds no objects"
+    if not os.path.isdir(source):
+        return f"{source}: no such directory"
+    return None if _holds_image(source) else f"{source} holds no images"
 
 
 def _table_rows(path: str) -> bool:

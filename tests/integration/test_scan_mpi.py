@@ -85,6 +85,27 @@ def test_two_ranks_give_the_same_outputs_as_one(tmp_path: Path, run_scan: RunSca
     assert not (tmp_path / "two" / JOURNAL).exists()
 
 
+def test_datasets_on_two_ranks_give_the_same_outputs_as_one(tmp_path: Path, run_scan: RunScan):
+    for name, count in (("a", 20), ("b", 9)):
+        generate_dataset(str(tmp_path / name), count=count, seed=count)
+    listed = tmp_path / "datasets.toml"
+    listed.write_text(
+        f'[[dataset]]\nname = "a"\nsource = "{tmp_path / "a"}"\nresolution = 96\n\n'
+        f'[[dataset]]\nname = "b"\nsource = "{tmp_path / "b"}"\nrepeats = 3\n'
+    )
+    args = ["--datasets", listed, "--gpus", "1", "--alignment", "16", "--missing-caption", "empty", "--threads", "2",
+            "--allow-oversubscription"]  # fmt: skip
+    one = run_scan([*args, "--out", tmp_path / "one"])
+    assert one.returncode == 0, one.stderr
+    two = run_scan([*args, "--out", tmp_path / "two"], mpi=2)
+    assert two.returncode == 0, two.stderr
+    assert [d["images"] for d in summary_of(two)["datasets"]] == [20, 9]
+    assert _table(tmp_path / "two").equals(_table(tmp_path / "one"))
+    assert _table(tmp_path / "two").column("dataset").to_pylist() == ["a"] * 20 + ["b"] * 9
+    for name in ("errors.jsonl", "buckets.json"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
 # --- SIGKILL and resume ---------------------------------------------------------------
 
 
