@@ -72,14 +72,14 @@ def _stk_datasets(tables: Any, where: str) -> list[DatasetSpec]:
 
 
 def _document(path: str) -> Any:
-    """The file as JSON when it looks like JSON (a .json name, or text opening with '{' or '[' then '{'),
-    else as TOML (whose tables open with '[' too)."""
+    """The file as JSON, or else as TOML; its name does not matter. Invalid in both: the error of the one
+    its text opens like (JSON: '{', or '[' then '{', '"' or ']'; TOML tables open with '[' too)."""
     text = _read(path, path, f"; {ACCEPTED}")
-    opening = text.lstrip()
-    if path.endswith(".json") or opening[:1] == "{" or (opening[:1] == "[" and opening[1:].lstrip()[:1] in "{]"):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        opening = text.lstrip()
+        if opening[:1] == "{" or (opening[:1] == "[" and opening[1:].lstrip()[:1] in ("{", '"', "]")):
             raise InputError(f"{path}: not valid JSON ({exc}); {ACCEPTED}") from exc
     return _toml(text, path, f"; {ACCEPTED}")
 

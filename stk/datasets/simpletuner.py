@@ -60,12 +60,12 @@ def _skipped(entry: dict[str, Any]) -> str | None:
     """Why a backend is not an stk dataset, or None when it is one."""
     if entry.get("disabled") is True or entry.get("disable") is True:
         return "disabled"
-    kind = entry.get("dataset_type", "image")
+    kind = entry.get("dataset_type") or "image"
     if kind in _CACHE_BACKENDS:
         return f"dataset_type {kind} is a cache backend (stk-cache writes its own cache)"
     if kind != "image":
         return f"dataset_type {kind} is not supported by stk (images only)"
-    storage = entry.get("type", "local")
+    storage = entry.get("type") or "local"
     if storage not in ("local", "aws"):
         return f"type {storage} is not supported by stk (a local directory or an aws bucket)"
     return None

@@ -1,0 +1,48 @@
+"""datasets_toml: the stk TOML of a list, which read_datasets reads back to the same specs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from stk.buckets import ResolutionType
+from stk.captions import MissingCaption
+from stk.datasets import DatasetSpec, datasets_toml, read_datasets
+from stk.preprocess import CropMode
+
+SPECS = [
+    DatasetSpec(
+        name="style.v2",
+        source='C:\\data\\"quoted"\tand\nodd \x01\x7f é 名前',
+        repeats=10,
+        weight=0.1,
+        resolution=1024 * 1024 / 1e6,
+        resolution_type=ResolutionType.AREA,
+        min_aspect=0.5,
+        max_aspect=2.0,
+        min_size=512,
+        missing_caption=MissingCaption.FILENAME,
+        caption_column="text",
+        root="s3://bucket/images",
+        caption_dropout=1e-05,
+        crop=CropMode.RANDOM,
+    ),
+    DatasetSpec(name="photos", source="/data/photos", weight=1e16),
+    DatasetSpec(name="plain", source="/data/plain"),
+]
+
+
+def test_a_list_written_reads_back_to_the_same_specs(tmp_path: Path) -> None:
+    text = datasets_toml(SPECS)
+    path = tmp_path / "datasets.toml"
+    path.write_text(text, encoding="utf-8")
+    found = read_datasets(str(path))
+    assert (found.format, found.specs, found.warnings) == ("stk", SPECS, [])
+    assert text.startswith('[[dataset]]\nname = "style.v2"\nsource = "C:\\\\data\\\\\\"quoted\\"\\tand\\nodd \\u0001')
+    assert text.endswith('\n\n[[dataset]]\nname = "plain"\nsource = "/data/plain"\nrepeats = 1\n')
+
+
+def test_infinite_weight_is_valid_toml(tmp_path: Path) -> None:
+    path = tmp_path / "inf.toml"
+    path.write_text(datasets_toml([DatasetSpec(name="a", source="/a", weight=math.inf)]), encoding="utf-8")
+    assert read_datasets(str(path)).specs[0].weight == math.inf
