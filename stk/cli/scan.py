@@ -73,6 +73,7 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--datasets",
     "datasets_file",
+    envvar="STK_SCAN_DATASETS",
     default=None,
     type=click.Path(dir_okay=False),
     show_envvar=True,
