@@ -56,7 +56,8 @@ def test_a_row_is_keyed_under_its_datasets_crop_by_every_reader(tmp_path: Path) 
         assert readings[0] == [latent_key(row, _recipe(own[row["dataset"]])) for row in rows]
     jobs = read_jobs(str(scan), _recipe("center"), {}).rows()
     assert [job.crop for job in jobs] == [CropMode.RANDOM if row["dataset"] == STYLE else None for row in rows]
-    assert ScanRows(str(scan)).crop.tolist() == [1 if row["dataset"] == STYLE else -1 for row in rows]  # type: ignore[union-attr]
+    crop = ScanRows(str(scan)).crop  # an index into reader.CROPS: random; -1 for --crop
+    assert crop is not None and crop.tolist() == [1 if row["dataset"] == STYLE else -1 for row in rows]
 
 
 def test_a_scan_of_one_source_keeps_the_keys_it_always_had(tmp_path: Path) -> None:
