@@ -68,10 +68,11 @@ def encode_texts(
 
 
 def _load(job: ImageJob, crop: CropMode) -> Preprocessed | tuple[str, str]:
-    """The preprocessed image, or the error kind and the reason it cannot be used."""
+    """The preprocessed image (cropped as its dataset asks, else as `crop`), or the error kind and the reason it cannot
+    be used."""
     try:
         with storage.open_read(job.location) as f:
-            return preprocess(f, job.bucket_width, job.bucket_height, crop, job.key)
+            return preprocess(f, job.bucket_width, job.bucket_height, job.crop or crop, job.key)
     except PreprocessError as exc:
         return exc.kind, str(exc)
     except OSError as exc:  # missing or unreadable now: a rerun may succeed

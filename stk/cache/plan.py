@@ -250,7 +250,9 @@ def rank_share(
             "let stk-scan finish, then rerun stk-cache"
         )
     rows, bounds, sources, text_bounds = share
-    jobs = job_columns(scan.take(rows, JOB_COLUMNS), scan.root, config.latent_recipe(), config.text_recipe())
+    crop = scan.crop[rows] if scan.crop is not None else None
+    table = scan.take(rows, JOB_COLUMNS)
+    jobs = job_columns(table, scan.root, config.latent_recipe(), config.text_recipe(), crop)
     captions = captions_at(scan, extra, sources, config.text_recipe())
     return Share(jobs, bounds), Share(captions, text_bounds)
 

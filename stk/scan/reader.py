@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
 from stk.metadata import parquet_file
+from stk.preprocess import CropMode
 from stk.scan.outputs import BUCKETS, METADATA, SUMMARY
 
-__all__ = ["ScanTable", "damaged", "open_scan", "read_buckets", "read_scan", "read_scan_columns"]
+__all__ = ["CROPS", "ScanTable", "damaged", "open_scan", "read_buckets", "read_scan", "read_scan_columns", "row_crops"]
 
 log = get_logger("scan")
 
+CROPS = tuple(CropMode)  # what row_crops' codes index
 # the columns a reader relies on; older scans have them all
 _REQUIRED = frozenset({"path", "caption", "bucket_width", "bucket_height", "bytes", "mtime"})
 
@@ -122,3 +127,25 @@ def read_buckets(scan_dir: str) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise damaged(location, "not a JSON object", scan_dir, _read_summary(scan_dir))
     return document
+
+
+def row_crops(scan_dir: str, datasets: Iterable[pa.Array | pa.ChunkedArray]) -> np.ndarray:
+    """Each row's crop in a scan of several datasets, from its `dataset` column (given a part at a time) and
+    buckets.json's "datasets": an index into CROPS (int8), -1 where the dataset gives none (the command's --crop). A
+    dataset buckets.json does not list, or a crop stk does not know, is damage (they are written together)."""
+    location = storage.join(scan_dir, BUCKETS)
+    listed = read_buckets(scan_dir).get("datasets")
+    if not isinstance(listed, list) or not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in listed):
+        raise damaged(location, 'no "datasets" list of named datasets for its table\'s dataset column', scan_dir)
+    try:
+        crops = np.array([CROPS.index(CropMode(d["crop"])) if d.get("crop") else -1 for d in listed], np.int8)
+    except ValueError as exc:
+        raise damaged(location, f"a dataset's crop: {exc}", scan_dir) from None
+    names, parts = pa.array([d["name"] for d in listed], pa.string()), [np.zeros(0, np.int8)]
+    for column in datasets:
+        index = pc.index_in(column, value_set=names)
+        if index.null_count:
+            unknown = pc.filter(column, pc.is_null(index))[0]
+            raise damaged(storage.join(scan_dir, METADATA), f"its dataset {unknown} is not in {BUCKETS}", scan_dir)
+        parts.append(crops[index.to_numpy(zero_copy_only=False)])
+    return np.concatenate(parts)

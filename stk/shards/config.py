@@ -9,6 +9,7 @@ scan table without loading any model.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from stk.shards.keys import digest
 __all__ = ["CacheConfig", "EncodeSettings"]
 
 BUCKET_FIELDS = ("resolution", "resolution_type", "alignment")  # of the scan's buckets.json
+DATASET_FIELDS = ("resolution", "resolution_type", "crop")  # of each of its "datasets" (a scan of several)
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,20 @@ class CacheConfig:
     family: str
     model: dict[str, Any]  # the encoders' identity (Encoders.config()): its `vae` and `text` parts key the records
     settings: EncodeSettings
-    buckets: dict[str, Any]  # the scan's resolution, resolution_type and alignment
+    buckets: dict[str, Any]  # the scan's resolution, resolution_type and alignment (and its datasets', scan_buckets)
     norm: LatentNorm  # how stk-train normalises the stored latents for the denoiser
 
     @staticmethod
     def scan_buckets(buckets_json: Mapping[str, Any]) -> dict[str, Any]:
-        """What a cache records of the scan's buckets.json."""
-        return {k: buckets_json.get(k) for k in BUCKET_FIELDS}
+        """What a cache records of the scan's buckets.json. A scan of several datasets adds the distinct resolutions
+        and crops its datasets give (its top level holds the command's defaults), so a cache is not extended with
+        images made another way; datasets added or renamed with settings the cache has are no difference."""
+        recorded = {k: buckets_json.get(k) for k in BUCKET_FIELDS}
+        datasets = buckets_json.get("datasets")
+        if isinstance(datasets, list):
+            distinct = {json.dumps({k: d.get(k) for k in DATASET_FIELDS}, sort_keys=True) for d in datasets}
+            recorded["datasets"] = [json.loads(d) for d in sorted(distinct)]
+        return recorded
 
     def latent_settings(self) -> dict[str, Any]:
         return {
@@ -87,6 +96,16 @@ class CacheConfig:
     def latent_recipe(self) -> dict[str, Any]:
         """What a latent depends on besides its image: the VAE and how latents are stored."""
         return {"vae": digest(self.model["vae"]), "latents": self.latent_settings()}
+
+    @staticmethod
+    def with_crop(latent_recipe: dict[str, Any], crop: CropMode) -> dict[str, Any]:
+        """A latent recipe (latent_recipe's) for an image cropped another way, as a dataset's crop asks: only its crop
+        differs, and under its own crop it is the recipe itself (the same keys). A recipe naming no crop (not a
+        cache's) is the same under any."""
+        latents = latent_recipe.get("latents")
+        if not isinstance(latents, dict) or "crop" not in latents:
+            return latent_recipe
+        return {**latent_recipe, "latents": {**latents, "crop": crop.value}}
 
     def text_recipe(self) -> dict[str, Any]:
         """What an embedding depends on besides its caption: the text encoders and the stored form."""

@@ -2,6 +2,9 @@
 the last build did not skip as bad input). stk-cache plans and encodes them; stk-cache verify and stk-train check a
 cache covers them. Every row is read as columns, a batch of rows at a time (ScanRows), and kept as fixed-width keys
 and integers (ScanBuckets); ImageJob objects are made only for the rows one batch encodes. Nothing here loads a model.
+
+In a scan of several datasets a row is encoded with its dataset's crop where it gives one, and keyed under the latent
+recipe with that crop (CacheConfig.with_crop): the rows are grouped by crop, each group keyed under its recipe.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
-from stk.scan.reader import ScanTable, open_scan, read_scan_columns
+from stk.preprocess import CropMode
+from stk.scan.reader import CROPS, ScanTable, open_scan, read_scan_columns, row_crops
 from stk.shards.config import CacheConfig
 from stk.shards.keys import KEY_CHARS, latent_keys, text_key
 
@@ -49,6 +53,7 @@ class ImageJob:
     caption: str
     key: str
     text_key: str
+    crop: CropMode | None = None  # its dataset's; None: the command's (--crop)
 
     @property
     def pixels(self) -> int:
@@ -58,12 +63,14 @@ class ImageJob:
 # the scan table's columns a job needs
 JOB_COLUMNS = ["path", "caption", "bucket_width", "bucket_height", "bytes", "mtime"]
 _IDENTITY = ["path", "bytes", "mtime", "bucket_width", "bucket_height"]  # what a latent key is made of
+DATASET = "dataset"  # the column naming each row's dataset in a scan of several
 _KEY_CHUNK = 65_536  # rows read and keyed at a time: their Python values live only that long
 
 
 class ScanRows:
     """The scan table opened to be read a batch of rows at a time: its compressed file is held, and each row's bucket
-    (8 bytes a row); paths and captions are read when needed, a batch at a time."""
+    (8 bytes a row) and, in a scan of several datasets, its crop (1 byte a row: `crop`, as reader.row_crops gives it;
+    None in a scan of one source); paths and captions are read when needed, a batch at a time."""
 
     def __init__(self, scan_dir: str) -> None:
         self._file, self.root = open_scan(scan_dir, JOB_COLUMNS)
@@ -73,6 +80,8 @@ class ScanRows:
             buckets.column(n).to_numpy().astype(np.int32) if buckets else np.zeros(0, np.int32)
             for n in ("bucket_width", "bucket_height")
         )
+        several = DATASET in self._file.schema_arrow.names
+        self.crop = row_crops(scan_dir, (b.column(0) for b in self.batches([DATASET]))) if several else None
 
     def batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         """The table's `columns`, in row order, _KEY_CHUNK rows at a time."""
@@ -108,12 +117,27 @@ def inverse_permutation(order: np.ndarray) -> np.ndarray:
     return inverse
 
 
-def _keyed(batch: pa.Table | pa.RecordBatch, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> tuple[
-    np.ndarray, np.ndarray
-]:  # fmt: skip
-    """Some rows' latent keys and their captions' text keys; a caption repeated among them is keyed once."""
-    identities = zip(*(batch.column(name).to_pylist() for name in _IDENTITY), strict=True)
-    key = np.array(latent_keys(identities, latent_recipe), dtype=f"S{KEY_CHARS}")
+def _latent_keys(batch: pa.Table | pa.RecordBatch, recipe: dict[str, Any], crop: np.ndarray | None) -> np.ndarray:
+    """Some rows' latent keys: those of each crop (`crop`, as ScanRows.crop; None: the recipe's) under the recipe with
+    that crop, the recipe encoded once per crop."""
+    key = np.empty(batch.num_rows, dtype=f"S{KEY_CHARS}")
+    codes = np.unique(crop) if crop is not None else np.full(1, -1, np.int8)
+    for code in codes.tolist():
+        rows = np.flatnonzero(crop == code) if len(codes) > 1 else None
+        part = batch if rows is None else batch.take(pa.array(rows))
+        identities = zip(*(part.column(name).to_pylist() for name in _IDENTITY), strict=True)
+        recipe_of_crop = recipe if code < 0 else CacheConfig.with_crop(recipe, CROPS[code])
+        key[slice(None) if rows is None else rows] = latent_keys(identities, recipe_of_crop)
+    return key
+
+
+def _keyed(
+    batch: pa.Table | pa.RecordBatch, latent_recipe: dict[str, Any], text_recipe: dict[str, Any],
+    crop: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Some rows' latent keys (each under its crop: _latent_keys) and their captions' text keys; a caption repeated
+    among them is keyed once."""
+    key = _latent_keys(batch, latent_recipe, crop)
     texts: dict[str, str] = {}
     captions = [value or "" for value in batch.column("caption").to_pylist()]
     for value in captions:
@@ -134,6 +158,7 @@ class ImageJobs:
     bucket_height: np.ndarray  # int32
     key: np.ndarray  # latent keys, bytes (S40)
     text_key: np.ndarray  # each row's caption's text key, bytes (S40)
+    crop: np.ndarray  # int8: each row's dataset's crop (ScanRows.crop), -1 where it gives none (the command's)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -143,7 +168,7 @@ class ImageJobs:
         index = pa.array(rows, pa.int64())
         return ImageJobs(
             self.root, self.path.take(index), self.caption.take(index), self.bucket_width[rows],
-            self.bucket_height[rows], self.key[rows], self.text_key[rows],
+            self.bucket_height[rows], self.key[rows], self.text_key[rows], self.crop[rows],
         )  # fmt: skip
 
     def rows(self, start: int = 0, stop: int | None = None) -> list[ImageJob]:
@@ -152,29 +177,38 @@ class ImageJobs:
         scan = ScanTable([], self.root)
         paths, captions = self.path[start:stop].to_pylist(), self.caption[start:stop].to_pylist()
         return [
-            ImageJob(path, scan.image_location(path), int(w), int(h), caption or "", key.decode(), text.decode())
-            for path, caption, w, h, key, text in zip(
+            ImageJob(
+                path, scan.image_location(path), int(w), int(h), caption or "", key.decode(), text.decode(),
+                CROPS[crop] if crop >= 0 else None,
+            )
+            for path, caption, w, h, key, text, crop in zip(
                 paths, captions, self.bucket_width[start:stop], self.bucket_height[start:stop],
-                self.key[start:stop], self.text_key[start:stop], strict=True,
+                self.key[start:stop], self.text_key[start:stop], self.crop[start:stop].tolist(), strict=True,
             )
         ]  # fmt: skip
 
 
-def job_columns(table: pa.Table, root: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> ImageJobs:
-    """A scan table's rows (JOB_COLUMNS of it) keyed under the given recipes."""
+def job_columns(
+    table: pa.Table, root: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any],
+    crop: np.ndarray | None = None,
+) -> ImageJobs:  # fmt: skip
+    """A scan table's rows (JOB_COLUMNS of it), with their crops (as ScanRows.crop) keyed under the given recipes."""
     key = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     text = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     for start in range(0, table.num_rows, _KEY_CHUNK):
         stop = min(start + _KEY_CHUNK, table.num_rows)
-        key[start:stop], text[start:stop] = _keyed(table.slice(start, _KEY_CHUNK), latent_recipe, text_recipe)
+        part, part_crop = table.slice(start, _KEY_CHUNK), crop[start:stop] if crop is not None else None
+        key[start:stop], text[start:stop] = _keyed(part, latent_recipe, text_recipe, part_crop)
     widths, heights = (table.column(n).to_numpy().astype(np.int32) for n in ("bucket_width", "bucket_height"))
-    return ImageJobs(root, table.column("path"), table.column("caption"), widths, heights, key, text)
+    crop = crop if crop is not None else np.full(table.num_rows, -1, np.int8)
+    return ImageJobs(root, table.column("path"), table.column("caption"), widths, heights, key, text, crop)
 
 
 def read_jobs(scan_dir: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> ImageJobs:
-    """The scan's rows as keyed columns."""
-    table, root = read_scan_columns(scan_dir, JOB_COLUMNS)
-    return job_columns(table, root, latent_recipe, text_recipe)
+    """The scan's rows as keyed columns, each with its dataset's crop in a scan of several."""
+    table, root = read_scan_columns(scan_dir, [*JOB_COLUMNS, DATASET])
+    crop = row_crops(scan_dir, table.column(DATASET).chunks) if DATASET in table.column_names else None
+    return job_columns(table, root, latent_recipe, text_recipe, crop)
 
 
 @dataclass
@@ -215,7 +249,8 @@ def read_keys(
     start, last, in_order = 0, "", True
     for batch in scan.batches([*_IDENTITY, "caption"]):
         stop = start + batch.num_rows
-        key[start:stop], text[start:stop] = _keyed(batch, latent_recipe, text_recipe)
+        crop = scan.crop[start:stop] if scan.crop is not None else None
+        key[start:stop], text[start:stop] = _keyed(batch, latent_recipe, text_recipe, crop)
         paths = batch.column("path")
         in_order = (
             in_order and last <= paths[0].as_py() and pc.all(pc.less_equal(paths[:-1], paths[1:]), min_count=0).as_py()

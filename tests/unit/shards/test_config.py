@@ -57,3 +57,40 @@ def test_a_config_stk_cache_did_not_make_is_one_input_error_naming_the_manifest(
         del recorded[broken]
     with pytest.raises(InputError, match=r"^cache/manifest\.json: no usable .* \(not made by stk-cache\)$"):
         CacheConfig.from_json(recorded, "cache/manifest.json")
+
+
+def test_a_cache_records_the_resolutions_and_crops_of_a_scan_of_several_datasets() -> None:
+    one = {"resolution": 1024, "resolution_type": "side", "alignment": 16, "buckets": [], "repeats": 1}
+    assert CacheConfig.scan_buckets(one) == json.loads(RECORDED_CONFIG)["buckets"]  # as every cache recorded it
+
+    def dataset(name: str, resolution: int, crop: str | None) -> dict[str, object]:
+        return {"name": name, "resolution": resolution, "resolution_type": "side", "crop": crop, "repeats": 10}
+
+    several = {**one, "datasets": [dataset("style", 512, "random"), dataset("photos", 1024, None)]}
+    recorded = CacheConfig.scan_buckets(several)
+    assert recorded == {
+        **CacheConfig.scan_buckets(one),
+        "datasets": [
+            {"crop": "random", "resolution": 512, "resolution_type": "side"},
+            {"crop": None, "resolution": 1024, "resolution_type": "side"},
+        ],
+    }
+    config = CacheConfig.from_json({**json.loads(RECORDED_CONFIG), "buckets": recorded}, "cache/manifest.json")
+    # a dataset added or renamed with settings the cache has is none; a resolution or crop it has not is one
+    added = {**several, "datasets": [*several["datasets"], dataset("more", 512, "random")]}
+    assert config.differences({**config.to_json(), "buckets": CacheConfig.scan_buckets(added)}) == []
+    for changed in (dataset("style", 768, "random"), dataset("style", 512, "center")):
+        other = {**several, "datasets": [changed, several["datasets"][1]]}
+        assert config.differences({**config.to_json(), "buckets": CacheConfig.scan_buckets(other)}) == ["buckets"]
+
+
+def test_a_latent_recipe_under_a_datasets_crop_differs_in_its_crop_alone() -> None:
+    config = CacheConfig.from_json(json.loads(RECORDED_CONFIG), "cache/manifest.json")
+    recipe = config.latent_recipe()
+    assert CacheConfig.with_crop(recipe, CropMode.CENTER) == recipe  # --crop's own: the keys every cache has
+    random = CacheConfig.with_crop(recipe, CropMode.RANDOM)
+    assert (
+        random == {**recipe, "latents": {**recipe["latents"], "crop": "random"}}
+        and recipe["latents"]["crop"] == "center"
+    )
+    assert CacheConfig.with_crop({"seed": 0}, CropMode.RANDOM) == {"seed": 0}
