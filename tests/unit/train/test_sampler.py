@@ -235,3 +235,108 @@ def test_positions_draw_the_sequence_a_shuffle_of_the_keys_draws_from_strings_or
 def test_the_fingerprint_is_the_one_checkpoints_already_hold() -> None:
     # as computed before keys were arrays: a checkpoint written then resumes
     assert BucketSampler(BUCKETS, 1, 2, 2, 1, grad_accum=2, seed=7).fingerprint == "4fccfe89ddd43250"
+
+
+# Two datasets at different bucket sizes: a small one repeated 10 times, a large one seen once. Every group's samples
+# fill whole effective batches of 4, so an epoch holds exactly keys x repeats of each.
+STYLE = {("style", 64, 64): [f"s{i}" for i in range(6)], ("style", 48, 80): ["s6", "s7"]}
+PHOTOS = {("photos", 96, 96): [f"p{i:02d}" for i in range(40)], ("photos", 80, 112): [f"q{i:02d}" for i in range(28)]}
+GROUPS = {**STYLE, **PHOTOS}
+GROUP_REPEATS = {g: 10 if g[0] == "style" else 1 for g in GROUPS}
+DATASET_OF = {key: g[0] for g, keys in GROUPS.items() for key in keys}
+
+
+def dataset_ranks(world: int, weights=None, accum: int = 1, seed: int = 4) -> list[BucketSampler]:
+    """4 // world samples a rank: an effective batch of 4 on any number of ranks."""
+    return [BucketSampler(GROUPS, GROUP_REPEATS, 4 // world // accum, world, r, accum, seed, weights=weights)
+            for r in range(world)]  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_epoch_of_two_datasets_draws_each_key_its_datasets_repeats(world: int) -> None:
+    samplers = dataset_ranks(world)
+    micro = steps(samplers)
+    counts = Counter(key for per_rank in micro for keys in per_rank for key in keys)
+    assert counts == {key: 10 if name == "style" else 1 for key, name in DATASET_OF.items()}
+    for i, per_rank in enumerate(micro):  # one group a micro-step, on every rank, and the sampler names its dataset
+        assert len({(DATASET_OF[k], k[0]) for keys in per_rank for k in keys}) == 1
+        assert {samplers[r].dataset_at(i) for r in range(world)} == {DATASET_OF[per_rank[0][0]]}
+    assert samplers[0].dataset_at(len(micro)) == ""
+
+
+def test_weighted_draws_follow_the_weights() -> None:
+    """Photos weighs 3, style 1: over 200 epochs of 37 optimizer steps the share of steps drawn from style is 1/4
+    within 3 standard deviations of a binomial of 7400 draws (sqrt(0.25 * 0.75 / 7400) = 0.005), a bound a correct
+    draw misses once in 370 seeds; the seed is fixed, so the test is deterministic."""
+    sampler = dataset_ranks(1, weights={"style": 1, "photos": 3})[0]
+    drawn = Counter()
+    for epoch in range(200):
+        sampler.set_epoch(epoch)
+        drawn.update(sampler.dataset_at(i) for i in range(len(sampler)))
+    total = sum(drawn.values())
+    assert total == 200 * sampler.steps_per_epoch == 200 * 37  # as many steps an epoch as unweighted
+    assert abs(drawn["style"] / total - 0.25) <= 3 * (0.25 * 0.75 / total) ** 0.5
+
+
+def test_weighted_datasets_cycle_their_own_passes() -> None:
+    """Style, weighed 9 to 1, is drawn beyond its 20 steps of an epoch: its samples cycle through further passes,
+    each key as often as the others of its group to within one pass."""
+    sampler = dataset_ranks(1, weights={"style": 9, "photos": 1})[0]
+    counts = Counter(key for keys in sampler for key in keys)
+    style = [counts[f"s{i}"] for i in range(6)]
+    assert sum(style) + counts["s6"] + counts["s7"] > 80 and max(style) - min(style) <= 10
+    assert sum(counts[k] for k, name in DATASET_OF.items() if name == "photos") < 68
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_weighted_resume_continues_exactly_and_any_world_size_draws_the_same(world: int) -> None:
+    weights = {"style": 2.0, "photos": 1.0}
+    one = dataset_ranks(1, weights, seed=11)[0]
+    one.set_epoch(2)
+    expected = list(itertools.islice(iter(one), 10))
+    first = dataset_ranks(world, weights, seed=11)
+    for s in first:
+        s.set_epoch(2)
+    got = [[k for keys in per_rank for k in keys] for per_rank in itertools.islice(zip(*first, strict=True), 5)]
+    state = first[0].state_dict()
+    fresh = dataset_ranks(world, weights, seed=11)
+    for s in fresh:
+        s.load_state_dict(state)
+        s.set_epoch(2)
+    got += [[k for keys in per_rank for k in keys] for per_rank in itertools.islice(zip(*fresh, strict=True), 5)]
+    assert got == expected
+
+
+def test_a_run_of_one_dataset_named_as_a_group_draws_as_before() -> None:
+    as_groups = {("", h, w): keys for (h, w), keys in BUCKETS.items()}
+    plain = BucketSampler(BUCKETS, 2, 2, 2, 1, grad_accum=2, seed=7)
+    grouped = BucketSampler(as_groups, {g: 2 for g in as_groups}, 2, 2, 1, grad_accum=2, seed=7)
+    assert list(grouped) == list(plain) and grouped.fingerprint == plain.fingerprint
+    assert plain.dataset_at(0) == ""
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(buckets={("other", *g[1:]) if g[0] == "style" else g: k for g, k in GROUPS.items()}),  # renamed
+        dict(repeats={**GROUP_REPEATS, ("style", 64, 64): 5}),
+        dict(weights={"style": 1.0, "photos": 1.0}),
+        dict(weights={"style": 2.0, "photos": 1.0}),
+    ],
+)
+def test_the_fingerprint_holds_the_datasets_repeats_and_weights(other: dict[str, Any]) -> None:
+    base: dict[str, Any] = dict(buckets=GROUPS, repeats=GROUP_REPEATS, batch_size=2, world_size=2, rank=0)
+    if "buckets" in other:
+        other["repeats"] = {("other", *g[1:]) if g[0] == "style" else g: r for g, r in GROUP_REPEATS.items()}
+    state = BucketSampler(**{**base, "weights": {"style": 1.0, "photos": 2.0}}).state_dict()
+    with pytest.raises(ValueError, match="changed since the checkpoint"):
+        BucketSampler(**{**base, **other}).load_state_dict(state)
+
+
+def test_weights_must_name_every_dataset_and_be_positive() -> None:
+    with pytest.raises(ValueError, match="no weight given for dataset\\(s\\) 'photos'"):
+        BucketSampler(GROUPS, GROUP_REPEATS, 2, 2, 0, weights={"style": 1.0})
+    with pytest.raises(ValueError, match="weight of dataset 'style' must be positive"):
+        BucketSampler(GROUPS, GROUP_REPEATS, 2, 2, 0, weights={"style": 0.0, "photos": 1.0})
+    with pytest.raises(ValueError, match="no repeats given for bucket 48x80 of dataset 'style'"):
+        BucketSampler(GROUPS, {g: 1 for g in PHOTOS}, 2, 2, 0)
