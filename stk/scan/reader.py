@@ -21,7 +21,17 @@ from stk.metadata import parquet_file
 from stk.preprocess import CropMode
 from stk.scan.outputs import BUCKETS, METADATA, SUMMARY
 
-__all__ = ["CROPS", "ScanTable", "damaged", "open_scan", "read_buckets", "read_scan", "read_scan_columns", "row_crops"]
+__all__ = [
+    "CROPS",
+    "ScanTable",
+    "damaged",
+    "open_scan",
+    "read_buckets",
+    "read_scan",
+    "read_scan_columns",
+    "row_crops",
+    "row_datasets",
+]
 
 log = get_logger("scan")
 
@@ -134,18 +144,36 @@ def row_crops(scan_dir: str, datasets: Iterable[pa.Array | pa.ChunkedArray]) -> 
     buckets.json's "datasets": an index into CROPS (int8), -1 where the dataset gives none (the command's --crop). A
     dataset buckets.json does not list, or a crop stk does not know, is damage (they are written together)."""
     location = storage.join(scan_dir, BUCKETS)
-    listed = read_buckets(scan_dir).get("datasets")
-    if not isinstance(listed, list) or not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in listed):
-        raise damaged(location, 'no "datasets" list of named datasets for its table\'s dataset column', scan_dir)
+    listed = _listed_datasets(scan_dir)
     try:
         crops = np.array([CROPS.index(CropMode(d["crop"])) if d.get("crop") else -1 for d in listed], np.int8)
     except ValueError as exc:
         raise damaged(location, f"a dataset's crop: {exc}", scan_dir) from None
-    names, parts = pa.array([d["name"] for d in listed], pa.string()), [np.zeros(0, np.int8)]
+    return crops[row_datasets(scan_dir, datasets, listed)]
+
+
+def row_datasets(
+    scan_dir: str, datasets: Iterable[pa.Array | pa.ChunkedArray], listed: list[dict[str, Any]] | None = None
+) -> np.ndarray:
+    """Each row's dataset in a scan of several, from its `dataset` column (given a part at a time): its place in
+    buckets.json's "datasets" (`listed`, read when not given), int64. A dataset buckets.json does not list is damage."""
+    listed = _listed_datasets(scan_dir) if listed is None else listed
+    names, parts = pa.array([d["name"] for d in listed], pa.string()), [np.zeros(0, np.int64)]
     for column in datasets:
         index = pc.index_in(column, value_set=names)
         if index.null_count:
             unknown = pc.filter(column, pc.is_null(index))[0]
             raise damaged(storage.join(scan_dir, METADATA), f"its dataset {unknown} is not in {BUCKETS}", scan_dir)
-        parts.append(crops[index.to_numpy(zero_copy_only=False)])
+        parts.append(index.to_numpy(zero_copy_only=False).astype(np.int64))
     return np.concatenate(parts)
+
+
+def _listed_datasets(scan_dir: str) -> list[dict[str, Any]]:
+    """buckets.json's "datasets" list, each a dict with its name (damage otherwise)."""
+    listed = read_buckets(scan_dir).get("datasets")
+    if not isinstance(listed, list) or not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in listed):
+        raise damaged(
+            storage.join(scan_dir, BUCKETS), 'no "datasets" list of named datasets for its table\'s dataset column',
+            scan_dir,
+        )  # fmt: skip
+    return listed

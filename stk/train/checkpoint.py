@@ -37,6 +37,7 @@ from stk.errors import CheckpointDamaged, InputError, StkError
 from stk.log import get_logger
 from stk.storage import write_atomic
 from stk.storage.failures import disk_error
+from stk.train.datasets import DATASETS, setting_changes
 from stk.train.digests import FileRecord, damage, hash_files, listed_files
 from stk.train.worldsize import UNIVERSAL, effective_batch
 from stk.world import World, raised_everywhere
@@ -247,13 +248,15 @@ class CheckpointDir:
         `override` (and always for FIXED_SETTINGS). Another split of the same effective batch is no
         change. Checkpoints without the record are not checked."""
         saved = self.saved_settings(resume)
-        saved = {**_BEFORE_ADAPTER_KINDS, **saved} if saved else saved
-        changed = [k for k in current if k in saved and saved[k] != current[k]]
+        saved = {**_BEFORE_ADAPTER_KINDS, DATASETS: [], **saved} if saved else saved
+        current = {DATASETS: [], **current}  # a run of one source: no datasets
+        changes = {k: setting_changes(k, saved[k], current[k]) for k in current if k in saved}
+        changed = [k for k, lines in changes.items() if lines]
         if effective_batch(saved) == effective_batch(current):
             changed = [k for k in changed if k not in SPLIT_SETTINGS]
         if not changed:
             return []
-        described = [f"{k.replace('_', '-')} {saved[k]} -> {current[k]}" for k in changed]
+        described = [line for k in changed for line in changes[k]]
         where = f"{resume.directory}/{resume.tag}"
         fixed = [k for k in changed if k in FIXED_SETTINGS]
         if fixed:

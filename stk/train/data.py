@@ -201,6 +201,10 @@ class ImageData:
     def bucket_keys(self) -> dict[BucketShape, np.ndarray]:
         return dict(self._buckets)
 
+    def bucket_rows(self) -> dict[BucketShape, np.ndarray]:
+        """The scan table's row of each of bucket_keys()'s paths, beside it."""
+        return dict(self._rows)
+
     def load(self, keys: list[str]) -> Batch:
         rows = self._find(keys)
         unknown = [key for key, row in zip(keys, rows.tolist(), strict=True) if row < 0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stk.log import get_logger
@@ -35,9 +35,14 @@ class TrainSummary:
     peak_gpu_memory: int | None  # bytes, this rank's torch.cuda.max_memory_allocated (None on the CPU)
     ranks: int
     hosts: dict[str, int]  # host name -> ranks it ran: where the job really ran, in its log
+    samples_per_dataset: dict[str, int] = field(default_factory=dict)  # trained by this run; {}: one dataset
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "outcome": self.outcome.value}
+        """The summary line's fields (samples_per_dataset only where a run has several datasets)."""
+        line = {**asdict(self), "outcome": self.outcome.value}
+        if not self.samples_per_dataset:
+            del line["samples_per_dataset"]
+        return line
 
 
 def export_final(run: Trainer) -> str:
@@ -77,4 +82,5 @@ def summary(run: Trainer, outcome: Outcome, final: str | None, resume: Resume | 
         peak_gpu_memory=peak_gpu_memory(run.model.device),
         ranks=sum(run.hosts.values()),
         hosts=run.hosts,
+        samples_per_dataset=dict(sorted(run.samples_per_dataset.items())),
     )

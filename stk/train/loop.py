@@ -57,10 +57,12 @@ def _epoch(run: Trainer, loader: BatchLoader) -> Outcome | None:
     batches, trained_in_epoch = iter(loader), run.sampler.step
     while True:
         step_started = time.monotonic()
+        dataset = run.sampler.dataset_at(trained_in_epoch)  # every micro-step of the step, on every rank
         try:
             result = train_step(
-                run.model, batches, run.step, run.opts.seed, run.rank, run.sampler.world_size, run.opts.grad_accum
-            )
+                run.model, batches, run.step, run.opts.seed, run.rank, run.sampler.world_size, run.opts.grad_accum,
+                dataset,
+            )  # fmt: skip
         except Exception as exc:
             if not is_gpu_error(exc) or is_peer_failure(exc):
                 raise
@@ -92,7 +94,7 @@ def _step_boundary(
     validator = run.validator
     if validator is not None and validator.due(run.step, run.total_steps) and not (agreed.stop or agreed.fault):
         validated = validator.validate(run.step, run.hooks, run.metrics)
-    _record(run, loader, agreed, trained_in_epoch, seconds, validated)
+    _record(run, loader, agreed, trained_in_epoch, seconds, validated, result.dataset)
     if agreed.fault:
         return Outcome.GPU_FAULT
     if run.checkpointer.due(run.step, run.total_steps, agreed.stop):
@@ -105,8 +107,11 @@ def _step_boundary(
 
 
 def _record(
-    run: Trainer, loader: BatchLoader, agreed: Agreement, trained_in_epoch: int, seconds: float, validated: float | None
-) -> None:
+    run: Trainer, loader: BatchLoader, agreed: Agreement, trained_in_epoch: int, seconds: float,
+    validated: float | None, dataset: str,
+) -> None:  # fmt: skip
+    """The step's metrics row; with several datasets, the dataset its loss is of (every rank drew the step from
+    it), and its samples counted for the summary."""
     grad_norm = run.model.engine.get_global_grad_norm()
     row = {
         "step": run.step,
@@ -125,5 +130,8 @@ def _record(
         row["peak_gpu_memory"] = peak
     if validated is not None:
         row["sample_seconds"] = validated
+    if dataset:
+        row["dataset"] = dataset
+        run.samples_per_dataset[dataset] = run.samples_per_dataset.get(dataset, 0) + run.sampler.effective_batch
     run.metrics.write(row)
     run.progress.update()

@@ -64,6 +64,8 @@ class MetricsLog:
                 for name, value in row.items()
                 if name not in _NOT_SCALARS and isinstance(value, (int, float))
             }
+            if row.get("dataset") and isinstance(row.get("loss"), (int, float)):  # a curve per dataset
+                values[f"train/loss/{row['dataset']}"] = row["loss"]
             self._reporter.scalars(values, row["step"], row.get("time"))
 
     def images(self, step: int, images: dict[str, Any]) -> None:

@@ -1,9 +1,17 @@
-"""What a run trains on, settled before any model loads: the data source (cache or images), the
-keys per bucket, each bucket's repeats, and how latents are normalised for the denoiser."""
+"""What a run trains on, settled before any model loads: the data source (cache or images), the keys of each group
+(a dataset's latent shape: stk.train.sampler), each group's repeats, the datasets (a combined scan's), and how latents
+are normalised for the denoiser.
+
+Without --scan, or with the scan of one source, every key belongs to the one dataset "". With a combined scan
+(buckets.json lists "datasets") each scan row's dataset (its `dataset` column) puts its key in that dataset's group;
+a multi-dataset cache trained without --scan trains as one dataset.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -14,10 +22,16 @@ from stk.models.alignment import check_aligned
 from stk.models.families import spec_for
 from stk.models.latents import LatentNorm
 from stk.models.model_json import vae_scale_factor
-from stk.shards.jobs import expected_columns
+from stk.scan.outputs import BUCKETS, METADATA
+from stk.scan.reader import read_buckets, read_scan_columns, row_datasets
+from stk.shards.config import CacheConfig
+from stk.shards.jobs import DATASET, ImageJobs, ScanRows, expected_columns, expected_keys
+from stk.storage import join
 from stk.train.data import CacheData, ImageData, TrainData
+from stk.train.datasets import DATASETS, RunDataset, dataset_settings, run_datasets, weights_of
 from stk.train.options import TrainOptions
 from stk.train.preflight import check_buckets, check_coverage, scan_repeats
+from stk.train.sampler import Group
 
 __all__ = ["TrainPlan", "plan_training"]
 
@@ -30,32 +44,46 @@ BucketShape = tuple[int, int]
 class TrainPlan:
     family: Family
     data: TrainData
-    buckets: dict[BucketShape, np.ndarray]  # latent (h, w) -> keys (bytes, sorted)
-    repeats: dict[BucketShape, int]
+    groups: dict[Group, np.ndarray]  # (dataset, latent h, latent w) -> keys (bytes, sorted)
+    repeats: dict[Group, int]
     norm: LatentNorm | None  # None with --vae-on-the-fly: the VAE's own, once it loads (Encoders.norm)
     vae_scale_factor: int
+    datasets: list[RunDataset] = field(default_factory=list)  # a combined scan's; [] for one source
+
+    @property
+    def weights(self) -> dict[str, float] | None:
+        """Dataset -> weight for the sampler's draw; None: an epoch by repeats."""
+        return weights_of(self.datasets)
+
+    def run_settings(self, opts: TrainOptions, world_size: int) -> dict[str, Any]:
+        """What a checkpoint records and a resume compares: the options', and the datasets' where the scan lists
+        them (a run of one source records what it always did)."""
+        settings = opts.run_settings(self.family, world_size)
+        return {**settings, DATASETS: dataset_settings(self.datasets)} if self.datasets else settings
 
 
 def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
     family = Family(opts.family) if opts.family else detect_family(opts.model)
     factor = vae_scale_factor(opts.model)
+    document = read_buckets(opts.scan) if opts.scan else {}
+    datasets = run_datasets(document, join(opts.scan, BUCKETS)) if opts.scan else []
     if opts.vae_on_the_fly:
         check_text_encoders_in_train(family, "--vae-on-the-fly encodes the captions as it trains")
-        data, buckets, norm = _from_images(opts, factor)
+        data, groups, norm = _from_images(opts, factor, datasets)
     else:
-        data, buckets, norm = _from_cache(opts, family)
+        data, groups, norm = _from_cache(opts, family, datasets)
     try:
-        if not any(len(keys) for keys in buckets.values()):
+        if not any(len(keys) for keys in groups.values()):
             raise InputError("nothing to train on: the cache (or scan) holds no samples")
-        sizes = ((w * factor, h * factor) for (h, w), keys in buckets.items() if len(keys))
+        sizes = ((w * factor, h * factor) for (_, h, w), keys in groups.items() if len(keys))
         check_aligned(sizes, spec_for(family).alignment(factor), family, "bucket", _RESCAN.format(family=family.value))
-        ids, repeats = _repeats(opts, buckets, factor)
+        ids, repeats = _repeats(opts, document, groups, factor)
         effective = effective_batch_size(opts.batch_size, world_size, opts.grad_accum)
-        repeats = check_buckets(buckets, repeats, effective, factor, opts.allow_oversubscription, ids)
+        repeats = check_buckets(groups, repeats, effective, factor, opts.allow_oversubscription, ids)
     except BaseException:
         data.close()
         raise
-    return TrainPlan(family, data, buckets, repeats, norm, factor)
+    return TrainPlan(family, data, groups, repeats, norm, factor, datasets)
 
 
 def check_text_encoders_in_train(family: Family, why: str) -> None:
@@ -68,14 +96,22 @@ def check_text_encoders_in_train(family: Family, why: str) -> None:
         )
 
 
-def _from_images(opts: TrainOptions, factor: int) -> tuple[TrainData, dict[BucketShape, np.ndarray], None]:
+def _from_images(
+    opts: TrainOptions, factor: int, datasets: list[RunDataset]
+) -> tuple[TrainData, dict[Group, np.ndarray], None]:
     if not opts.scan:
         raise InputError("--vae-on-the-fly trains from the scan table and its images: give --scan")
     data = ImageData(opts.scan, factor, seed=opts.seed)
-    return data, data.bucket_keys(), None
+    buckets = data.bucket_keys()
+    if not datasets:
+        return data, _one_dataset(buckets), None
+    rows, codes = data.bucket_rows(), _dataset_codes(opts.scan)
+    return data, _split(datasets, buckets, lambda at, hw, keys: codes[rows[hw]] == at), None
 
 
-def _from_cache(opts: TrainOptions, family: Family) -> tuple[TrainData, dict[BucketShape, np.ndarray], LatentNorm]:
+def _from_cache(
+    opts: TrainOptions, family: Family, datasets: list[RunDataset]
+) -> tuple[TrainData, dict[Group, np.ndarray], LatentNorm]:
     if not opts.cache:
         raise InputError("give --cache (made by stk-cache), or --vae-on-the-fly with --scan")
     data = CacheData(
@@ -91,35 +127,78 @@ def _from_cache(opts: TrainOptions, family: Family) -> tuple[TrainData, dict[Buc
                 "cache with the model you train"
             )
         buckets = data.bucket_keys()
+        groups = _one_dataset(buckets)
         if opts.scan:
-            buckets = _covered(opts.cache, opts.scan, data, buckets)
+            buckets, jobs = _covered(opts.cache, opts.scan, data, buckets)
+            groups = _scan_groups(opts.cache, opts.scan, data.config, datasets, buckets, jobs)
     except BaseException:
         data.close()
         raise
-    return data, buckets, data.config.norm
+    return data, groups, data.config.norm
+
+
+def _one_dataset(buckets: dict[BucketShape, np.ndarray]) -> dict[Group, np.ndarray]:
+    """Every bucket as the group of the one dataset ""."""
+    return {("", h, w): keys for (h, w), keys in buckets.items()}
 
 
 def _covered(
     cache: str, scan: str, data: CacheData, buckets: dict[BucketShape, np.ndarray]
-) -> dict[BucketShape, np.ndarray]:
-    """The scan's rows only (a cache may hold more), after checking the cache has all of them."""
+) -> tuple[dict[BucketShape, np.ndarray], ImageJobs]:
+    """The scan's rows only (a cache may hold more), after checking the cache has all of them; and those rows."""
     jobs, _ = expected_columns(cache, data.config, scan)
     cached = np.concatenate(list(buckets.values())) if buckets else np.zeros(0, "S1")
     missing = jobs.path.take(np.flatnonzero(~np.isin(jobs.key, cached))).to_pylist()
     missing_texts = len(np.setdiff1d(jobs.text_key, data.reader.text_key_array()))
     check_coverage(missing, missing_texts, cache, scan)
     wanted = {hw: np.isin(keys, jobs.key) for hw, keys in buckets.items()}
-    return {hw: keys[wanted[hw]] for hw, keys in buckets.items() if wanted[hw].any()}
+    return {hw: keys[wanted[hw]] for hw, keys in buckets.items() if wanted[hw].any()}, jobs
+
+
+def _scan_groups(
+    cache: str, scan: str, config: CacheConfig, datasets: list[RunDataset], buckets: dict[BucketShape, np.ndarray],
+    jobs: ImageJobs,
+) -> dict[Group, np.ndarray]:  # fmt: skip
+    """The covered buckets split by the datasets of their scan rows (`jobs`, in the table's row order): a key is in a
+    dataset's group when one of the dataset's rows has it (the same image in two datasets is in both)."""
+    if not datasets:
+        return _one_dataset(buckets)
+    codes = _dataset_codes(scan)
+    if len(codes) != len(jobs):  # the cache's build skipped rows as bad input: the rows it holds
+        codes = codes[expected_keys(cache, config, ScanRows(scan))[2]]
+    keys_of = [np.unique(jobs.key[codes == at]) for at in range(len(datasets))]
+    return _split(datasets, buckets, lambda at, hw, keys: np.isin(keys, keys_of[at]))
+
+
+def _dataset_codes(scan: str) -> np.ndarray:
+    """Each scan row's dataset, as its place in buckets.json's "datasets" (the order of `run_datasets`)."""
+    table, _ = read_scan_columns(scan, [DATASET])
+    if DATASET not in table.column_names:
+        raise InputError(f"{join(scan, METADATA)}: no {DATASET} column, but its {BUCKETS} lists datasets")
+    return row_datasets(scan, table.column(DATASET).chunks)
+
+
+def _split(
+    datasets: list[RunDataset], buckets: dict[BucketShape, np.ndarray], member: Callable[..., np.ndarray]
+) -> dict[Group, np.ndarray]:
+    """Each bucket's keys per dataset: `member(place, hw, keys)` is the mask of the keys of dataset `place`."""
+    groups = {}
+    for at, dataset in enumerate(datasets):
+        for (h, w), keys in buckets.items():
+            mask = member(at, (h, w), keys)
+            if mask.any():
+                groups[(dataset.name, h, w)] = keys[mask]
+    return groups
 
 
 def _repeats(
-    opts: TrainOptions, buckets: dict[BucketShape, np.ndarray], factor: int
-) -> tuple[dict[BucketShape, int] | None, dict[BucketShape, int]]:
+    opts: TrainOptions, document: dict[str, Any], groups: dict[Group, np.ndarray], factor: int
+) -> tuple[dict[Group, int] | None, dict[Group, int]]:
     """Bucket ids (the scan's, for messages) and repeats: --repeats for all, else the scan's, else 1."""
-    from_scan = scan_repeats(opts.scan, factor) if opts.scan else {}
-    ids = {hw: from_scan[hw][0] for hw in buckets if hw in from_scan} if from_scan else None
-    if ids is not None and len(ids) != len(buckets):
+    from_scan = scan_repeats(document, opts.scan, factor) if opts.scan else {}
+    ids = {g: from_scan[g][0] for g in groups if g in from_scan} if from_scan else None
+    if ids is not None and len(ids) != len(groups):
         ids = None  # latent shapes the scan's buckets do not explain: number them ourselves
     if opts.repeats is not None:
-        return ids, {hw: opts.repeats for hw in buckets}
-    return ids, {hw: from_scan[hw][1] if hw in from_scan else 1 for hw in buckets}
+        return ids, {g: opts.repeats for g in groups}
+    return ids, {g: from_scan[g][1] if g in from_scan else 1 for g in groups}

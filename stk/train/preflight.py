@@ -13,19 +13,19 @@ import os
 import shutil
 import uuid
 from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from stk import storage
 from stk.buckets import BatchCheck, Bucket, ShortBucket
 from stk.errors import BatchCheckFailed, CacheIncomplete, InputError, PreflightFailed
 from stk.scan.outputs import BUCKETS
-from stk.scan.reader import read_buckets
-from stk.train.sampler import BucketKeys
+from stk.train.sampler import BucketKeys, Group
 from stk.world import World
 
 __all__ = ["check_buckets", "check_coverage", "check_gpu_layout", "check_shared_output", "scan_repeats"]
 
 LISTED = 20
-BucketShape = tuple[int, int]
+Shape = TypeVar("Shape", tuple[int, int], tuple[str, int, int])  # a bucket: latent (h, w), or a dataset's Group
 
 
 def check_shared_output(world: World, output_dir: str) -> None:
@@ -95,48 +95,52 @@ def check_gpu_layout(world: World, gpus_on_node: int) -> None:
         raise PreflightFailed(f"more ranks than GPUs on a node ({listed}); start one rank per GPU")
 
 
-def scan_repeats(scan_dir: str, vae_scale_factor: int) -> dict[BucketShape, tuple[int, int]]:
-    """Latent (h, w) -> (scan bucket id, repeats) from the scan's buckets.json (repeats include the
-    scan's --repeats and --allow-oversubscription)."""
-    document = read_buckets(scan_dir)
+def scan_repeats(document: Mapping[str, Any], scan_dir: str, vae_scale_factor: int) -> dict[Group, tuple[int, int]]:
+    """(dataset, latent h, latent w) -> (scan bucket id, repeats) from the scan's buckets.json `document` (repeats
+    include the scan's --repeats and --allow-oversubscription); the dataset is "" in the scan of one source."""
     try:
         return {
-            (int(b["height"]) // vae_scale_factor, int(b["width"]) // vae_scale_factor): (
-                int(b["id"]),
-                int(b["repeats"]),
-            )
+            (
+                str(b.get("dataset") or ""),
+                int(b["height"]) // vae_scale_factor,
+                int(b["width"]) // vae_scale_factor,
+            ): (int(b["id"]), int(b["repeats"]))
             for b in document["buckets"]
         }
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{storage.join(scan_dir, BUCKETS)}: not an stk-scan {BUCKETS} ({exc})") from exc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InputError(f"{storage.join(scan_dir, BUCKETS)}: not an stk-scan {BUCKETS} ({exc})") from None
 
 
 def check_buckets(
-    buckets: Mapping[BucketShape, BucketKeys],
-    repeats: Mapping[BucketShape, int],
+    buckets: Mapping[Shape, BucketKeys],
+    repeats: Mapping[Shape, int],
     effective: int,
     vae_scale_factor: int,
     oversubscribe: bool,
-    bucket_ids: Mapping[BucketShape, int] | None = None,
-) -> dict[BucketShape, int]:
-    """Every bucket must fill one effective batch (batch size x ranks x accumulation), counting its
-    repeats. Returns the repeats to train with: each short bucket raised to its minimum when
-    oversubscribing; otherwise BatchCheckFailed lists every short bucket and the ways out."""
-    ids = bucket_ids or {hw: i for i, hw in enumerate(sorted(buckets))}
-    short = [
-        ShortBucket(
-            Bucket(ids[hw], hw[1] * vae_scale_factor, hw[0] * vae_scale_factor),
+    bucket_ids: Mapping[Shape, int] | None = None,
+) -> dict[Shape, int]:
+    """Every bucket (latent (h, w), or a dataset's: (name, h, w)) must fill one effective batch (batch size x ranks x
+    accumulation), counting its repeats. Returns the repeats to train with: each short bucket raised to its minimum
+    when oversubscribing; otherwise BatchCheckFailed lists every short bucket, with its dataset, and the ways out."""
+    ids = bucket_ids or {key: i for i, key in enumerate(sorted(buckets))}
+    short = {
+        key: ShortBucket(
+            Bucket(ids[key], key[-1] * vae_scale_factor, key[-2] * vae_scale_factor),
             len(keys),
-            len(keys) * repeats[hw],
+            len(keys) * repeats[key],
             math.ceil(effective / len(keys)),
         )
-        for hw, keys in sorted(buckets.items())
-        if len(keys) and len(keys) * repeats[hw] < effective
-    ]
+        for key, keys in sorted(buckets.items())
+        if len(keys) and len(keys) * repeats[key] < effective
+    }
     if short and not oversubscribe:
-        raise BatchCheckFailed(BatchCheck(effective, min(repeats.values()), short).message())
-    raised = {(s.bucket.height // vae_scale_factor, s.bucket.width // vae_scale_factor): s.min_repeats for s in short}
-    return {hw: raised.get(hw, repeats[hw]) for hw in buckets}
+        message = BatchCheck(effective, min(repeats.values()), list(short.values())).message()
+        for key, bucket in short.items():  # a dataset's bucket: named with its dataset
+            if len(key) == 3 and key[0]:
+                at = f"  bucket {bucket.bucket.id} ("
+                message = message.replace(at, f"  dataset {key[0]!r}, bucket {bucket.bucket.id} (", 1)
+        raise BatchCheckFailed(message)
+    return {key: short[key].min_repeats if key in short else repeats[key] for key in buckets}
 
 
 def check_coverage(missing_paths: list[str], missing_texts: int, cache: str, scan_dir: str) -> None:

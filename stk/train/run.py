@@ -101,7 +101,7 @@ def _checked(
     validation = world.run_everywhere(lambda: planned(opts, plan))
     overridden: list[str] = []
     if resume is not None:
-        settings = opts.run_settings(plan.family, world.size)
+        settings = plan.run_settings(opts, world.size)
         overridden = world.root_call(lambda: checkpoints.check_settings(resume, settings, opts.override_resume))
     return validation, overridden
 

@@ -21,6 +21,7 @@ from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION
 from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.checkpointer import Checkpointer
+from stk.train.datasets import caption_dropouts
 from stk.train.distributed import DistEnv, init_distributed, resolve_dist_env
 from stk.train.dsconfig import zero_stage
 from stk.train.embeddings import Embeddings, embed_captions
@@ -65,6 +66,7 @@ class Trainer:
     validator: Validator | None = None
     hosts: dict[str, int] = field(default_factory=dict)  # host -> ranks on it
     loss: float | None = None
+    samples_per_dataset: dict[str, int] = field(default_factory=dict)  # trained by this run, with several datasets
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def setup(setting: Setting, world: World, signals: StopSignals) -> Trainer:
     embeddings = _embeddings(opts, world, plan, setting.validation, device, precision)  # before the denoiser
     model = _load_model(setting, world, device, precision, total_steps, embeddings)
     checkpointer = Checkpointer(
-        setting.checkpoints, opts.checkpoint_every, opts.run_settings(plan.family, sampler.world_size), opts.seed,
+        setting.checkpoints, opts.checkpoint_every, plan.run_settings(opts, sampler.world_size), opts.seed,
         plan.family, setting.trainable,
     )  # fmt: skip
     step = checkpointer.resume(model.engine, sampler, resume, opts, setting.overridden) if resume else 0
@@ -129,8 +131,9 @@ def dtype_of(precision: str) -> torch.dtype:
 def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketSampler, int]:
     """This rank's sampler and the optimizer steps to train."""
     sampler = BucketSampler(
-        plan.buckets, plan.repeats, opts.batch_size, env.world_size, env.rank, opts.grad_accum, opts.seed
-    )
+        plan.groups, plan.repeats, opts.batch_size, env.world_size, env.rank, opts.grad_accum, opts.seed,
+        weights=plan.weights,
+    )  # fmt: skip
     if not sampler.steps_per_epoch:
         raise InputError("no bucket fills one effective batch: nothing to train (see the bucket check above)")
     # --max-steps wins over --epochs either way, as every peer's max_train_steps does: the epochs follow from it
@@ -138,8 +141,8 @@ def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketS
     log.info(
         "%s: %d samples in %d buckets, %d optimizer steps per epoch of %d samples each; training %d steps",
         plan.family.value,
-        sum(len(k) for k in plan.buckets.values()),
-        len(plan.buckets),
+        sum(len(k) for k in plan.groups.values()),
+        len(plan.groups),
         sampler.steps_per_epoch,
         sampler.effective_batch,
         total_steps,
@@ -169,11 +172,17 @@ def _load_model(
         norm = encoders.norm  # the VAE's own
     assert norm is not None
     engine = build_engine(denoiser, opts, config, precision, total_steps)
-    empty = embeddings.get(EMPTY_CAPTION) if opts.loss.caption_dropout else None
+    dropouts = caption_dropouts(plan.datasets, opts.loss.caption_dropout)
+    empty = embeddings.get(EMPTY_CAPTION) if _drops_captions(opts, plan) else None
     return StepModel(
         objective, engine, encoders, device, dtype, norm, empty,
-        opts.loss.caption_dropout,
+        opts.loss.caption_dropout, dropouts,
     )  # fmt: skip
+
+
+def _drops_captions(opts: TrainOptions, plan: TrainPlan) -> bool:
+    """Whether any sample may train on the empty caption (--caption-dropout, or a dataset's own)."""
+    return any(p > 0 for p in [opts.loss.caption_dropout, *caption_dropouts(plan.datasets, 0.0).values()])
 
 
 def _embeddings(
@@ -183,7 +192,7 @@ def _embeddings(
     """The prompts' embeddings and the empty caption's, for validation and --caption-dropout: from the cache, or
     encoded now by the model's text encoders (loaded on every rank, freed after)."""
     captions = list(validation.prompts) if validation is not None else []
-    if validation is not None or opts.loss.caption_dropout:
+    if validation is not None or _drops_captions(opts, plan):
         captions.append(EMPTY_CAPTION)
     if not captions:
         return {}

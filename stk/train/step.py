@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,11 @@ class StepModel:
     norm: LatentNorm  # the VAE's latent normalisation
     empty_caption: dict[str, torch.Tensor] | None = None  # its embedding, with --caption-dropout
     caption_dropout: float = 0.0
+    dataset_dropout: dict[str, float] = field(default_factory=dict)  # a dataset's own, in place of caption_dropout
+
+    def dropout_of(self, dataset: str) -> float:
+        """The caption dropout of a dataset's samples: its own, else --caption-dropout."""
+        return self.dataset_dropout.get(dataset, self.caption_dropout)
 
 
 @dataclass
@@ -44,14 +49,16 @@ class StepResult:
     loss: float  # the mean of its micro-batches' losses
     digest: int  # the sum of their batch_digest values
     micro_batches: int
+    dataset: str = ""  # the one its samples came from ("" in a run of one dataset)
 
 
 def train_step(
-    model: StepModel, batches: Iterator[Batch], step: int, seed: int, rank: int, world_size: int, accum: int
-) -> StepResult | None:
-    """Optimizer step `step + 1` on this rank: `accum` micro-batches from `batches`, each forward, backward and
-    `engine.step()` (DeepSpeed steps the optimizer after the last). None when `batches` ends first (the epoch's
-    end: the sampler cuts an epoch into whole optimizer steps)."""
+    model: StepModel, batches: Iterator[Batch], step: int, seed: int, rank: int, world_size: int, accum: int,
+    dataset: str = "",
+) -> StepResult | None:  # fmt: skip
+    """Optimizer step `step + 1` on this rank: `accum` micro-batches from `batches` (of `dataset`), each forward,
+    backward and `engine.step()` (DeepSpeed steps the optimizer after the last). None when `batches` ends first (the
+    epoch's end: the sampler cuts an epoch into whole optimizer steps)."""
     loss_sum, digest = 0.0, 0
     for micro in range(accum):
         batch = next(batches, None)
@@ -59,12 +66,12 @@ def train_step(
             return None
         slot = micro * world_size + rank  # this micro-batch's place in the optimizer step
         generator = step_generator(seed, step, slot)
-        loss = model.objective.loss(model.engine, step_inputs(batch, model, generator), generator)
+        loss = model.objective.loss(model.engine, step_inputs(batch, model, generator, dataset), generator)
         model.engine.backward(loss)
         model.engine.step()
         loss_sum += float(loss.detach())
         digest += batch_digest(slot, batch.keys)
-    return StepResult(loss_sum / accum, digest, accum)
+    return StepResult(loss_sum / accum, digest, accum, dataset)
 
 
 def step_generator(seed: int, step: int, slot: int) -> torch.Generator:
@@ -82,8 +89,9 @@ def batch_digest(slot: int, keys: list[str]) -> int:
     return int.from_bytes(hashlib.sha256(f"{slot}:{chr(0).join(keys)}".encode()).digest()[:4], "little")
 
 
-def step_inputs(batch: Batch, model: StepModel, generator: torch.Generator) -> StepInputs:
-    """Latents sampled and normalised for the denoiser, from cached ones or encoded now."""
+def step_inputs(batch: Batch, model: StepModel, generator: torch.Generator, dataset: str = "") -> StepInputs:
+    """Latents sampled and normalised for the denoiser, from cached ones or encoded now; captions dropped at the
+    rate of the batch's dataset."""
     if batch.pixels is not None:
         assert model.encoders is not None and batch.captions is not None
         mean, logvar = model.encoders.encode_images(batch.pixels)
@@ -96,7 +104,7 @@ def step_inputs(batch: Batch, model: StepModel, generator: torch.Generator) -> S
     if logvar is not None:  # a fresh sample of the latent distribution each time the image is seen
         latent = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=generator)
     if model.empty_caption is not None:
-        text = drop_captions(text, model.empty_caption, model.caption_dropout, generator)
+        text = drop_captions(text, model.empty_caption, model.dropout_of(dataset), generator)
     return StepInputs(
         latents=model.norm.normalize(latent).to(model.device, model.dtype),
         text={name: value.to(model.device, model.dtype) for name, value in text.items()},

@@ -27,7 +27,9 @@ log = get_logger("train")
 
 def planned(opts: TrainOptions, plan: TrainPlan) -> ValidationPlan | None:
     """The images to make (stk.train.validation), the most common bucket weighed by its repeats."""
-    sizes = {hw: len(keys) * plan.repeats.get(hw, 1) for hw, keys in plan.buckets.items()}
+    sizes: dict[tuple[int, int], int] = {}
+    for (_, h, w), keys in plan.groups.items():  # every dataset's samples of a latent shape
+        sizes[(h, w)] = sizes.get((h, w), 0) + len(keys) * plan.repeats.get((_, h, w), 1)
     return plan_validation(opts.validation, plan.family, plan.data.validation_prompts, sizes, plan.vae_scale_factor)
 
 

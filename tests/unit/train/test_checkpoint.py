@@ -292,6 +292,40 @@ def test_a_full_checkpoint_resumed_as_a_lora_is_refused_even_with_override(saved
         checkpoints.check_settings(resume, settings(lora=LoraSettings(rank=16)), override=True)
 
 
+STYLE = {"name": "style", "repeats": 10, "weight": 2.0, "caption_dropout": 0.1}
+PHOTOS = {"name": "photos", "repeats": 1, "weight": 1.0, "caption_dropout": None}
+
+
+@pytest.mark.parametrize(
+    ("datasets", "named"),
+    [
+        ([{**STYLE, "repeats": 5}, PHOTOS], "dataset 'style': repeats 10 -> 5"),
+        ([STYLE, {**PHOTOS, "weight": 3.0}], "dataset 'photos': weight 1.0 -> 3.0"),
+        ([STYLE, {**PHOTOS, "caption_dropout": 0.2}], "dataset 'photos': caption-dropout None -> 0.2"),
+        ([STYLE], "dataset 'photos' removed"),
+        ([STYLE, PHOTOS, {**PHOTOS, "name": "more"}], "dataset 'more' added"),
+        ([], "dataset 'style' removed, dataset 'photos' removed"),  # resumed from one source
+    ],
+)
+def test_a_changed_dataset_list_is_refused_naming_what_changed(saved, tmp_path, datasets, named):
+    checkpoints, resume = saved
+    (Path(resume.directory) / resume.tag / "stk-run.json").write_text(
+        json.dumps({**settings(), "datasets": [STYLE, PHOTOS]})
+    )
+    current = {**settings(), "datasets": datasets} if datasets else settings()
+    with pytest.raises(InputError, match=re.escape(f"({named}): rerun with the checkpoint's values")):
+        checkpoints.check_settings(resume, current, override=False)
+    assert checkpoints.check_settings(resume, current, override=True) == ["datasets"]
+    reordered = {**settings(), "datasets": [PHOTOS, STYLE]}  # the sampler draws by name: no change
+    assert checkpoints.check_settings(resume, reordered, override=False) == []
+
+
+def test_a_checkpoint_of_one_source_resumed_with_datasets_is_refused(saved):
+    checkpoints, resume = saved  # its record has no datasets, as before there were any
+    with pytest.raises(InputError, match=re.escape("(dataset 'style' added)")):
+        checkpoints.check_settings(resume, {**settings(), "datasets": [STYLE]}, override=False)
+
+
 @pytest.fixture
 def saved_lora(saved: tuple[CheckpointDir, Resume], tmp_path: Path) -> tuple[CheckpointDir, Resume]:
     record = tmp_path / "checkpoints" / "step-00000005" / "stk-run.json"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -46,3 +47,17 @@ def test_wandb_resumes_its_own_run_and_a_missing_wandb_is_refused(tmp_path, monk
     monkeypatch.setitem(sys.modules, "wandb", None)  # what Python does for a package that is not installed
     with pytest.raises(InputError, match=r"wandb is not installed \(pip install 'stk\[wandb\]'\)"):
         MetricsLog(str(tmp_path / "other"), enabled=True, report_to="wandb")
+
+
+def test_a_run_of_several_datasets_shows_a_loss_curve_per_dataset(tmp_path):
+    log = MetricsLog(str(tmp_path), enabled=True)
+    log.start(0)
+    for step, dataset in enumerate(["style", "photos", "style"], start=1):
+        log.write({"step": step, "loss": float(step), "dataset": dataset, "time": 1e9 + step})
+    log.close()
+    board = tmp_path / "tensorboard"
+    assert board_tags(board) == ["train/loss", "train/loss/photos", "train/loss/style"]
+    assert board_scalars(board, "train/loss/style") == [(1, 1.0), (3, 3.0)]
+    assert [json.loads(line)["dataset"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        "style", "photos", "style"
+    ]  # fmt: skip

@@ -18,7 +18,7 @@ from stk.train.engine import build_engine, engine_config
 from stk.train.objectives import objective_for
 from stk.train.optim import OptimizerSettings
 from stk.train.options import TrainOptions
-from stk.train.step import StepModel, batch_digest, step_generator, train_step
+from stk.train.step import StepModel, batch_digest, step_generator, step_inputs, train_step
 
 SCALE = 0.18215  # the tiny SD VAE's scaling factor
 SEED = 3
@@ -65,3 +65,16 @@ def test_train_step_runs_the_objective_on_the_engine_and_steps_the_optimizer(one
     assert second is not None and second.loss == pytest.approx(sum(expected) / 2, rel=1e-6, abs=0)
     assert second.loss != first.loss
     assert train_step(model, batches, step=2, seed=SEED, rank=0, world_size=1, accum=2) is None  # the epoch's end
+
+
+def test_a_dataset_s_own_caption_dropout_replaces_the_option_for_its_batches() -> None:
+    """ "style" drops every caption, "photos" none, any other dataset (and a run of one) --caption-dropout's 0."""
+    batch = cached_batch(["a", "b", "c"], 0)
+    assert batch.text is not None
+    empty = {name: torch.zeros(values.shape[1:]) for name, values in batch.text.items()}
+    model = StepModel(None, None, None, torch.device("cpu"), torch.float32, LatentNorm(SCALE), empty, 0.0,  # type: ignore[arg-type]
+                      {"style": 1.0, "photos": 0.0})  # fmt: skip
+    for dataset, dropped in [("style", True), ("photos", False), ("", False)]:
+        text = step_inputs(batch, model, step_generator(SEED, 0, 0), dataset).text
+        for name, values in text.items():
+            assert torch.equal(values, torch.zeros_like(values) if dropped else batch.text[name]), dataset
