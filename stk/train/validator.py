@@ -28,8 +28,8 @@ log = get_logger("train")
 def planned(opts: TrainOptions, plan: TrainPlan) -> ValidationPlan | None:
     """The images to make (stk.train.validation), the most common bucket weighed by its repeats."""
     sizes: dict[tuple[int, int], int] = {}
-    for (_, h, w), keys in plan.groups.items():  # every dataset's samples of a latent shape
-        sizes[(h, w)] = sizes.get((h, w), 0) + len(keys) * plan.repeats.get((_, h, w), 1)
+    for group, keys in plan.groups.items():  # every dataset's samples of a latent shape
+        sizes[group[1:]] = sizes.get(group[1:], 0) + len(keys) * plan.repeats.get(group, 1)
     return plan_validation(opts.validation, plan.family, plan.data.validation_prompts, sizes, plan.vae_scale_factor)
 
 
