@@ -173,10 +173,10 @@ class ImageData:
     """TrainData for --vae-on-the-fly, straight from a stk-scan table and its images; thread-safe.
 
     Keys are the table's paths. `load` decodes, resizes and crops with stk.preprocess, the code
-    stk-cache runs, so with center crops a batch's pixels are exactly what the cache would have
-    encoded; the step encodes them with Encoders.encode_images. Random crops are drawn per image
-    from `seed` and the image (not from a cache key, which depends on the VAE): each image keeps
-    one crop for the whole run.
+    stk-cache runs (each dataset's own crop in a scan of several), so with center crops a batch's
+    pixels are exactly what the cache would have encoded; the step encodes them with
+    Encoders.encode_images. Random crops are drawn per image from `seed` and the image (not from a
+    cache key, which depends on the VAE): each image keeps one crop for the whole run.
     """
 
     def __init__(self, scan_dir: str, vae_scale_factor: int, crop: CropMode = CropMode.CENTER, seed: int = 0) -> None:
@@ -237,7 +237,7 @@ class ImageData:
     def _pixels(self, job: ImageJob) -> Preprocessed:
         try:
             with storage.open_read(job.location) as f:
-                return preprocess(f, job.bucket_width, job.bucket_height, self.crop, job.key)
+                return preprocess(f, job.bucket_width, job.bucket_height, job.crop or self.crop, job.key)
         except PreprocessError as exc:
             raise InputError(f"{job.location}: {exc} (remove it from the scan table, or train from a cache)") from exc
         except OSError as exc:

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.combined_scans import CENTER_OFFSET, write_scan
 from support.processes import loader_threads
 
 from stk.errors import InputError
 from stk.train.batch import Batch
-from stk.train.data import BatchLoader, CacheData
+from stk.train.data import BatchLoader, CacheData, ImageData
 
 
 def test_a_directory_without_a_manifest_is_one_clear_error(tmp_path: Path) -> None:
@@ -100,3 +101,14 @@ def test_prefetch_runs_in_order_up_to_the_shard_lookahead() -> None:
     rest = list(loader)
     assert [b.keys for b in rest] == batches[1:]
     assert data.prefetched == sorted(data.prefetched, key=batches.index), "prefetches out of order"
+
+
+def test_images_on_the_fly_take_their_dataset_s_crop(tmp_path: Path) -> None:
+    """The style set is cropped at random (as stk-cache crops it), the photos, which give none, at --crop's center."""
+    data = ImageData(str(write_scan(tmp_path)), vae_scale_factor=8)
+    offsets = {
+        (h, w): {tuple(t) for t in data.load(keys.astype(str).tolist()).crop_top_left.tolist()}
+        for (h, w), keys in data.bucket_keys().items()
+    }
+    assert offsets[(4, 6)] == {(0, 0)}  # photos: 72x48 fits its 48x32 bucket whole
+    assert len(offsets[(8, 8)]) > 1 and offsets[(8, 8)] != {CENTER_OFFSET}  # style: one offset per image
