@@ -1,7 +1,8 @@
 """`make demo`: the main job on a built-in default, so a new user sees stk work in a minute.
 
 Generates a small mixed dataset (every format stk reads, rotated photos, captions, a broken file,
-a damaged EXIF block, formats stk does not train on) and
+a damaged EXIF block, formats stk does not train on), a second, small style dataset with settings of its own
+(resolution, repeats, a random crop, caption dropout, a weight; `datasets.toml`) and
 a tiny random-weight model of the family (`--family`, SDXL by default), then runs the pipeline with 2 MPI ranks
 exactly as a cluster job would: stk-scan, stk-cache (with two validation prompts), then stk-train (DeepSpeed ZeRO-2
 on the CPU), every weight with an EMA and then a LoRA (ZeRO-3), each making sample images of the prompts along the
@@ -68,11 +69,12 @@ def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None
         err=True,
     )
 
+    datasets = _datasets(workdir, data, images)
     scanned = _run(
         ranks,
         "stk.cli.scan",
-        [data, "--out", scan, "--resolution", "64", "--alignment", "16", "--batch-size", "2", "--max-errors", "5",
-         "--gpus", str(ranks),  # the training below runs on this many ranks
+        ["--datasets", datasets, "--out", scan, "--resolution", "64", "--alignment", "16", "--batch-size", "2",
+         "--max-errors", "5", "--gpus", str(ranks),  # the training below runs on this many ranks
          "--allow-oversubscription"],  # small demo buckets: apply the repeats they need
     )  # fmt: skip
     prompts = os.path.join(workdir, "prompts.txt")
@@ -92,14 +94,16 @@ def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None
     adapted = _run(ranks, "stk.cli.train", [*train, "--output-dir", lora, "--deepspeed", "zero3", "--lr", "1e-3",
                                             "--lora-rank", "8", "--caption-dropout", "0.1"])  # fmt: skip
     layers = _load_lora(model, adapted["final"])
+    per_dataset = ", ".join(f"{d['name']} {d['images']}" for d in scanned["datasets"])
     click.echo(
-        f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images in "
+        f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images ({per_dataset}) in "
         f"{scanned['buckets']} buckets, {scanned['errors']} error(s), {scanned['warnings']} warning(s) "
-        f"-> {scan}/metadata.parquet; why: {scan}/errors.jsonl\n"
+        f"-> {scan}/metadata.parquet; why: {scan}/errors.jsonl; the datasets: {datasets}\n"
         f"cache: {cached['encoded_images']} latents and {cached['encoded_captions']} caption embeddings in "
         f"{cached['shards_written']} shard(s) -> {cache}/manifest.json\n"
         f"train: {trained['steps']} steps on {ranks} ranks, last loss {trained['loss']:.4f}, "
-        f"{trained['samples_per_second']:.1f} samples/s -> {run}/metrics.jsonl, {trained['checkpoint']}\n"
+        f"{trained['samples_per_second']:.1f} samples/s, samples by dataset (drawn by weight) "
+        f"{trained['samples_per_dataset']} -> {run}/metrics.jsonl, {trained['checkpoint']}\n"
         f"again: {damaged} damaged on purpose; on 1 rank, stk-train skipped that checkpoint and resumed from "
         f"{continued['resumed_from']} (the same effective batch: 2 micro-steps each) to step {continued['steps']}\n"
         f"final: {continued['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained; the EMA weights, "
@@ -112,6 +116,21 @@ def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None
         f"next:  stk-cache info {cache} | jq . ; jq -c '{{step, loss}}' {run}/metrics.jsonl",
         err=True,
     )
+
+
+def _datasets(workdir: str, data: str, images: int) -> str:
+    """Two datasets with their own settings: the mixed one, and a small style set at another resolution, cropped at
+    random, repeated, half its samples without their caption, drawn once for every three of the other."""
+    style = os.path.join(workdir, "style")
+    generate_dataset(style, max(images // 4, 8), seed=7, min_side=96, max_side=160)
+    listed = os.path.join(workdir, "datasets.toml")
+    with open(listed, "w", encoding="utf-8") as f:
+        f.write(
+            f'[[dataset]]\nname = "mixed"\nsource = "{data}"\nweight = 3.0\n\n'
+            f'[[dataset]]\nname = "style"\nsource = "{style}"\nresolution = 96\nrepeats = 4\ncrop = "random"\n'
+            "caption-dropout = 0.5\nweight = 1.0\n"
+        )
+    return listed
 
 
 def _damage(checkpoint: str) -> str:
