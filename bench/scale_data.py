@@ -4,6 +4,7 @@ objects of a bucket on a local S3 server (SeaweedFS `weed mini`, the tests' Weed
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import sys
@@ -13,6 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from PIL import Image
 
 from stk.datagen import make_image
 
@@ -41,6 +43,17 @@ def real_images(data: Path) -> list[Path]:
             make_image(width, height, seed=k).save(path, quality=85)
         paths.append(path)
     return paths
+
+
+def _flat_jpegs() -> list[bytes]:
+    """JPEGs of the real images' sizes, of one colour: a few KB each. stk-scan reads only their headers, and a bucket
+    of 1M full-size ones (about 47 GB in the server's volumes) would not fit the disk beside the other data."""
+    blobs = []
+    for k, size in enumerate(REAL_SIZES):
+        buffer = io.BytesIO()
+        Image.new("RGB", size, (40 * k, 90, 160)).save(buffer, "JPEG", quality=50, optimize=True)
+        blobs.append(buffer.getvalue())
+    return blobs
 
 
 def link_source(data: Path, images: int, real: list[Path], i: int) -> Path:
@@ -102,7 +115,7 @@ def ensure_bucket(data: Path, client: Any, images: int) -> str:
     if stamp.exists():
         return url
     print(f"data: {images} objects in {url} ...", flush=True)
-    real = [path.read_bytes() for path in real_images(data)]
+    real = _flat_jpegs()
     existing = {b["Name"] for b in client.list_buckets()["Buckets"]}
     if bucket not in existing:
         client.create_bucket(Bucket=bucket)

@@ -97,3 +97,10 @@ def test_a_file_that_cannot_be_read_is_refused(tmp_path: Path, name: str) -> Non
     path = str(tmp_path / name)
     with pytest.raises(InputError, match=r": cannot be read \(.+\); expected stk's TOML"):
         read_datasets(path)
+
+
+def test_the_example_list_in_the_repository_reads_without_warnings() -> None:
+    example = Path(__file__).resolve().parents[3] / "etc" / "datasets.toml"
+    found = read_datasets(str(example))
+    assert (found.format, found.warnings) == ("stk", [])
+    assert [(spec.name, spec.repeats) for spec in found.specs] == [("style", 10), ("photos", 1)]
