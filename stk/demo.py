@@ -63,11 +63,8 @@ def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None
         f.write(b"not really a jpeg")
     quiet_model_libraries()
     model = build_tiny_model(Family(family), os.path.join(workdir, f"tiny-{family}"))
-    click.echo(
-        f"generated {images} images, {len(formats)} more in every other format (+1 broken file) in {data} "
-        f"and a tiny {family} model in {model}",
-        err=True,
-    )
+    click.echo(f"generated {images} images, {len(formats)} more in every other format (+1 broken file) in {data} "
+               f"and a tiny {family} model in {model}", err=True)  # fmt: skip
 
     datasets = _datasets(workdir, data, images)
     scanned = _run(

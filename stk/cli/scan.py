@@ -273,25 +273,7 @@ def main(
             if world.is_root:
                 sys.stdout.write(datasets_toml(datasets))
             return 0
-        alignment = _alignment(params["alignment"], family)
-        spec = options_from(BucketSpec, params, resolution_type=ResolutionType(params["resolution_type"]),
-                            alignment=alignment)  # fmt: skip
-        spec.validate()
-        training, training_from = training_gpus(params["gpus"])
-        opts = options_from(
-            ScanOptions,
-            params,
-            source=source or "",
-            out_dir=params["out"],
-            stdin_lines=_stdin_lines() if source == "-" and world.is_root else None,
-            table_root=params["root"],
-            columns=mapping,
-            probe=probe,
-            buckets=spec,
-            gpus=training,
-            gpus_from=training_from,
-            oversubscribe=params["allow_oversubscription"],
-        )
+        opts = _options(params, source, mapping, probe, family, world)
         if datasets is None:
             summary = run_scan(opts, world).__dict__
         else:
@@ -303,6 +285,35 @@ def main(
         return 0
 
     run_command("stk-scan", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
+
+
+def _options(
+    params: dict[str, Any],
+    source: str | None,
+    mapping: dict[str, str],
+    probe: ProbeOptions,
+    family: Family | None,
+    world: World,
+) -> ScanOptions:
+    """The scan's options from the command's (each dataset of a list starts from them)."""
+    spec = options_from(BucketSpec, params, resolution_type=ResolutionType(params["resolution_type"]),
+                        alignment=_alignment(params["alignment"], family))  # fmt: skip
+    spec.validate()
+    training, training_from = training_gpus(params["gpus"])
+    return options_from(
+        ScanOptions,
+        params,
+        source=source or "",
+        out_dir=params["out"],
+        stdin_lines=_stdin_lines() if source == "-" and world.is_root else None,
+        table_root=params["root"],
+        columns=mapping,
+        probe=probe,
+        buckets=spec,
+        gpus=training,
+        gpus_from=training_from,
+        oversubscribe=params["allow_oversubscription"],
+    )
 
 
 def _dataset_list(source: str | None, datasets_file: str | None, config_file: str | None) -> list[DatasetSpec] | None:
