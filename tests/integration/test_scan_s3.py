@@ -76,6 +76,32 @@ def test_s3_scan_matches_local_scan(uploaded: tuple[Path, str, Any], s3_server: 
     assert summary["errors"] == 0
 
 
+def test_an_s3_and_a_local_dataset_in_one_scan(
+    uploaded: tuple[Path, str, Any], s3_server: str, run_scan: RunScan, tmp_path: Path
+):
+    root, url, _ = uploaded
+    listed = tmp_path / "datasets.toml"
+    listed.write_text(
+        f'[[dataset]]\nname = "remote"\nsource = "{url}"\n\n[[dataset]]\nname = "local"\nsource = "{root}"\n'
+    )
+    proc = run_scan(["--datasets", listed, "--out", tmp_path / "out", "--s3-endpoint-url", s3_server])
+    assert proc.returncode == 0, proc.stderr
+    rows = _rows(tmp_path / "out")
+    assert [r["dataset"] for r in rows] == ["remote"] * 30 + ["local"] * 30
+    assert [r["path"].removeprefix(url + "/") for r in rows[:30]] == [
+        r["path"].removeprefix(f"{root}/") for r in rows[30:]
+    ]
+    assert all(r["path"].startswith(url + "/") and r["etag"] for r in rows[:30])
+
+    empty = tmp_path / "empty.toml"  # a prefix with no objects: refused before the local dataset is read
+    empty.write_text(
+        f'[[dataset]]\nname = "local"\nsource = "{root}"\n\n[[dataset]]\nname = "none"\nsource = "{url}-none"\n'
+    )
+    refused = run_scan(["--datasets", empty, "--out", tmp_path / "refused", "--s3-endpoint-url", s3_server])
+    assert refused.returncode == 3 and "dataset 'none'" in refused.stderr and "holds no objects" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "refused" / "datasets").exists()
+
+
 def test_s3_incremental_rerun(uploaded: tuple[Path, str, Any], s3_server: str, run_scan: RunScan, tmp_path: Path):
     _, url, client = uploaded
     bucket, prefix = url[len("s3://") :].split("/", 1)
