@@ -104,8 +104,9 @@ def _subset(
     if "metadata_file" not in subset:
         # DreamBooth style: kohya stops at an image with no caption file (class_tokens aside, which stk lacks)
         table["missing-caption"] = "error"
-    if "num_repeats" in settings:
-        table["repeats"] = settings["num_repeats"]  # kohya's num_repeats, like stk's repeats, count every pass
+    # kohya's num_repeats, like stk's repeats, count every pass; its default, 1, said here so that stk's --repeats
+    # does not stand in for it
+    table["repeats"] = settings.get("num_repeats", 1)
     if "random_crop" in settings:
         table["crop"] = "random" if settings["random_crop"] is True else "center"  # kohya crops at the centre
     if "caption_dropout_rate" in settings:

@@ -82,12 +82,13 @@ def _table(fields: Fields, ident: str) -> dict[str, Any]:
     table: dict[str, Any] = {"name": name}
     _source(fields, table, storage)
     repeats = fields.take("repeats")
-    if repeats is not None:
-        if isinstance(repeats, bool) or not isinstance(repeats, int):
-            raise InputError(f"{fields.where}: repeats = {repeats!r} is not an integer")
-        # SimpleTuner's repeats count the passes after the first (0: each image seen once per epoch);
-        # stk's count every pass (1: seen once). So stk's repeats are SimpleTuner's plus one.
-        table["repeats"] = repeats + 1
+    if repeats is None:
+        repeats = 0  # SimpleTuner's default, said here: stk's --repeats must not stand in for it
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise InputError(f"{fields.where}: repeats = {repeats!r} is not an integer")
+    # SimpleTuner's repeats count the passes after the first (0: each image seen once per epoch);
+    # stk's count every pass (1: seen once). So stk's repeats are SimpleTuner's plus one.
+    table["repeats"] = repeats + 1
     for theirs, ours in (
         ("probability", "weight"),
         ("minimum_aspect_ratio", "min-aspect"),

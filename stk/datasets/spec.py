@@ -25,7 +25,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a directory name on every
 class DatasetSpec:
     name: str  # unique in the run; names its subdirectory of the scan and its rows' `dataset`
     source: str  # anything stk-scan takes: a directory, s3://bucket/prefix, a .parquet/.jsonl table
-    repeats: int = 1  # times each image is seen per epoch
+    repeats: int | None = None  # times each image is seen per epoch
     weight: float | None = None  # the probability of drawing from it; None everywhere: an epoch by repeats
     resolution: float | None = None
     resolution_type: ResolutionType | None = None
@@ -98,7 +98,7 @@ def dataset_from_table(table: Mapping[str, Any], where: str) -> DatasetSpec:
 def _check_values(spec: DatasetSpec, where: str) -> None:
     if not _NAME.match(spec.name):
         raise InputError(f"{where}: name {spec.name!r} must be letters, digits, '.', '_' or '-'")
-    if spec.repeats < 1:
+    if spec.repeats is not None and spec.repeats < 1:
         raise InputError(f"{where} ({spec.name}): repeats must be at least 1, not {spec.repeats}")
     if spec.weight is not None and spec.weight <= 0:
         raise InputError(f"{where} ({spec.name}): weight must be above 0, not {spec.weight:g}")

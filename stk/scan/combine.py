@@ -46,7 +46,7 @@ class Scanned:
             ShortBucket(Bucket(first_id + s["id"], *sizes[s["id"]]), s["count"], s["samples"], s["min_repeats"])
             for s in self.buckets["short_buckets"]
         ]
-        return BatchCheck(self.buckets["effective_batch_size"], self.spec.repeats, short)
+        return BatchCheck(self.buckets["effective_batch_size"], self.buckets["repeats"], short)
 
 
 def _first_ids(scanned: Sequence[Scanned]) -> list[int]:
@@ -81,7 +81,7 @@ def _dataset_entry(one: Scanned, first_id: int) -> dict[str, Any]:
         "name": spec.name,
         "source": spec.source,
         "root": one.summary.root,
-        "repeats": spec.repeats,
+        "repeats": doc["repeats"],  # its own, else --repeats
         "weight": spec.weight,
         "crop": spec.crop.value if spec.crop else None,
         "caption_dropout": spec.caption_dropout,

@@ -47,9 +47,8 @@ def dataset_options(spec: DatasetSpec, base: ScanOptions) -> ScanOptions:
         columns=columns,
         probe=probe,
         buckets=buckets,
-        repeats=spec.repeats,
         final_checks=False,
-        **_given(spec, "min_size"),
+        **_given(spec, "min_size", "repeats"),
     )
 
 

@@ -119,13 +119,15 @@ def test_print_config_prints_the_list_it_read(sources: Path, tmp_path: Path) -> 
 def test_the_config_files_dataset_tables_are_a_list(sources: Path, tmp_path: Path) -> None:
     config = tmp_path / "stk.toml"
     config.write_text(
-        f'[scan]\nmissing-caption = "empty"\nalignment = 16\nresolution = 64\n\n'
+        f'[scan]\nmissing-caption = "empty"\nalignment = 16\nresolution = 64\nrepeats = 3\n\n'
         f'[[dataset]]\nname = "a"\nsource = "{sources / "style"}"\n\n'
-        f'[[dataset]]\nname = "b"\nsource = "{sources / "photos"}"\n'
+        f'[[dataset]]\nname = "b"\nsource = "{sources / "photos"}"\nrepeats = 2\n'
     )
     result = _scan("--config", config, "--out", tmp_path / "out", "--allow-oversubscription")
     assert result.exit_code == 0, result.output
     assert [d["name"] for d in json.loads(result.stdout)["datasets"]] == ["a", "b"]
+    document = json.loads((tmp_path / "out" / "buckets.json").read_text())
+    assert [d["repeats"] for d in document["datasets"]] == [3, 2]  # a dataset without its own takes --repeats
 
 
 @pytest.mark.parametrize(

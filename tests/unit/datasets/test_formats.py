@@ -103,4 +103,4 @@ def test_the_example_list_in_the_repository_reads_without_warnings() -> None:
     example = Path(__file__).resolve().parents[3] / "etc" / "datasets.toml"
     found = read_datasets(str(example))
     assert (found.format, found.warnings) == ("stk", [])
-    assert [(spec.name, spec.repeats) for spec in found.specs] == [("style", 10), ("photos", 1)]
+    assert [(spec.name, spec.repeats) for spec in found.specs] == [("style", 10), ("photos", None)]

@@ -121,9 +121,11 @@ def test_the_documented_example_converts_subset_by_subset(tmp_path: Path) -> Non
     assert found.format == "kohya"
     dreambooth = {"resolution": 512 * 512 / 1e6, "resolution_type": ResolutionType.AREA}
     assert found.specs == [
-        DatasetSpec(name="hoge", source="C:\\hoge", missing_caption=MissingCaption.ERROR, **dreambooth),
-        DatasetSpec(name="fuga", source="C:\\fuga", missing_caption=MissingCaption.ERROR, **dreambooth),
-        DatasetSpec(name="piyo", source="C:\\piyo", resolution=768 * 768 / 1e6, resolution_type=ResolutionType.AREA),
+        DatasetSpec(name="hoge", source="C:\\hoge", missing_caption=MissingCaption.ERROR, **dreambooth, repeats=1),
+        DatasetSpec(name="fuga", source="C:\\fuga", missing_caption=MissingCaption.ERROR, **dreambooth, repeats=1),
+        DatasetSpec(
+            name="piyo", source="C:\\piyo", resolution=768 * 768 / 1e6, resolution_type=ResolutionType.AREA, repeats=1
+        ),
     ]
     first, second = f"{path}, [[datasets]] 1", f"{path}, [[datasets]] 2"
     assert found.warnings == [
@@ -150,8 +152,8 @@ def test_settings_inherit_down_and_one_directory_in_two_datasets_gets_two_names(
     error = MissingCaption.ERROR
     assert found.specs == [
         DatasetSpec("image_dir", "/path/to/image_dir", 1, None, 1024 * 1024 / 1e6, area, missing_caption=error),
-        DatasetSpec("hoge", "/data/hoge", resolution=512 * 512 / 1e6, resolution_type=area, missing_caption=error),
-        DatasetSpec("hoge-2", "/data/hoge", resolution=768 * 768 / 1e6, resolution_type=area, missing_caption=error),
+        DatasetSpec("hoge", "/data/hoge", 1, resolution=512 * 512 / 1e6, resolution_type=area, missing_caption=error),
+        DatasetSpec("hoge-2", "/data/hoge", 1, resolution=768 * 768 / 1e6, resolution_type=area, missing_caption=error),
     ]
     first = f"{path}, [[datasets]] 1"
     assert found.warnings == [

@@ -169,6 +169,7 @@ def test_the_documented_examples_convert_with_a_warning_line_for_each_setting_le
             source="s3://text-vae-embeds/train.parquet",  # read through the dataset's own bucket
             root="s3://text-vae-embeds",
             caption_column="caption",
+            repeats=1,
         ),
     ]
     names = ("something-special-to-remember-by", "photo-concept-bucket", "data")

@@ -39,7 +39,7 @@ def test_a_list_written_reads_back_to_the_same_specs(tmp_path: Path) -> None:
     found = read_datasets(str(path))
     assert (found.format, found.specs, found.warnings) == ("stk", SPECS, [])
     assert text.startswith('[[dataset]]\nname = "style.v2"\nsource = "C:\\\\data\\\\\\"quoted\\"\\tand\\nodd \\u0001')
-    assert text.endswith('\n\n[[dataset]]\nname = "plain"\nsource = "/data/plain"\nrepeats = 1\n')
+    assert text.endswith('\n\n[[dataset]]\nname = "plain"\nsource = "/data/plain"\n')  # the rest: the options
 
 
 def test_infinite_weight_is_valid_toml(tmp_path: Path) -> None:
