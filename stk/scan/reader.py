@@ -25,6 +25,7 @@ __all__ = [
     "CROPS",
     "ScanTable",
     "damaged",
+    "dataset_rows",
     "open_scan",
     "read_buckets",
     "read_scan",
@@ -140,16 +141,23 @@ def read_buckets(scan_dir: str) -> dict[str, Any]:
 
 
 def row_crops(scan_dir: str, datasets: Iterable[pa.Array | pa.ChunkedArray]) -> np.ndarray:
-    """Each row's crop in a scan of several datasets, from its `dataset` column (given a part at a time) and
-    buckets.json's "datasets": an index into CROPS (int8), -1 where the dataset gives none (the command's --crop). A
-    dataset buckets.json does not list, or a crop stk does not know, is damage (they are written together)."""
+    """Each row's crop in a scan of several datasets (as dataset_rows gives it)."""
+    return dataset_rows(scan_dir, datasets)[1]
+
+
+def dataset_rows(scan_dir: str, datasets: Iterable[pa.Array | pa.ChunkedArray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's dataset and crop in a scan of several datasets, from its `dataset` column (given a part at a time)
+    and buckets.json's "datasets": the dataset's place in that list (int64, row_datasets) and its crop, an index into
+    CROPS (int8), -1 where the dataset gives none (the command's --crop). A dataset buckets.json does not list, or a
+    crop stk does not know, is damage (they are written together)."""
     location = storage.join(scan_dir, BUCKETS)
     listed = _listed_datasets(scan_dir)
     try:
         crops = np.array([CROPS.index(CropMode(d["crop"])) if d.get("crop") else -1 for d in listed], np.int8)
     except ValueError as exc:
         raise damaged(location, f"a dataset's crop: {exc}", scan_dir) from None
-    return crops[row_datasets(scan_dir, datasets, listed)]
+    codes = row_datasets(scan_dir, datasets, listed)
+    return codes, crops[codes]
 
 
 def row_datasets(

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from stk import storage
 from stk.preprocess import CropMode
-from stk.scan.reader import CROPS, ScanTable, open_scan, read_scan_columns, row_crops
+from stk.scan.reader import CROPS, ScanTable, dataset_rows, open_scan, read_scan_columns, row_crops
 from stk.shards.config import CacheConfig
 from stk.shards.keys import KEY_CHARS, latent_keys, text_key
 
@@ -159,6 +159,7 @@ class ImageJobs:
     key: np.ndarray  # latent keys, bytes (S40)
     text_key: np.ndarray  # each row's caption's text key, bytes (S40)
     crop: np.ndarray  # int8: each row's dataset's crop (ScanRows.crop), -1 where it gives none (the command's)
+    dataset: np.ndarray  # int64: each row's place in buckets.json's "datasets" (reader.dataset_rows); -1: one source
 
     def __len__(self) -> int:
         return len(self.key)
@@ -168,7 +169,7 @@ class ImageJobs:
         index = pa.array(rows, pa.int64())
         return ImageJobs(
             self.root, self.path.take(index), self.caption.take(index), self.bucket_width[rows],
-            self.bucket_height[rows], self.key[rows], self.text_key[rows], self.crop[rows],
+            self.bucket_height[rows], self.key[rows], self.text_key[rows], self.crop[rows], self.dataset[rows],
         )  # fmt: skip
 
     def rows(self, start: int = 0, stop: int | None = None) -> list[ImageJob]:
@@ -190,9 +191,10 @@ class ImageJobs:
 
 def job_columns(
     table: pa.Table, root: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any],
-    crop: np.ndarray | None = None,
+    crop: np.ndarray | None = None, dataset: np.ndarray | None = None,
 ) -> ImageJobs:  # fmt: skip
-    """A scan table's rows (JOB_COLUMNS of it), with their crops (as ScanRows.crop) keyed under the given recipes."""
+    """A scan table's rows (JOB_COLUMNS of it), with their crops (as ScanRows.crop) keyed under the given recipes, and
+    their datasets (as reader.dataset_rows; None: a scan of one source)."""
     key = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     text = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     for start in range(0, table.num_rows, _KEY_CHUNK):
@@ -201,14 +203,17 @@ def job_columns(
         key[start:stop], text[start:stop] = _keyed(part, latent_recipe, text_recipe, part_crop)
     widths, heights = (table.column(n).to_numpy().astype(np.int32) for n in ("bucket_width", "bucket_height"))
     crop = crop if crop is not None else np.full(table.num_rows, -1, np.int8)
-    return ImageJobs(root, table.column("path"), table.column("caption"), widths, heights, key, text, crop)
+    dataset = dataset if dataset is not None else np.full(table.num_rows, -1, np.int64)
+    return ImageJobs(root, table.column("path"), table.column("caption"), widths, heights, key, text, crop, dataset)
 
 
 def read_jobs(scan_dir: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> ImageJobs:
-    """The scan's rows as keyed columns, each with its dataset's crop in a scan of several."""
+    """The scan's rows as keyed columns, each with its dataset and that dataset's crop in a scan of several."""
     table, root = read_scan_columns(scan_dir, [*JOB_COLUMNS, DATASET])
-    crop = row_crops(scan_dir, table.column(DATASET).chunks) if DATASET in table.column_names else None
-    return job_columns(table, root, latent_recipe, text_recipe, crop)
+    if DATASET not in table.column_names:
+        return job_columns(table, root, latent_recipe, text_recipe)
+    dataset, crop = dataset_rows(scan_dir, table.column(DATASET).chunks)
+    return job_columns(table, root, latent_recipe, text_recipe, crop, dataset)
 
 
 @dataclass

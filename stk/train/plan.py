@@ -24,8 +24,7 @@ from stk.models.latents import LatentNorm
 from stk.models.model_json import vae_scale_factor
 from stk.scan.outputs import BUCKETS, METADATA
 from stk.scan.reader import read_buckets, read_scan_columns, row_datasets
-from stk.shards.config import CacheConfig
-from stk.shards.jobs import DATASET, ImageJobs, ScanRows, expected_columns, expected_keys
+from stk.shards.jobs import DATASET, ImageJobs, expected_columns
 from stk.storage import join
 from stk.train.data import CacheData, ImageData, TrainData
 from stk.train.datasets import DATASETS, RunDataset, dataset_settings, run_datasets, weights_of
@@ -130,7 +129,7 @@ def _from_cache(
         groups = _one_dataset(buckets)
         if opts.scan:
             buckets, jobs = _covered(opts.cache, opts.scan, data, buckets)
-            groups = _scan_groups(opts.cache, opts.scan, data.config, datasets, buckets, jobs)
+            groups = _scan_groups(datasets, buckets, jobs)
     except BaseException:
         data.close()
         raise
@@ -155,18 +154,15 @@ def _covered(
     return {hw: keys[wanted[hw]] for hw, keys in buckets.items() if wanted[hw].any()}, jobs
 
 
-def _scan_groups(
-    cache: str, scan: str, config: CacheConfig, datasets: list[RunDataset], buckets: dict[BucketShape, np.ndarray],
-    jobs: ImageJobs,
-) -> dict[Group, np.ndarray]:  # fmt: skip
-    """The covered buckets split by the datasets of their scan rows (`jobs`, in the table's row order): a key is in a
-    dataset's group when one of the dataset's rows has it (the same image in two datasets is in both)."""
+def _scan_groups(datasets: list[RunDataset], buckets: dict[BucketShape, np.ndarray], jobs: ImageJobs) -> dict[
+    Group, np.ndarray
+]:  # fmt: skip
+    """The covered buckets split by the datasets of their scan rows (`jobs`: the rows the cache holds, each with its
+    dataset): a key is in a dataset's group when one of the dataset's rows has it (the same image in two datasets is
+    in both)."""
     if not datasets:
         return _one_dataset(buckets)
-    codes = _dataset_codes(scan)
-    if len(codes) != len(jobs):  # the cache's build skipped rows as bad input: the rows it holds
-        codes = codes[expected_keys(cache, config, ScanRows(scan))[2]]
-    keys_of = [np.unique(jobs.key[codes == at]) for at in range(len(datasets))]
+    keys_of = [np.unique(jobs.key[jobs.dataset == at]) for at in range(len(datasets))]
     return _split(datasets, buckets, lambda at, hw, keys: np.isin(keys, keys_of[at]))
 
 

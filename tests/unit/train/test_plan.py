@@ -110,7 +110,7 @@ def test_a_cache_s_buckets_split_by_the_datasets_of_the_scan_rows(tmp_path):
     height, width = jobs.bucket_height // 8, jobs.bucket_width // 8
     buckets = {(8, 8): np.unique(jobs.key[width == 8]), (8, 12): np.unique(jobs.key[width == 12])}
     datasets = run_datasets(json.loads((scan / "buckets.json").read_text()), "buckets.json")
-    groups = _scan_groups("cache", str(scan), None, datasets, buckets, jobs)  # type: ignore[arg-type]
+    groups = _scan_groups(datasets, buckets, jobs)
     rows = {name: jobs.key[: len(STYLE)] if name == "style" else jobs.key[len(STYLE) :] for name in ("style", "photos")}
     assert set(groups) == {("style", 8, 8), ("photos", 8, 8), ("photos", 8, 12)} and len(height) == 14
     assert groups[("style", 8, 8)].tolist() == sorted(rows["style"].tolist())
