@@ -83,9 +83,10 @@ class BucketSampler:
         groups = {_group(key): keys for key, keys in buckets.items()}
         self._keys = {g: key_array(groups[g]) for g in sorted(groups) if len(groups[g])}
         self._offsets = np.cumsum([0] + [len(keys) for keys in self._keys.values()])  # positions of each group
+        self._dataset_of = [name for name, _, _ in self._keys]  # each group's dataset, by the plan's group index
         given = repeats if isinstance(repeats, int) else {_group(key): value for key, value in repeats.items()}
         self._repeats = {g: _repeats_for(given, g) for g in self._keys}
-        self._weights = _checked_weights(weights, {name for name, _, _ in self._keys})
+        self._weights = _checked_weights(weights, set(self._dataset_of))
         self.batch_size, self.world_size, self.rank = batch_size, world_size, rank
         self.grad_accum, self.seed, self.drop_last = grad_accum, seed, drop_last
         self.global_batch = batch_size * world_size
@@ -120,7 +121,7 @@ class BucketSampler:
         self._epoch_plan()
         if not 0 <= micro_step < len(self._plan_groups):
             return ""
-        return list(self._keys)[int(self._plan_groups[micro_step])][0]
+        return self._dataset_of[int(self._plan_groups[micro_step])]
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its first micro-step; the current epoch keeps its position, so the usual
