@@ -94,14 +94,13 @@ def _dataset_entry(one: Scanned, first_id: int) -> dict[str, Any]:
 
 def _buckets_document(scanned: Sequence[Scanned], settings: dict[str, Any], oversubscribe: bool) -> dict[str, Any]:
     firsts = _first_ids(scanned)
-    checks = [one.checks(first) for one, first in zip(scanned, firsts, strict=True)]
-    short = [not check.ok for check in checks]
+    short = any(one.buckets["short_buckets"] for one in scanned)
     return {
         **settings,
         "effective_batch_size": scanned[0].buckets["effective_batch_size"],
         "repeats": settings.get("repeats", 1),
-        "oversubscribed": bool(oversubscribe and any(short)),
-        "batch_check_ok": oversubscribe or not any(short),
+        "oversubscribed": bool(oversubscribe and short),
+        "batch_check_ok": oversubscribe or not short,
         "weighted": any(one.spec.weight is not None for one in scanned),
         "buckets": [
             {**b, "id": first + b["id"], "dataset": one.spec.name}

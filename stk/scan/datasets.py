@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -21,8 +21,8 @@ from stk.errors import BatchCheckFailed, InputError, check_max_errors, parse_max
 from stk.imageinfo import is_image_name
 from stk.log import get_logger
 from stk.scan.combine import Scanned, combined_checks, write_combined
-from stk.scan.outputs import ERRORS, SKIP_KINDS
-from stk.scan.pipeline import ScanOptions, ScanSummary, run_scan
+from stk.scan.outputs import ERRORS, Tally
+from stk.scan.pipeline import ScanOptions, ScanSummary, bucket_settings, run_scan
 from stk.scan.reader import read_buckets
 from stk.world import World
 
@@ -110,9 +110,7 @@ def run_datasets(specs: Sequence[DatasetSpec], base: ScanOptions, world: World, 
     if empty:
         raise InputError(f"dataset(s) {', '.join(map(repr, empty))} hold no images (see {DATASETS_DIR}/NAME/{ERRORS})")
     total = _total(scanned, base, source, world.size, time.monotonic() - started)
-    settings = {**asdict(base.buckets), "min_size": base.min_size, "batch_size": base.batch_size, "gpus": base.gpus,
-                "grad_accum": base.grad_accum}  # fmt: skip
-    settings = {key: getattr(value, "value", value) for key, value in settings.items()}
+    settings = bucket_settings(base)
     summary = world.root_call(lambda: write_combined(base.out_dir, scanned, total, settings, base.oversubscribe))
     log.info("%d datasets: %s", len(scanned), total.line())
     _final_checks(scanned, total, base)
@@ -123,11 +121,10 @@ def _total(scanned: Sequence[Scanned], base: ScanOptions, source: str, ranks: in
     """The datasets' summaries added up."""
     counted = ("files", "images", "errors", "warnings", "skipped", "reused", "scanned", "buckets", "short_buckets")
     sums = {name: sum(getattr(one.summary, name) for one in scanned) for name in counted}
-    kinds = {
-        name: {k: sum(getattr(one.summary, name).get(k, 0) for one in scanned)
-               for k in sorted({k for one in scanned for k in getattr(one.summary, name)})}
-        for name in ("error_kinds", "warning_kinds")
-    }  # fmt: skip
+    tally = Tally()
+    for one in scanned:
+        tally = tally.plus(Tally(error_kinds=one.summary.error_kinds, warning_kinds=one.summary.warning_kinds))
+    kinds = {"error_kinds": tally.error_kinds, "warning_kinds": tally.warning_kinds}
     rate = round(sums["scanned"] / seconds, 1) if seconds else 0.0
     totals: dict[str, Any] = {**sums, **kinds, "ranks": ranks, "seconds": round(seconds, 3), "images_per_second": rate}
     return replace(scanned[0].summary, source=source, root="", out_dir=base.out_dir, **totals)
@@ -137,7 +134,8 @@ def _final_checks(scanned: Sequence[Scanned], total: ScanSummary, base: ScanOpti
     """--max-errors over every dataset's files, then the batch check of each dataset, named (the outputs are
     written by now, as a scan of one source writes them before its checks)."""
     errors_file, written = os.path.join(base.out_dir, ERRORS), "the outputs were written"
-    check_max_errors(base.max_errors, _fault_kinds(scanned), total.files, "bad files", errors_file, written)
+    faults = Tally(error_kinds=total.error_kinds).fault_kinds
+    check_max_errors(base.max_errors, faults, total.files, "bad files", errors_file, written)
     short = [(name, check) for name, check in combined_checks(scanned) if not check.ok]
     if not short:
         return
@@ -146,12 +144,3 @@ def _final_checks(scanned: Sequence[Scanned], total: ScanSummary, base: ScanOpti
                     ", ".join(repr(name) for name, _ in short))  # fmt: skip
         return
     raise BatchCheckFailed("\n".join([*(line for name, c in short for line in c.short_lines(name)), ways_out(True)]))
-
-
-def _fault_kinds(scanned: Sequence[Scanned]) -> dict[str, int]:
-    kinds: dict[str, int] = {}
-    for one in scanned:
-        for kind, n in one.summary.error_kinds.items():
-            if kind not in SKIP_KINDS:
-                kinds[kind] = kinds.get(kind, 0) + n
-    return kinds

@@ -31,7 +31,7 @@ from stk.scan.state import Journal, clear_previous, load_previous, save_state
 from stk.storage.listing import file_infos, list_sorted
 from stk.world import World, split_work
 
-__all__ = ["ScanOptions", "ScanSummary", "run_scan", "split_by_bytes"]
+__all__ = ["ScanOptions", "ScanSummary", "bucket_settings", "run_scan", "split_by_bytes"]
 
 log = get_logger("scan")
 
@@ -293,6 +293,17 @@ def _filters(opts: ScanOptions) -> Filters:
     return Filters(opts.min_size, opts.buckets.min_aspect, opts.buckets.max_aspect)
 
 
+def bucket_settings(opts: ScanOptions) -> dict[str, Any]:
+    """The settings buckets.json records: the bucket spec's, the size filter and what makes the effective batch."""
+    return {
+        **{k: (v.value if hasattr(v, "value") else v) for k, v in asdict(opts.buckets).items()},
+        "min_size": opts.min_size,
+        "batch_size": opts.batch_size,
+        "gpus": opts.gpus,
+        "grad_accum": opts.grad_accum,
+    }
+
+
 def _finish(
     opts: ScanOptions, world: World, results: list[_RankResult], files: int, scanned: int, started: float
 ) -> ScanSummary:
@@ -306,13 +317,7 @@ def _finish(
         tally = tally.plus(result.tally)
     parts = {name: [r.parts[name] for r in results if name in r.parts] for name in ("rows", "errors", "state")}
     check = check_batches(tally.counts, buckets, effective, opts.repeats)
-    settings: dict[str, Any] = {
-        **{k: (v.value if hasattr(v, "value") else v) for k, v in asdict(spec).items()},
-        "min_size": opts.min_size,
-        "batch_size": opts.batch_size,
-        "gpus": opts.gpus,
-        "grad_accum": opts.grad_accum,
-    }
+    settings = bucket_settings(opts)
     seconds = time.monotonic() - started
     summary = ScanSummary(
         source=opts.source,
