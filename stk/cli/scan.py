@@ -266,7 +266,7 @@ def main(
     probe = ProbeOptions(params["max_pixels"], MissingCaption(params["missing_caption"]), accepted)
 
     def body(world: World) -> int:
-        datasets = _dataset_list(source, datasets_file, config_file)
+        datasets = _dataset_list(source, datasets_file, config_file, warn=world.is_root)
         if print_config:
             if datasets is None:
                 raise InputError("--print-config prints a list of datasets: give --datasets FILE")
@@ -316,12 +316,15 @@ def _options(
     )
 
 
-def _dataset_list(source: str | None, datasets_file: str | None, config_file: str | None) -> list[DatasetSpec] | None:
-    """The datasets to scan: --datasets FILE, else --config's [[dataset]] tables, else None (SOURCE alone)."""
+def _dataset_list(
+    source: str | None, datasets_file: str | None, config_file: str | None, warn: bool
+) -> list[DatasetSpec] | None:
+    """The datasets to scan: --datasets FILE, else --config's [[dataset]] tables, else None (SOURCE alone). Every
+    rank reads the list; the settings it could not carry over are logged where `warn` (rank 0: once for the job)."""
     datasets = None
     if datasets_file:
         found = read_datasets(datasets_file)
-        for warning in found.warnings:
+        for warning in found.warnings if warn else ():
             log.warning("%s", warning)
         datasets = found.specs
     elif config_file:

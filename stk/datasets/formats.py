@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from stk.config import read_config
 from stk.datasets import kohya, simpletuner
 from stk.datasets.spec import DatasetSpec, check_datasets, dataset_from_table
 from stk.errors import InputError
@@ -57,7 +58,7 @@ def read_datasets(path: str) -> Datasets:
 def datasets_in_config(path: str) -> list[DatasetSpec] | None:
     """The `[[dataset]]` tables of a `--config` TOML, checked; None when it has none."""
     where = f"--config {path}"
-    document = _toml(_read(path, where, ""), where, "")
+    document = read_config(path)
     if "dataset" not in document:
         return None
     specs = _stk_datasets(document["dataset"], where)
