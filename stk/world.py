@@ -242,7 +242,7 @@ def split_work(
         return shared
 
     shared = world.root_call(root_plan)
-    share = world.scatter(shares[0] if world.is_root else None)
+    share = world.scatter(shares.pop() if world.is_root else None)  # the others' shares not held while working
     try:
         result, failed = work(shared, share), None
     except Exception as exc:  # reported through the gather

@@ -154,7 +154,9 @@ def source_root(opts: ScanOptions) -> str:
     return root if storage.is_s3(root) else os.path.abspath(root)
 
 
-def _list(opts: ScanOptions, listed: pa.Table | None) -> pa.Table:
+def _list(opts: ScanOptions, listed: list[pa.Table]) -> pa.Table:
+    """The candidates; `listed`: the tree's listing where one was made, handed on (popped) so it is
+    freed as the candidates are made of it."""
     if opts.source == "-":
         found = cands.from_list(opts.stdin_lines or [])
     elif _is_table(opts.source):
@@ -162,7 +164,7 @@ def _list(opts: ScanOptions, listed: pa.Table | None) -> pa.Table:
             raise InputError(f"{opts.source}: no such table")
         found = cands.from_table(metadata.read_columns(opts.source, opts.columns), source_root(opts))
     else:
-        found = cands.from_tree(opts.source, None if listed is None else file_infos(listed))
+        found = cands.from_tree(opts.source, file_infos(listed.pop()) if listed else None)
     return cands.settle(found, opts.threads)
 
 
@@ -176,10 +178,16 @@ def _previous(opts: ScanOptions) -> pa.Table:
 
 def _reuse(found: pa.Table, previous: pa.Table) -> tuple[np.ndarray, pa.Table]:
     """Which candidates an earlier record still describes (the same fingerprint), and those
-    records, in the candidates' order, with today's location."""
+    records, in the candidates' order, with today's location (null where the candidate's is)."""
     match = pc.index_in(found.column("path"), value_set=previous.column("path"))
-    same = pc.fill_null(pc.equal(previous.column("fingerprint").take(match), found.column("fingerprint")), False)
-    reuse = pc.and_(same, pc.is_null(found.column("error_kind"))).to_numpy(zero_copy_only=False)
+    reuse = np.zeros(found.num_rows, bool)
+    start = 0
+    for batch in found.to_batches(cands.BATCH):  # fingerprints a batch at a time: not one for every candidate
+        stop = start + batch.num_rows
+        earlier = previous.column("fingerprint").take(match[start:stop])
+        same = pc.fill_null(pc.equal(earlier, cands.fingerprints(batch)), False)
+        reuse[start:stop] = pc.and_(same, pc.is_null(batch.column("error_kind"))).to_numpy(zero_copy_only=False)
+        start = stop
     rows = match.filter(pa.array(reuse))
     if len(rows) == previous.num_rows and np.array_equal(rows.to_numpy(), np.arange(len(rows))):
         records = previous  # a rerun with nothing changed: the state as it is, not a copy
@@ -210,9 +218,8 @@ def _shares(found: pa.Table, reuse: np.ndarray, reused: pa.Table, ranks: int) ->
     return shares
 
 
-def _plan(opts: ScanOptions, world: World, listed: pa.Table | None) -> tuple[list[Share], int, int, str]:
+def _plan(opts: ScanOptions, world: World, listed: list[pa.Table]) -> tuple[list[Share], int, int, str]:
     found = _list(opts, listed)
-    del listed  # the caller holds none: freed before the earlier records are read
     previous = _previous(opts)
     if previous.num_rows:
         reuse, reused = _reuse(found, previous)
@@ -275,7 +282,7 @@ def _probe_share(share: Share, opts: ScanOptions, world: World, run_id: str) -> 
         ThreadPoolExecutor(max_workers=max(opts.threads, 1)) as pool,
     ):
         for block in share:
-            todo, new = block.todo, []
+            todo, new = cands.ready(block.todo, opts.source), []
             sidecars = listed_for(todo, pool)
             for start in range(0, todo.num_rows, opts.commit_every):
                 chunk = todo.slice(start, opts.commit_every).to_pylist()
@@ -283,7 +290,8 @@ def _probe_share(share: Share, opts: ScanOptions, world: World, run_id: str) -> 
                 journal.commit(records)
                 new.append(records)
                 progress.update(records.num_rows)
-            assembled = assemble(pa.concat_tables([block.reused, *new]), index, filters)  # this run's records win
+            reused = cands.located(block.reused, opts.source)
+            assembled = assemble(pa.concat_tables([reused, *new]), index, filters)  # this run's records win
             write_part(parts, assembled)
             tally = tally.plus(assembled.tally)
     return _RankResult(tally, parts.close())
@@ -374,7 +382,7 @@ def run_scan(opts: ScanOptions, world: World) -> ScanSummary:
 
     def plan() -> tuple[tuple[int, int, str], list[Share]]:
         os.makedirs(opts.out_dir, exist_ok=True)
-        shares, files, scanned, run_id = _plan(opts, world, listed.pop() if listed else None)
+        shares, files, scanned, run_id = _plan(opts, world, listed)
         pa.default_memory_pool().release_unused()  # the listing's, freed by now: for the shares' messages
         return (files, scanned, run_id), shares
 

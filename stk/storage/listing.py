@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stk import storage
 from stk.log import get_logger
 from stk.storage import s3
 from stk.storage.base import FileInfo
@@ -48,12 +49,15 @@ _SCHEMA = pa.schema(
     [("key", pa.binary()), ("location", pa.binary()), ("size", pa.int64()), ("mtime", pa.float64()),
      ("etag", pa.string()), ("error", pa.string()), ("error_kind", pa.string())]
 )  # fmt: skip
+_ROOT = "stk.root"  # a listing's schema metadata: the root its keys are relative to
 _LAST = "\U0010ffff"  # the last character: "ab" + _LAST sorts after every name of "ab" and a few more characters
 
 P = TypeVar("P")
 
 
 class _Parts(Protocol[P]):
+    root: str
+
     def plan(self, wanted: int, pool: ThreadPoolExecutor) -> tuple[list[FileInfo], list[P]]: ...
 
     def list(self, part: P) -> list[FileInfo]: ...
@@ -63,24 +67,39 @@ def list_sorted(root: str, world: World, threads: int) -> pa.Table:
     """Every file under `root` (as storage.list_files gives them), sorted by key, one row each with
     FileInfo's fields as columns (keys and locations as bytes: a local name need not be UTF-8): the
     whole listing on rank 0, an empty table on the others. Every rank calls it; an error on any
-    rank is raised on all. Columns, not a FileInfo per file: 1M of those are ~350 MB on rank 0."""
+    rank is raised on all. Columns, not a FileInfo per file: 1M of those are ~350 MB on rank 0.
+    A location is null where it is storage.join(root, key), as nearly all are (file_infos puts it
+    back): 50 bytes a file less on S3."""
     if root.startswith("s3://"):
-        return _list_parts(_S3Parts(root), world, max(threads, 1))
-    return _list_parts(_LocalParts(root), world, max(threads, 1))
+        table = _list_parts(_S3Parts(root), world, max(threads, 1))
+    else:
+        table = _list_parts(_LocalParts(root), world, max(threads, 1))
+    return table.replace_schema_metadata({_ROOT: root})
 
 
 def file_infos(table: pa.Table) -> Iterator[FileInfo]:
-    """The rows of a list_sorted table as FileInfo, made a batch at a time."""
-    for batch in table.to_batches(max_chunksize=_BATCH):
+    """The rows of a list_sorted table as FileInfo, made a batch at a time. Each batch is let go
+    once it is read: a caller that passes its only reference holds the listing and what it makes
+    of it no longer than it takes to make it."""
+    root = table.schema.metadata[_ROOT.encode()].decode(errors="surrogateescape")
+    batches = table.to_batches(max_chunksize=_BATCH)[::-1]
+    del table
+    while batches:
+        batch = batches.pop()
         columns = [batch.column(name).to_pylist() for name in _SCHEMA.names]
-        for key, location, *rest in zip(*columns, strict=True):
-            yield FileInfo(key.decode(errors="surrogateescape"), location.decode(errors="surrogateescape"), *rest)
+        for raw_key, raw_location, *rest in zip(*columns, strict=True):
+            key = raw_key.decode(errors="surrogateescape")
+            location = raw_location.decode(errors="surrogateescape") if raw_location else storage.join(root, key)
+            yield FileInfo(key, location, *rest)
 
 
-def _table(infos: list[FileInfo]) -> pa.Table:
+def _table(infos: list[FileInfo], root: str) -> pa.Table:
     columns = [
         [info.key.encode(errors="surrogateescape") for info in infos],
-        [info.location.encode(errors="surrogateescape") for info in infos],
+        [
+            None if info.location == storage.join(root, info.key) else info.location.encode(errors="surrogateescape")
+            for info in infos
+        ],
         *([getattr(info, name) for info in infos] for name in _SCHEMA.names[2:]),
     ]
     return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, _SCHEMA, strict=True)], schema=_SCHEMA)
@@ -91,11 +110,12 @@ def _list_parts(parts: _Parts[P], world: World, threads: int) -> pa.Table:
 
     def plan() -> tuple[int, list[list[P]]]:
         done, todo = parts.plan(world.size * threads * _PARTS_PER_THREAD, pool)
-        listed.append(_by_key(_table(done)))
+        listed.append(_by_key(_table(done, parts.root)))
         return len(todo), [todo[rank :: world.size] for rank in range(world.size)]
 
     def work(_: int, share: list[P]) -> pa.Table:
-        return pa.concat_tables([_table([]), *pool.map(lambda part: _by_key(_table(parts.list(part))), share)])
+        tables = pool.map(lambda part: _by_key(_table(parts.list(part), parts.root)), share)
+        return pa.concat_tables([_table([], parts.root), *tables])
 
     def finish(count: int, results: list[pa.Table]) -> None:
         listed.extend(results)
@@ -104,7 +124,7 @@ def _list_parts(parts: _Parts[P], world: World, threads: int) -> pa.Table:
 
     with ThreadPoolExecutor(threads) as pool:
         split_work(world, plan, work, finish)
-    return _merged(listed[0], listed[1:]) if world.is_root else _table([])
+    return _merged(listed[0], listed[1:]) if world.is_root else _table([], parts.root)
 
 
 def _by_key(table: pa.Table) -> pa.Table:

@@ -150,7 +150,7 @@ def test_s3_missing_bucket_is_one_clear_line(s3_server: str, run_scan: RunScan, 
 def test_s3_headers_are_read_with_ranged_gets(s3_server: str, monkeypatch: pytest.MonkeyPatch):
     """Probe one large object in-process, counting what every S3 read fetches."""
     from stk import storage
-    from stk.scan.candidates import CANDIDATE_SCHEMA, settle
+    from stk.scan.candidates import CANDIDATE_SCHEMA, ready, settle
     from stk.scan.probe import ProbeOptions, probe
     from stk.storage.s3 import S3Backend
 
@@ -201,7 +201,7 @@ def test_s3_headers_are_read_with_ranged_gets(s3_server: str, monkeypatch: pytes
             "caption_fingerprint": "",
             "find_sidecar": False,
         }
-        (cand,) = settle(pa.Table.from_pylist([given], schema=CANDIDATE_SCHEMA), threads=1).to_pylist()
+        (cand,) = ready(settle(pa.Table.from_pylist([given], schema=CANDIDATE_SCHEMA), threads=1), "").to_pylist()
         record = probe(cand, ProbeOptions())
     finally:
         storage.configure_s3(None)
@@ -236,7 +236,7 @@ def test_s3_sidecars_of_a_list_come_from_one_listing(s3_server: str, monkeypatch
     from concurrent.futures import ThreadPoolExecutor
 
     from stk import storage
-    from stk.scan.candidates import from_list, settle
+    from stk.scan.candidates import from_list, ready, settle
     from stk.scan.probe import ProbeOptions, probe
     from stk.scan.sidecars import listed_for
     from stk.storage.s3 import S3Backend
@@ -259,7 +259,7 @@ def test_s3_sidecars_of_a_list_come_from_one_listing(s3_server: str, monkeypatch
     monkeypatch.setattr(S3Backend, "exists", lambda self, location: asked.append(location) or exists(self, location))
     storage.configure_s3(s3_server)
     try:
-        table = settle(from_list(urls), threads=2)
+        table = ready(settle(from_list(urls), threads=2), "")
         one_by_one = [probe(cand, ProbeOptions()) for cand in table.to_pylist()]
         assert len(asked) == 9  # one for img0 (its .txt), two for each other image
         asked.clear()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 
+from stk import storage
 from stk.metadata import read_columns
-from stk.scan.candidates import from_list, from_table, settle
+from stk.scan.candidates import from_list, from_table, from_tree, ready, settle
+from stk.storage import name_text, text_name
 
 
 def _table(paths: list[str | None]) -> pa.Table:
@@ -52,7 +56,7 @@ def test_a_list_marks_repeats_after_the_first() -> None:
 
 def test_settle_stats_what_is_unknown_and_fingerprints(tmp_path) -> None:
     (tmp_path / "a.jpg").write_bytes(b"x" * 10)
-    found = settle(from_table(_table(["a.jpg", "gone.jpg"]), str(tmp_path)), threads=2).to_pylist()
+    found = ready(settle(from_table(_table(["a.jpg", "gone.jpg"]), str(tmp_path)), threads=2), "").to_pylist()
     assert [(r["path"], r["size"], r["error_kind"]) for r in found] == [
         ("a.jpg", 10, None),
         ("gone.jpg", -1, "not_found"),
@@ -65,3 +69,16 @@ def test_columns_of_a_parquet_table(tmp_path) -> None:
     location = str(tmp_path / "t.parquet")
     pa.parquet.write_table(pa.table({"file_name": ["a.jpg"], "w": [2.7], "h": [-1]}), location)
     assert read_columns(location, {}).to_pylist() == [{"path": "a.jpg", "caption": None, "width": 2, "height": None}]
+
+
+def test_a_tree_leaves_out_the_locations_that_ready_puts_back(tmp_path) -> None:
+    odd = os.fsdecode(b"c\xff.jpg")  # a name that is not UTF-8: its path and location are escaped alike
+    for name in ("a.jpg", "sub/b.png", odd):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * 3)
+    found = from_tree(str(tmp_path))
+    assert found.column("location").null_count == 3
+    done = ready(found, str(tmp_path)).to_pylist()
+    listed = sorted(storage.list_files(str(tmp_path)), key=lambda info: name_text(info.key))
+    assert [text_name(row["location"]) for row in done] == [info.location for info in listed]
+    assert [row["fingerprint"].split("|")[0] for row in done] == [f"3:{info.mtime!r}:" for info in listed]

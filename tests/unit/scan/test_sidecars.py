@@ -15,7 +15,7 @@ import pytest
 from stk import storage
 from stk.datagen import make_image
 from stk.scan import sidecars
-from stk.scan.candidates import from_list, settle
+from stk.scan.candidates import from_list, ready, settle
 from stk.scan.probe import ProbeOptions, probe
 from stk.scan.records import Record
 
@@ -53,7 +53,7 @@ def _asked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_one_listing_per_directory_gives_the_same_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    table = settle(from_list(_tree(tmp_path)), threads=1)
+    table = ready(settle(from_list(_tree(tmp_path)), threads=1), "")
     asked = _asked(monkeypatch)
     one_by_one = _records(table, None)
     assert len(asked) == 10  # one per image with a .txt (or a directory of that name), else two
@@ -75,7 +75,7 @@ def test_one_listing_per_directory_gives_the_same_records(tmp_path: Path, monkey
 
 
 def test_a_caption_gone_after_the_listing_is_an_unreadable_caption(tmp_path: Path) -> None:
-    table = settle(from_list(_tree(tmp_path)), threads=1)
+    table = ready(settle(from_list(_tree(tmp_path)), threads=1), "")
     with ThreadPoolExecutor(2) as pool:
         found = sidecars.listed_for(table, pool)
     (tmp_path / "a/img0.txt").unlink()
@@ -100,7 +100,7 @@ def _unlistable(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_directory_not_worth_or_not_open_to_listing_is_asked_name_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: Any
 ) -> None:
-    table = settle(from_list(_tree(tmp_path)), threads=1)
+    table = ready(settle(from_list(_tree(tmp_path)), threads=1), "")
     one_by_one = _records(table, None)
     why(monkeypatch)
     asked = _asked(monkeypatch)

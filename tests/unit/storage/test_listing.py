@@ -48,7 +48,18 @@ def test_a_local_tree_in_parts_is_the_sequential_listing(tmp_path: Path) -> None
 
 
 def _files(*keys: str) -> pa.Table:
-    return listing._table([storage.FileInfo(key, f"/r/{key}", i, 0.0) for i, key in enumerate(keys)])
+    return listing._table([storage.FileInfo(key, f"/r/{key}", i, 0.0) for i, key in enumerate(keys)], "/r")
+
+
+def test_a_location_is_held_only_where_it_is_not_the_root_joined_with_the_key() -> None:
+    infos = [
+        storage.FileInfo("a.jpg", "/r/a.jpg", 1, 0.0),
+        storage.FileInfo("b/", "/r/b", 0, 0.0, error="cannot list directory: denied", error_kind="unreadable"),
+        storage.FileInfo("c.jpg", "/elsewhere/c.jpg", 2, 0.0),
+    ]
+    table = listing._table(infos, "/r/").replace_schema_metadata({listing._ROOT: "/r/"})
+    assert table.column("location").to_pylist() == [None, b"/r/b", b"/elsewhere/c.jpg"]
+    assert list(file_infos(table)) == infos
 
 
 def test_parts_are_put_in_key_order_and_overlapping_ones_sorted_whole() -> None:
