@@ -75,10 +75,10 @@ def _verify_cache(cache: str, scan_dir: str | None, repair: bool) -> VerifyRepor
         lines = [f"{cache} is incomplete:"]
         lines += [f"  missing shard: {name}" for name in report.missing_shards]
         lines += [f"  damaged shard: {why}" for why in report.damaged_shards]
-        if report.missing_latent_keys:
+        if report.missing_latent_keys.size:
             lines.append(f"  {len(report.missing_latent_keys)} scan rows have no latent:")
-            lines += [f"    {paths.get(k, k)}" for k in report.missing_latent_keys[:LISTED]]
-        if report.missing_text_keys:
+            lines += [f"    {paths.get(k, k)}" for k in (key.decode() for key in report.missing_latent_keys[:LISTED])]
+        if report.missing_text_keys.size:
             lines.append(f"  {len(report.missing_text_keys)} captions have no embedding")
         if repaired:
             lines.append(f"--repair: unlisted and deleted {len(repaired)} shard(s): {', '.join(repaired)}")
@@ -95,7 +95,7 @@ def _verify_rows(cache: str, manifest: Manifest, scan: ScanRows) -> tuple[Verify
     keys, texts, rows = expected_keys(cache, manifest.cache_config(cache), scan)
     report = verify(cache, keys, texts)
     report.bad_input = scan.rows - len(rows)
-    at = np.flatnonzero(np.isin(keys, np.array(report.missing_latent_keys[:LISTED], dtype=keys.dtype)))
+    at = np.flatnonzero(np.isin(keys, report.missing_latent_keys[:LISTED].astype(keys.dtype)))
     paths = scan.take(rows[at], ["path"]).column("path").to_pylist()
     return report, {key.decode(): path for key, path in zip(keys[at].tolist(), paths, strict=True)}
 

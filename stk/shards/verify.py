@@ -20,6 +20,9 @@ from stk.shards.manifest import Manifest
 __all__ = ["VerifyReport", "verify"]
 
 
+_NONE: np.ndarray = np.zeros(0, "S1")
+
+
 @dataclass
 class VerifyReport:
     shards: int  # listed in the manifest
@@ -27,16 +30,16 @@ class VerifyReport:
     texts: int = 0
     missing_shards: list[str] = field(default_factory=list)
     damaged_shards: list[str] = field(default_factory=list)  # "name: why" (checksum, size, unreadable)
-    missing_latent_keys: list[str] = field(default_factory=list)
-    missing_text_keys: list[str] = field(default_factory=list)
+    # the expected keys no intact shard holds, sorted, as bytes: a cache verified against a scan it has hardly
+    # begun misses nearly every row, and a Python string per key would be its own memory problem at 100M rows
+    missing_latent_keys: np.ndarray = field(default_factory=lambda: _NONE)
+    missing_text_keys: np.ndarray = field(default_factory=lambda: _NONE)
     bad_input: int = 0  # scan rows not expected: the build skipped them as bad input (errors.jsonl)
 
     @property
     def ok(self) -> bool:
-        return not (self.missing_shards or self.damaged_shards or self.missing_latent_keys or self.missing_text_keys)
-
-
-_NONE = np.zeros(0, "S1")
+        missing_keys = self.missing_latent_keys.size or self.missing_text_keys.size
+        return not (self.missing_shards or self.damaged_shards or missing_keys)
 
 
 def _check(path: str, entry: dict[str, Any]) -> tuple[str | None, list[np.ndarray], np.ndarray]:
@@ -56,13 +59,13 @@ def _check(path: str, entry: dict[str, Any]) -> tuple[str | None, list[np.ndarra
     return None, list(latents.values()), texts
 
 
-def _missing(expected: Iterable[str] | np.ndarray | None, found: list[np.ndarray]) -> list[str]:
+def _missing(expected: Iterable[str] | np.ndarray | None, found: list[np.ndarray]) -> np.ndarray:
     """The expected keys no intact shard holds, sorted (arrays compared: no Python object per key)."""
     if expected is None:
-        return []
+        return _NONE
     wanted = expected if isinstance(expected, np.ndarray) else np.array([k.encode() for k in expected], dtype=bytes)
     held = np.concatenate(found) if found else _NONE
-    return [key.decode() for key in np.setdiff1d(wanted, held).tolist()]
+    return np.setdiff1d(wanted, held)
 
 
 def verify(

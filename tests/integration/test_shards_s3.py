@@ -82,4 +82,4 @@ def test_s3_cache_upload_list_download_and_read(s3_cache: str, tmp_path: Path) -
     storage.s3.client().delete_object(Bucket=bucket, Key=f"{prefix}/shards/{rank0.infos[0].name}")
     report = verify(s3_cache, [s.key for s in latents])
     assert report.missing_shards == [rank0.infos[0].name]
-    assert report.missing_latent_keys == sorted(rank0.infos[0].latent_keys)
+    assert report.missing_latent_keys.astype(str).tolist() == sorted(rank0.infos[0].latent_keys)
