@@ -77,7 +77,7 @@ def _verify_cache(cache: str, scan_dir: str | None, repair: bool) -> VerifyRepor
         lines += [f"  damaged shard: {why}" for why in report.damaged_shards]
         if report.missing_latent_keys.size:
             lines.append(f"  {len(report.missing_latent_keys)} scan rows have no latent:")
-            lines += [f"    {paths.get(k, k)}" for k in (key.decode() for key in report.missing_latent_keys[:LISTED])]
+            lines += [f"    {paths.get(key, key.decode())}" for key in report.missing_latent_keys[:LISTED].tolist()]
         if report.missing_text_keys.size:
             lines.append(f"  {len(report.missing_text_keys)} captions have no embedding")
         if repaired:
@@ -89,7 +89,7 @@ def _verify_cache(cache: str, scan_dir: str | None, repair: bool) -> VerifyRepor
     return report
 
 
-def _verify_rows(cache: str, manifest: Manifest, scan: ScanRows) -> tuple[VerifyReport, dict[str, str]]:
+def _verify_rows(cache: str, manifest: Manifest, scan: ScanRows) -> tuple[VerifyReport, dict[bytes, str]]:
     """verify, expecting the scan's rows (as keys: no Python object per row), and the paths of the first missing
     ones, which the error names."""
     keys, texts, rows = expected_keys(cache, manifest.cache_config(cache), scan)
@@ -97,7 +97,7 @@ def _verify_rows(cache: str, manifest: Manifest, scan: ScanRows) -> tuple[Verify
     report.bad_input = scan.rows - len(rows)
     at = np.flatnonzero(np.isin(keys, report.missing_latent_keys[:LISTED].astype(keys.dtype)))
     paths = scan.take(rows[at], ["path"]).column("path").to_pylist()
-    return report, {key.decode(): path for key, path in zip(keys[at].tolist(), paths, strict=True)}
+    return report, dict(zip(keys[at].tolist(), paths, strict=True))
 
 
 def cache_info(cache: str) -> dict[str, Any]:
