@@ -271,7 +271,8 @@ def _load(opts: CacheOptions, world: World) -> tuple[Encoders, CacheConfig]:
             raise load_failure(opts.model, device, need, opts.two_pass) from exc
         raise
     buckets = CacheConfig.scan_buckets(read_buckets(opts.scan_dir))
-    return encoders, CacheConfig(encoders.family.value, encoders.config(), opts.settings, buckets, encoders.norm)
+    settings = opts.settings.for_family(encoders.family)
+    return encoders, CacheConfig(encoders.family.value, encoders.config(), settings, buckets, encoders.norm)
 
 
 def _encode_share(
@@ -290,7 +291,7 @@ def _encode_share(
         if opts.two_pass:
             encoders.place(text=device, vae=torch.device("cpu"))
         with measured(device) as counters.text:
-            encode_texts(encoders, text.batches(), writer, opts.settings, counters, progress.update)
+            encode_texts(encoders, text.batches(), writer, config.settings, counters, progress.update)
         log.info(
             "text pass: %d captions in %.1f s (%.1f captions/s), peak %.2f GiB (%s)",
             counters.captions, counters.text.seconds, counters.captions / max(counters.text.seconds, 1e-9),
@@ -298,7 +299,7 @@ def _encode_share(
         )  # fmt: skip
         if opts.two_pass:
             _vae_pass(encoders, device)
-        encode_latents(encoders, latent.batches(), writer, opts.settings, opts.threads, counters, progress.update)
+        encode_latents(encoders, latent.batches(), writer, config.settings, opts.threads, counters, progress.update)
     writer.close()
     return recorder.finished, counters
 

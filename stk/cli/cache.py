@@ -85,8 +85,10 @@ def _defaults(name: str) -> Any:
               default=default_of(EncodeSettings, "crop").value,
               help="Where to crop an image to its bucket; offsets are stored (SDXL uses them).")  # fmt: skip
 @click.option("--latents", type=click.Choice(["mean", "params"]), show_envvar=True,
-              default="params" if default_of(EncodeSettings, "store_logvar") else "mean",
-              help="Store the latent mean, or mean and log-variance (sampled anew each epoch).")  # fmt: skip
+              help="Store the latent mean, or mean and log-variance (stk-train then samples the latent anew each "
+                   "time it sees the image) [default: as the family's diffusers training example: params where "
+                   "it trains on a sample of the latent distribution, mean where on its mode; README, "
+                   "'Training defaults']")  # fmt: skip
 @click.option("--dtype", type=click.Choice(["float16", "float32"]), default=default_of(EncodeSettings, "dtype"),
               show_envvar=True, help="How latents and embeddings are stored.")  # fmt: skip
 @click.option("--trim-padding", is_flag=True, show_envvar=True,
@@ -103,8 +105,12 @@ def build(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_secon
     Rerunning the same command finishes an interrupted run: finished shards are kept and their
     samples skipped. Run it under mpiexec or srun to use every rank of the job.
     """
+    latents = params["latents"]
     settings = EncodeSettings(
-        CropMode(params["crop"]), params["latents"] == "params", params["dtype"], params["trim_padding"]
+        CropMode(params["crop"]),
+        None if latents is None else latents == "params",
+        params["dtype"],
+        params["trim_padding"],
     )
     opts = options_from(
         CacheOptions,

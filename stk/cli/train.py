@@ -18,7 +18,7 @@ from stk.models.families import family_names
 from stk.train.baseprecision import BASE_PRECISIONS
 from stk.train.dsconfig import PRECISIONS, PRESETS
 from stk.train.lora import ADAPTERS, LoraSettings
-from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
+from stk.train.losses import FLOW_SHIFTS, TIMESTEP_SAMPLINGS, LossSettings
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
 from stk.train.reporters import REPORTERS
@@ -59,13 +59,16 @@ def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
     return first, second
 
 
-def _flow_shift(value: str | float | None) -> float | None:
-    if value is None or value == "auto":
-        return None
+def _flow_shift(value: str | float) -> str | float:
+    if value in FLOW_SHIFTS:
+        return value
     try:
-        return float(value)
+        shift = float(value)
     except ValueError:
-        raise click.BadParameter(f"{value!r}: a number like 3.0, or auto") from None
+        shift = 0.0
+    if not 0 < shift < float("inf"):
+        raise click.BadParameter(f"{value!r}: a positive number like 3.0, or one of {', '.join(FLOW_SHIFTS)}")
+    return shift
 
 
 def _resolution(value: str | None) -> tuple[int, int] | None:
@@ -188,15 +191,20 @@ def _default(name: str) -> Any:
                    "so the model learns very dark and very bright images.")  # fmt: skip
 @click.option("--timestep-sampling", type=click.Choice(TIMESTEP_SAMPLINGS), show_envvar=True,
               default=default_of(LossSettings, "timestep_sampling"),
-              help="Flux: how noise levels are drawn: sigmoid(N(--logit-mean, --logit-std)), sigmoid(--logit-std "
-                   "* N(0,1)) (kohya's), or uniform.")  # fmt: skip
+              help="Flow families: how u is drawn (sigma is about 1 - u): sigmoid(N(--logit-mean, --logit-std)), "
+                   "sigmoid(--logit-std * N(0,1)) (kohya's), or uniform [default: the family's diffusers "
+                   "example's; README, 'Training defaults'].")  # fmt: skip
 @click.option("--logit-mean", default=default_of(LossSettings, "logit_mean"), type=float, show_envvar=True,
-              help="Flux, logit-normal: the mean (< 0 favours less noise).")  # fmt: skip
+              help="Flow families, logit-normal: the mean, as diffusers' --logit_mean (> 0 favours less "
+                   "noise).")  # fmt: skip
 @click.option("--logit-std", default=default_of(LossSettings, "logit_std"), type=float, show_envvar=True,
-              help="Flux, logit-normal and sigmoid: the spread.")  # fmt: skip
-@click.option("--flow-shift", default="auto", callback=lambda _ctx, _param, value: _flow_shift(value), show_envvar=True,
-              help="Flux: shift noise levels toward noise by S (sigma' = S sigma / (1 + (S-1) sigma)), or auto: "
-                   "the pipeline's own shift for the image's size.")  # fmt: skip
+              help="Flow families, logit-normal and sigmoid: the spread.")  # fmt: skip
+@click.option("--flow-shift", default=default_of(LossSettings, "flow_shift"),
+              callback=lambda _ctx, _param, value: _flow_shift(value), show_envvar=True,
+              help="Flow families: example (the scheduler's training table, as the family's diffusers example "
+                   "indexes it: shifted only by a static shift in the scheduler's config), "
+                   "auto (shifted as the pipeline shifts its schedule for the image's size), or a number S "
+                   "(sigma' = S sigma / (1 + (S-1) sigma)).")  # fmt: skip
 @click.option("--ema-decay", default=_default("ema_decay"), type=click.FloatRange(0, 1, max_open=True),
               show_envvar=True,
               help="Keep an EMA of the trained weights with this decay (0.9999 is usual; 0: none), sharded "

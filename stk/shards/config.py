@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stk.errors import InputError
+from stk.models.families import Family, spec_for
 from stk.models.latents import LatentNorm
 from stk.preprocess import CropMode
 from stk.shards.keys import digest
@@ -30,9 +31,16 @@ class EncodeSettings:
     """How stk-cache stores what the encoders give (its options)."""
 
     crop: CropMode = CropMode.CENTER
-    store_logvar: bool = False  # --latents params
+    store_logvar: bool | None = None  # --latents params; None: as the family's diffusers example (for_family)
     dtype: str = "float16"  # how arrays are stored
     trim_padding: bool = False
+
+    def for_family(self, family: Family) -> EncodeSettings:
+        """These settings with the latents stored as `family`'s training example uses them, unless given: mean and
+        log-variance where it trains on a sample of the latent distribution, the mean (its mode) where it does not."""
+        if self.store_logvar is not None:
+            return self
+        return replace(self, store_logvar=spec_for(family).example.samples_latents)
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ import torch
 from stk.errors import InputError
 from stk.log import get_logger
 from stk.models.base import identity_differences
+from stk.models.families import spec_for
 from stk.train.data import CacheData
 from stk.train.options import TrainOptions
 from stk.train.plan import TrainPlan
 
-__all__ = ["check_cache_model"]
+__all__ = ["check_cache_model", "note_latents"]
 
 log = get_logger("train")
 
@@ -62,3 +63,19 @@ def check_cache_model(opts: TrainOptions, plan: TrainPlan) -> None:
             f"{opts.cache} was made with other model components than {opts.model} ({'; '.join(differences)}): "
             "cache with the model you train, or pass --force to train on this cache anyway"
         )
+
+
+def note_latents(opts: TrainOptions, plan: TrainPlan) -> None:
+    """One line when the cache holds the latents otherwise than the family's training example uses them (made with
+    `stk-cache --latents` given), so a user comparing a run with the example knows why it differs."""
+    if not isinstance(plan.data, CacheData):
+        return
+    example = spec_for(plan.family).example
+    stored = bool(plan.data.config.settings.store_logvar)
+    if stored != example.samples_latents:
+        script = example.script.rsplit("/", 1)[-1]
+        if stored:
+            what = "mean and log-variance: this run trains on samples, where {} trains on the mean (--latents mean)"
+        else:
+            what = "the latent mean only: this run trains on it, where {} trains on samples (--latents params)"
+        log.warning("%s was cached with %s", opts.cache, what.format(script))

@@ -1,5 +1,5 @@
-"""The loss options people tune, each from its published formula; the defaults are plain MSE and today's Flux
-schedule, so a run without them trains exactly as before.
+"""The loss options people tune, each from its published formula; with none given, a family trains as its
+diffusers training example does by default (FamilySpec.example).
 
 - min-SNR-gamma weighting (Hang et al. 2023, as diffusers' train_text_to_image.py applies it): a sample at
   timestep t weighs min(SNR(t), gamma) / SNR(t) for epsilon prediction, min(SNR(t), gamma) / (SNR(t) + 1) for
@@ -9,11 +9,14 @@ schedule, so a run without them trains exactly as before.
 - caption dropout (as diffusers' examples' --proportion_empty_prompts): each sample's caption embedding is the
   empty caption's with probability P, so the model also learns the unconditional prediction that classifier-free
   guidance subtracts. Every family.
-- the flow families' timestep sampling (Flux's): logit-normal sigmoid(N(mean, std)) (stk's default; the default
-  of diffusers' SD3 scripts, `--weighting_scheme logit_normal`), sigmoid sigmoid(std * N(0, 1)) (kohya's,
-  logit-normal centred at 0), or uniform U(0, 1) (the default of diffusers' Flux scripts, `--weighting_scheme
-  none`); then the flow shift sigma' = S sigma / (1 + (S - 1) sigma) for a fixed S, or `auto`: the pipeline's own
-  resolution-dependent shift.
+- the flow families' noise levels, as diffusers' flow examples draw them: u from --timestep-sampling (uniform U(0, 1),
+  the scripts' `--weighting_scheme none`; logit-normal sigmoid(N(mean, std)), their `logit_normal`; sigmoid
+  sigmoid(std * N(0, 1)), kohya's), then the sigma at index floor(1000 u) of the scheduler's descending training
+  table, so sigma is about 1 - u (a --logit-mean above 0 favours less noise, as in the scripts). The table is
+  shifted by the scheduler's static shift where it has one (SD3, Z-Image) and unshifted where it shifts dynamically,
+  at inference only (FLUX.1, Chroma, FLUX.2, Qwen-Image). Each family's default sampling is its example's
+  (FamilySpec.example). --flow-shift S shifts the unshifted table by S instead, and `auto` as the pipeline shifts
+  its schedule for the image's size.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from stk.errors import InputError
 from stk.models.families import Family, all_specs, spec_for
 
 __all__ = [
+    "FLOW_SHIFTS",
     "TIMESTEP_SAMPLINGS",
     "LossSettings",
     "drop_captions",
@@ -39,16 +43,17 @@ __all__ = [
 ]
 
 TIMESTEP_SAMPLINGS = ("logit-normal", "sigmoid", "uniform")
+FLOW_SHIFTS = ("example", "auto")  # besides a number: the example's training table, or the pipeline's own shift
 
 
 @dataclass(frozen=True)
 class LossSettings:
     snr_gamma: float | None = None  # min-SNR-gamma weighting; None: every timestep weighs 1
     noise_offset: float = 0.0
-    timestep_sampling: str = "logit-normal"  # flow families (FamilySpec.flow)
+    timestep_sampling: str | None = None  # flow families (FamilySpec.flow); None: the family's example's
     logit_mean: float = 0.0  # flow, logit-normal
     logit_std: float = 1.0  # flow, logit-normal and sigmoid
-    flow_shift: float | None = None  # flow; None: auto, the scheduler's own shift
+    flow_shift: float | str = "example"  # flow: a number, or one of FLOW_SHIFTS
     caption_dropout: float = 0.0  # probability of training a sample on the empty caption
 
     def check(self, family: Family) -> None:
@@ -61,28 +66,40 @@ class LossSettings:
             problems.append(f"--noise-offset {self.noise_offset:g} must be 0 or more")
         if not 0 <= self.caption_dropout <= 1:
             problems.append(f"--caption-dropout {self.caption_dropout:g} is a probability: from 0 to 1 (0.1 is usual)")
-        if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
-            problems.append(f"--timestep-sampling {self.timestep_sampling}: choose one of {TIMESTEP_SAMPLINGS}")
-        if self.logit_std <= 0:
+        sampling = self.sampling(family)
+        if sampling not in TIMESTEP_SAMPLINGS:
+            problems.append(f"--timestep-sampling {sampling}: choose one of {TIMESTEP_SAMPLINGS}")
+        if not self.logit_std > 0:
             problems.append(f"--logit-std {self.logit_std:g} must be positive")
-        if self.flow_shift is not None and self.flow_shift <= 0:
-            problems.append(f"--flow-shift {self.flow_shift:g} must be positive, or auto")
-        if self.timestep_sampling == "sigmoid" and self.logit_mean != 0:
+        if isinstance(self.flow_shift, str) and self.flow_shift not in FLOW_SHIFTS:
+            problems.append(f"--flow-shift {self.flow_shift}: a positive number, or one of {FLOW_SHIFTS}")
+        elif not isinstance(self.flow_shift, str) and not 0 < self.flow_shift < float("inf"):
+            problems.append(f"--flow-shift {self.flow_shift:g} must be a positive number, or one of {FLOW_SHIFTS}")
+        if sampling == "sigmoid" and self.logit_mean != 0:
             problems.append("--timestep-sampling sigmoid is centred at 0: use logit-normal for --logit-mean")
+        if spec.flow and sampling == "uniform" and (self.logit_mean or self.logit_std != 1.0):
+            problems.append(
+                f"--logit-mean and --logit-std shape logit-normal sampling; {spec.title} draws uniformly by default "
+                "(as its diffusers example): add --timestep-sampling logit-normal"
+            )
         if spec.flow and (self.snr_gamma is not None or self.noise_offset):
             ddpm = _titles(flow=False)
             problems.append(f"--snr-gamma and --noise-offset are for {ddpm} (DDPM noise); {spec.title} is a flow model")
-        flow_only = self.timestep_sampling != "logit-normal" or self.logit_mean or self.logit_std != 1.0
-        if not spec.flow and (flow_only or self.flow_shift is not None):
+        flow_only = self.timestep_sampling is not None or self.logit_mean or self.logit_std != 1.0
+        if not spec.flow and (flow_only or self.flow_shift != "example"):
             problems.append(
                 f"--timestep-sampling, --logit-mean, --logit-std and --flow-shift are for {_titles(flow=True)}"
             )
         if problems:
             raise InputError("; ".join(problems))
 
-    def run_settings(self) -> dict[str, Any]:
-        """Part of a run's math: a checkpoint records them (stk.train.options)."""
-        return asdict(self)
+    def sampling(self, family: Family) -> str:
+        """The --timestep-sampling a run uses: the one given, else the family's example's."""
+        return self.timestep_sampling or spec_for(family).example.timestep_sampling
+
+    def run_settings(self, family: Family) -> dict[str, Any]:
+        """Part of a run's math: a checkpoint records them (stk.train.options), the sampling as used."""
+        return {**asdict(self), "timestep_sampling": self.sampling(family)}
 
 
 def _titles(flow: bool) -> str:
@@ -126,11 +143,12 @@ def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator)
     return noise + offset * shift.to(noise.device, noise.dtype)
 
 
-def sample_u(settings: LossSettings, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-    """(B,) float32 noise levels in (0, 1) before the shift, on the CPU."""
-    if settings.timestep_sampling == "uniform":
+def sample_u(settings: LossSettings, sampling: str, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    """(B,) float32 draws in (0, 1) by `sampling` (LossSettings.sampling), on the CPU: the u that indexes the
+    scheduler's table."""
+    if sampling == "uniform":
         return torch.rand((batch_size,), generator=generator)
-    mean = settings.logit_mean if settings.timestep_sampling == "logit-normal" else 0.0
+    mean = settings.logit_mean if sampling == "logit-normal" else 0.0
     return compute_density_for_timestep_sampling(
         weighting_scheme="logit_normal", batch_size=batch_size, logit_mean=mean, logit_std=settings.logit_std,
         generator=generator,

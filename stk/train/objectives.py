@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
@@ -36,7 +35,7 @@ from stk.world import World
 __all__ = ["DDPMObjective", "FlowObjective", "Objective", "objective_for"]
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
-PLAIN_LOSS = LossSettings()  # frozen: plain MSE and the pipeline's own flow schedule
+PLAIN_LOSS = LossSettings()  # frozen: plain MSE and the example's flow schedule
 
 
 class Objective(abc.ABC):
@@ -143,34 +142,39 @@ class DDPMObjective(Objective):
 
 
 class FlowObjective(Objective):
-    """Rectified flow matching as in diffusers' train_dreambooth_flux.py, the denoiser predicting noise - latents.
-    Sigmas are drawn logit-normal and then shifted like the pipeline shifts its schedule, so training spends its
-    steps on the noise levels inference visits at this resolution."""
+    """Rectified flow matching as in diffusers' flow training examples (train_dreambooth_flux.py and the LoRA scripts
+    of the newer families), the denoiser predicting noise - latents. Sigmas are drawn as the family's example draws
+    them, or shifted as --flow-shift says (stk.train.losses)."""
 
     def __init__(
         self, family: Family, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS
     ) -> None:
         super().__init__(family, model, guidance_scale, settings)
         self.scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, model, "scheduler")
+        self.sampling = settings.sampling(family)
+        # the training table the examples index (`noise_scheduler_copy.timesteps`): made when the scheduler is, and
+        # shifted then only by a static shift; set_timesteps, which inference calls, never runs on this copy
+        self.table = self.scheduler.sigmas.clone()
 
     def sigmas(self, batch_size: int, image_seq_len: int, generator: torch.Generator) -> torch.Tensor:
-        """(batch_size,) float32 noise levels in (0, 1) on the CPU, for images of `image_seq_len` packed tokens:
-        drawn as --timestep-sampling says, shifted by --flow-shift or else as the pipeline's scheduler shifts."""
-        u = sample_u(self.settings, batch_size, generator)
-        if self.settings.flow_shift is not None:
-            return flow_shift(u, self.settings.flow_shift)
+        """(batch_size,) float32 noise levels in (0, 1] on the CPU, for images of `image_seq_len` packed tokens:
+        the example's `timesteps[(u * 1000).long()] / 1000`, or that table unshifted and shifted by --flow-shift."""
+        u = sample_u(self.settings, self.sampling, batch_size, generator)
+        steps = len(self.table)
+        indices = (u * steps).long().clamp(max=steps - 1)  # a sigmoid rounded to 1.0 in float32 stays in the table
+        shift = self.settings.flow_shift
+        if shift == "example":
+            return self.table[indices].float()
+        unshifted = (steps - indices).float() / steps
         config = self.scheduler.config
+        if shift != "auto":
+            return flow_shift(unshifted, float(shift))
         if config["use_dynamic_shifting"]:
-            mu = calculate_shift(
-                image_seq_len,
-                config["base_image_seq_len"],
-                config["max_image_seq_len"],
-                config["base_shift"],
-                config["max_shift"],
+            shifted: torch.Tensor = self.scheduler.time_shift(
+                self.spec.inference_mu(config, image_seq_len), 1.0, unshifted
             )
-            shifted: torch.Tensor = self.scheduler.time_shift(mu, 1.0, u)
             return shifted
-        return flow_shift(u, float(config["shift"]))
+        return flow_shift(unshifted, float(config["shift"]))
 
     def loss(self, denoiser: torch.nn.Module, inputs: StepInputs, generator: torch.Generator) -> torch.Tensor:
         latents = inputs.latents

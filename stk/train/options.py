@@ -81,7 +81,7 @@ class TrainOptions:
             "world_size": world_size,
             **self.lora.run_settings(family),
             "base_precision": self.base_precision,
-            **self.loss.run_settings(),
+            **self.loss.run_settings(family),
             "ema_decay": self.ema_decay,
             "ema_every": self.ema_every,
         }

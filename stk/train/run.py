@@ -16,7 +16,7 @@ import torch
 from stk.errors import ExitCode
 from stk.lease import Lease, leased
 from stk.train.baseprecision import check as check_base
-from stk.train.cachemodel import check_cache_model
+from stk.train.cachemodel import check_cache_model, note_latents
 from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.checkpointer import fit_world_size, loadable
 from stk.train.dsconfig import load_deepspeed_config, zero_stage
@@ -83,6 +83,7 @@ def _leased_run(
     try:
         world.root_call(lambda: trainable.check(objective_for(plan.family, opts.model)))
         world.root_call(lambda: check_cache_model(opts, plan))
+        world.root_call(lambda: note_latents(opts, plan))
         loading = None if resume is None else loadable(resume, saved_world, world, deepspeed_config)
         setting = Setting(opts, plan, validation, deepspeed_config, trainable, checkpoints, loading, overridden)
         return _phases(setting, world, signals, started)

@@ -95,9 +95,11 @@ def step_inputs(batch: Batch, model: StepModel, generator: torch.Generator, data
     if batch.pixels is not None:
         assert model.encoders is not None and batch.captions is not None
         mean, logvar = model.encoders.encode_images(batch.pixels)
+        if not model.objective.spec.example.samples_latents:  # the example trains on the mode
+            logvar = None
         embeds = model.encoders.encode_text(batch.captions)
         text = collate_text([e.arrays for e in embeds])
-    else:
+    else:  # the cache holds the log-variance where the family's example samples (stk-cache --latents)
         assert batch.mean is not None and batch.text is not None
         mean, logvar, text = batch.mean, batch.logvar, batch.text
     latent = mean

@@ -50,7 +50,7 @@ from stk.models.families.flux import (
     position_ids,
 )
 from stk.models.families.registry import Family
-from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
 from stk.models.textmask import TEXT_MASK, masked_sample_inputs, text_mask
 
 if TYPE_CHECKING:
@@ -168,6 +168,7 @@ SPEC = FamilySpec(
     lora_targets=LORA_TARGETS,
     # ChromaPipeline.__call__'s defaults; classifier-free guidance with the empty caption as the negative prompt
     sampling=Sampling(steps=35, guidance=5.0, negative_prompt=True),
+    example=Example("examples/dreambooth/train_dreambooth_flux.py"),  # FLUX.1's recipe: Chroma has no diffusers example
     published=("chroma1",),  # lodestones/Chroma1-HD
     tiny=_tiny,
     patch_size=PATCH,

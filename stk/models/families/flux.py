@@ -20,7 +20,7 @@ from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.sd import ATTENTION_TARGETS
-from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
 from stk.models.layouts import Blocks, Fuse, block_layout
 
 if TYPE_CHECKING:
@@ -177,6 +177,7 @@ SPEC = FamilySpec(
     lora_targets=LORA_TARGETS,
     # the guidance embedding of FLUX.1-dev, not classifier-free guidance: no negative prompt
     sampling=Sampling(steps=28, guidance=3.5, negative_prompt=False),
+    example=Example("examples/dreambooth/train_dreambooth_flux.py"),
     published=("flux-dev",),  # black-forest-labs/FLUX.1-dev
     tiny=_tiny,
     patch_size=PATCH,

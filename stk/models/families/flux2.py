@@ -25,12 +25,14 @@ FLUX.2-dev (train_dreambooth_lora_flux2.py):
   its tokenizer alone (the processor's image half needs torchvision and takes no part in text) with the chat
   template saved beside it (chat_template.jinja, or an older processor's chat_template.json): for text alone the
   processor's apply_chat_template is its tokenizer's.
-- Sigmas: the scheduler's (FLUX.1's, dynamic shifting by image size).
+- Sigmas: the example's, from the scheduler's unshifted table (the scheduler shifts dynamically, at inference
+  only); `--flow-shift auto` shifts them as Flux2Pipeline does, by compute_empirical_mu at its default 50 steps.
 - Samples: the pipeline's defaults, 50 steps at embedded guidance 4, no negative prompt (guidance-distilled).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +42,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
-from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline, format_input
+from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline, compute_empirical_mu, format_input
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from transformers import AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration
@@ -49,7 +51,7 @@ from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
-from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
 from stk.models.latents import LatentNorm
 from stk.models.layouts import Blocks, Fuse, block_layout, block_weights, peft_entries, read_component
 from stk.models.model_json import read_model_json
@@ -83,6 +85,7 @@ __all__ = [
 PATCH = 2  # the pipelines' _patchify_latents folds 2x2 latent patches into channels; the transformer's patch is 1
 MAX_SEQUENCE_LENGTH = 512  # the pipelines' default max_sequence_length
 VAE_CLASS = AutoencoderKLFlux2
+SAMPLING = Sampling(steps=50, guidance=4.0, negative_prompt=False)  # Flux2Pipeline's defaults
 TINY_TEXT_WIDTH = 16
 HIDDEN_STATES_LAYERS = (10, 20, 30)  # Flux2Pipeline's default text_encoder_out_layers (the example's too)
 
@@ -294,6 +297,12 @@ def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, 
     return tiny_pipeline(Mistral3ForConditionalGeneration(config), tokenizer, transformer, vae, guidance_embeds=True)
 
 
+def empirical_mu(_config: Mapping[str, Any], image_seq_len: int) -> float:
+    """The mu Flux2Pipeline and Flux2KleinPipeline shift their schedule by: fitted to the image's tokens and the
+    number of steps (at their default steps), not read from the scheduler config."""
+    return compute_empirical_mu(image_seq_len, SAMPLING.steps)
+
+
 SPEC = FamilySpec(
     name=Family.FLUX2,
     title="FLUX.2-dev",
@@ -305,12 +314,14 @@ SPEC = FamilySpec(
     flow=True,
     denoise=denoise,
     lora_targets=LORA_TARGETS,
-    sampling=Sampling(steps=50, guidance=4.0, negative_prompt=False),  # Flux2Pipeline's defaults
+    sampling=SAMPLING,
+    example=Example("examples/dreambooth/train_dreambooth_lora_flux2.py", samples_latents=False),
     published=("flux2-dev",),  # black-forest-labs/FLUX.2-dev
     tiny=_tiny,
     patch_size=PATCH,
     pack=pack,
     vae_class=VAE_CLASS,
+    inference_mu=empirical_mu,
     text_encoders_in_train=False,  # its text encoder loads in stk-cache only
     kohya_lora=KOHYA_LORA,
     single_file=single_file,

@@ -30,7 +30,7 @@ from stk.models.chat import chat_prompts
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families import flux2
 from stk.models.families.registry import Family
-from stk.models.families.spec import FamilySpec, Sampling
+from stk.models.families.spec import Example, FamilySpec, Sampling
 
 __all__ = ["HIDDEN_STATES_LAYERS", "SPEC", "Flux2KleinEncoders"]
 
@@ -87,11 +87,13 @@ SPEC = FamilySpec(
     denoise=flux2.denoise,
     lora_targets=flux2.LORA_TARGETS,
     sampling=Sampling(steps=50, guidance=4.0, negative_prompt=True),  # Flux2KleinPipeline's defaults (base models)
+    example=Example("examples/dreambooth/train_dreambooth_lora_flux2_klein.py", samples_latents=False),
     published=("flux2-klein-4b", "flux2-klein-9b"),  # black-forest-labs/FLUX.2-klein-base-4B and -9B
     tiny=_tiny,
     patch_size=flux2.PATCH,
     pack=flux2.pack,
     vae_class=flux2.VAE_CLASS,
+    inference_mu=flux2.empirical_mu,
     kohya_lora=flux2.KOHYA_LORA,
     single_file=flux2.single_file,
     single_file_class="Flux2Transformer2DModel",

@@ -43,7 +43,7 @@ from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
 from stk.models.families.sd import ATTENTION_TARGETS
-from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
 from stk.models.layouts import DIFFUSION_MODEL, prefixed, read_component
 from stk.models.textmask import TEXT_MASK, masked_sample_inputs, text_mask
 
@@ -173,6 +173,7 @@ SPEC = FamilySpec(
     denoise=_denoise,
     lora_targets=ATTENTION_TARGETS,  # the example's default target_modules (no --lora_layers)
     sampling=Sampling(steps=50, guidance=4.0, negative_prompt=True),  # Qwen/Qwen-Image's card
+    example=Example("examples/dreambooth/train_dreambooth_lora_qwen_image.py"),
     published=("qwen-image",),  # Qwen/Qwen-Image
     tiny=_tiny,
     patch_size=PATCH,

@@ -19,7 +19,7 @@ from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.ldm import ldm_checkpoint
 from stk.models.families.registry import Family
-from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
 from stk.models.layouts import prefixed
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ SPEC = FamilySpec(
     denoise=_denoise,
     lora_targets=ATTENTION_TARGETS,
     sampling=Sampling(steps=30, guidance=7.5, negative_prompt=True),
+    example=Example("examples/text_to_image/train_text_to_image.py"),
     published=("sd15",),  # runwayml/stable-diffusion-v1-5
     tiny=_tiny,
     kohya_lora=KOHYA_UNET,

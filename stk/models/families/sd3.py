@@ -37,7 +37,7 @@ from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
-from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
 from stk.models.layouts import Blocks, Fuse, block_layout, block_weights, read_component
 
 if TYPE_CHECKING:
@@ -207,6 +207,7 @@ SPEC = FamilySpec(
     denoise=_denoise,
     lora_targets=LORA_TARGETS,
     sampling=Sampling(steps=28, guidance=3.5, negative_prompt=True),
+    example=Example("examples/dreambooth/train_dreambooth_lora_sd3.py", timestep_sampling="logit-normal"),
     published=("sd35-large", "sd35-medium"),  # stabilityai/stable-diffusion-3.5-large, -medium
     tiny=_tiny,
     patch_size=PATCH,

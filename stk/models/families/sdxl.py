@@ -21,7 +21,7 @@ from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.ldm import ldm_checkpoint
 from stk.models.families.registry import Family
 from stk.models.families.sd import ATTENTION_TARGETS, KOHYA_UNET, SD_BETAS, call_unet
-from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
 
 if TYPE_CHECKING:
     from stk.train.batch import StepInputs
@@ -113,6 +113,7 @@ SPEC = FamilySpec(
     denoise=_denoise,
     lora_targets=ATTENTION_TARGETS,
     sampling=Sampling(steps=30, guidance=5.0, negative_prompt=True),
+    example=Example("examples/text_to_image/train_text_to_image_sdxl.py"),
     published=("sdxl",),  # stabilityai/stable-diffusion-xl-base-1.0
     tiny=_tiny,
     kohya_lora=KOHYA_UNET,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -11,6 +11,7 @@ import torch
 
 # Deep import where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 if TYPE_CHECKING:
     from stk.models.base import Encoders
@@ -21,12 +22,14 @@ if TYPE_CHECKING:
 __all__ = [
     "Denoise",
     "DenoiseSettings",
+    "Example",
     "FamilySpec",
     "SampleInputs",
     "Sampling",
     "SingleFile",
     "TinyBuilder",
     "as_given",
+    "config_mu",
     "unpacked",
 ]
 
@@ -74,6 +77,31 @@ class Sampling:
     negative_prompt: bool  # classifier-free guidance with the empty caption as the negative prompt
 
 
+def config_mu(config: Mapping[str, Any], image_seq_len: int) -> float:
+    """The resolution-dependent shift (mu) that FLUX.1's pipeline (and Chroma's, Qwen-Image's, Z-Image's) passes its
+    dynamically shifting scheduler: a line through the config's base and max shifts."""
+    return float(
+        calculate_shift(
+            image_seq_len,
+            config["base_image_seq_len"],
+            config["max_image_seq_len"],
+            config["base_shift"],
+            config["max_shift"],
+        )
+    )
+
+
+@dataclass(frozen=True)
+class Example:
+    """What the family's diffusers training example does by default, where stk's defaults follow it: the script
+    (in diffusers' repository), its `--weighting_scheme` as stk's `--timestep-sampling`, and whether it trains on a
+    sample of the VAE's latent distribution (`latent_dist.sample()`) or its mode (`.mode()`)."""
+
+    script: str
+    timestep_sampling: str = "uniform"  # flow families: "uniform" (the scripts' "none") or "logit-normal"
+    samples_latents: bool = True
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     name: Family
@@ -87,6 +115,7 @@ class FamilySpec:
     denoise: Denoise
     lora_targets: tuple[str, ...]  # the default --lora-targets, as diffusers' training examples adapt the family
     sampling: Sampling
+    example: Example  # the diffusers training example whose defaults stk-cache's and stk-train's are
     published: tuple[str, ...]  # configs in stk/models/configs/<name>/ of the published architectures
     tiny: TinyBuilder
     patch_size: int = 1  # latent patches per side that the denoiser takes as one token
@@ -96,6 +125,9 @@ class FamilySpec:
     # flow families: the loss compares noisy - sigma * prediction with the clean latents (EDM's preconditioning, the
     # velocity MSE weighted by sigma^2), as diffusers' SD3 examples do by default (--precondition_outputs 1)
     precondition_outputs: bool = False
+    # flow families whose scheduler shifts dynamically: the mu the pipeline passes it for an image of N tokens
+    # (`--flow-shift auto`), from the scheduler config and N
+    inference_mu: Callable[[Mapping[str, Any], int], float] = config_mu
     guidance_argument: str = "guidance_scale"  # the pipeline's call argument that takes `Sampling.guidance`
     # stk-train may load the text encoders (for prompts the cache lacks, and --vae-on-the-fly); False where they are an
     # LLM of billions of parameters, which only stk-cache loads: the cache must hold every caption and prompt

@@ -35,7 +35,7 @@ from stk.models.base import Encoders
 from stk.models.chat import chat_prompts
 from stk.models.components import load_text_encoder, load_vae
 from stk.models.families.registry import Family
-from stk.models.families.spec import DenoiseSettings, FamilySpec, Sampling
+from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
 from stk.models.layouts import Blocks, Fuse, block_layout, block_weights, read_component
 from stk.models.textmask import TEXT_MASK, masked_prompts, text_mask
 
@@ -171,6 +171,7 @@ SPEC = FamilySpec(
     denoise=_denoise,
     lora_targets=LORA_TARGETS,
     sampling=Sampling(steps=50, guidance=4.0, negative_prompt=True),  # Tongyi-MAI/Z-Image's card
+    example=Example("examples/dreambooth/train_dreambooth_lora_z_image.py", samples_latents=False),
     published=("zimage",),  # Tongyi-MAI/Z-Image
     tiny=_tiny,
     patch_size=PATCH,

@@ -82,8 +82,8 @@ def test_noise_offset_is_one_draw_per_image_and_channel():
     ("sampling", "mean", "std"), [("logit-normal", -0.5, 1.2), ("logit-normal", 0.0, 1.0), ("sigmoid", 0.0, 1.6)]
 )
 def test_logit_normal_and_sigmoid_sampling_have_their_moments(sampling, mean, std):
-    u = sample_u(LossSettings(timestep_sampling=sampling, logit_mean=mean, logit_std=std), 200_000,
-                 torch.Generator().manual_seed(0)).double()  # fmt: skip
+    settings = LossSettings(timestep_sampling=sampling, logit_mean=mean, logit_std=std)
+    u = sample_u(settings, sampling, 200_000, torch.Generator().manual_seed(0)).double()
     assert bool(((u > 0) & (u < 1)).all())
     logits = torch.log(u / (1 - u))
     assert float(logits.mean()) == pytest.approx(mean, abs=0.01)
@@ -91,7 +91,7 @@ def test_logit_normal_and_sigmoid_sampling_have_their_moments(sampling, mean, st
 
 
 def test_uniform_sampling_is_uniform():
-    u = sample_u(LossSettings(timestep_sampling="uniform"), 200_000, torch.Generator().manual_seed(0)).double()
+    u = sample_u(LossSettings(), "uniform", 200_000, torch.Generator().manual_seed(0)).double()
     assert float(u.mean()) == pytest.approx(0.5, abs=0.005) and float(u.var()) == pytest.approx(1 / 12, rel=0.02)
 
 
@@ -103,9 +103,10 @@ def test_flow_shift_moves_noise_levels_toward_noise(tmp_path):
     settings = LossSettings(timestep_sampling="uniform", flow_shift=3.0)
     sigmas = objective_for(Family.FLUX, model, settings=settings).sigmas(4, 64, torch.Generator().manual_seed(5))
     u = torch.rand(4, generator=torch.Generator().manual_seed(5))
-    assert sigmas.tolist() == pytest.approx((3 * u / (1 + 2 * u)).tolist())
-    auto = objective_for(Family.FLUX, model).sigmas(4, 64, torch.Generator().manual_seed(5))
-    assert auto.tolist() != pytest.approx(sigmas.tolist())  # today's resolution-dependent shift, by default
+    unshifted = (1000 - (u * 1000).long()) / 1000  # the training table's entry at floor(1000 u)
+    assert sigmas.tolist() == pytest.approx((3 * unshifted / (1 + 2 * unshifted)).tolist())
+    example = objective_for(Family.FLUX, model).sigmas(4, 64, torch.Generator().manual_seed(5))
+    assert example.tolist() == pytest.approx(unshifted.tolist())  # FLUX.1's example: uniform, no shift
 
 
 @pytest.mark.parametrize(
@@ -114,15 +115,20 @@ def test_flow_shift_moves_noise_levels_toward_noise(tmp_path):
         (Family.FLUX, LossSettings(snr_gamma=5.0), "--snr-gamma and --noise-offset are for SD and SDXL"),
         (Family.FLUX, LossSettings(noise_offset=0.1), "--snr-gamma and --noise-offset are for SD and SDXL"),
         (Family.SDXL, LossSettings(flow_shift=3.0), "are for Flux"),
+        (Family.SDXL, LossSettings(flow_shift="auto"), "are for Flux"),
         (Family.SD, LossSettings(timestep_sampling="uniform"), "are for Flux"),
         (Family.SD, LossSettings(snr_gamma=0.0), "--snr-gamma 0 must be positive"),
         (Family.SD, LossSettings(noise_offset=-0.1), "--noise-offset -0.1 must be 0 or more"),
         (Family.FLUX, LossSettings(logit_std=0.0), "--logit-std 0 must be positive"),
-        (Family.FLUX, LossSettings(flow_shift=-1.0), "--flow-shift -1 must be positive"),
+        (Family.FLUX, LossSettings(flow_shift=-1.0), "--flow-shift -1 must be a positive number"),
+        (Family.FLUX, LossSettings(flow_shift=float("nan")), "--flow-shift nan must be a positive number"),
+        (Family.FLUX, LossSettings(flow_shift="pipeline"), "--flow-shift pipeline: a positive number"),
+        (Family.FLUX, LossSettings(logit_mean=1.0), "Flux draws uniformly by default .* --timestep-sampling logit"),
+        (Family.ZIMAGE, LossSettings(logit_std=0.5), "Z-Image draws uniformly by default"),
         (Family.FLUX, LossSettings(timestep_sampling="sigmoid", logit_mean=0.5), "sigmoid is centred at 0"),
     ],
 )
 def test_settings_that_mean_nothing_are_refused(family, settings, message):
     with pytest.raises(InputError, match=message):
         settings.check(family)
-    LossSettings().check(family)  # today's defaults pass for every family
+    LossSettings().check(family)  # the defaults pass for every family

@@ -21,6 +21,7 @@ from stk.errors import InputError
 from stk.models import Family, build_tiny_model
 from stk.train.batch import StepInputs
 from stk.train.export import export_pipeline
+from stk.train.losses import LossSettings
 from stk.train.objectives import FlowObjective, Objective, objective_for
 
 VARIANTS = [f.value for f in Family] + ["sd-v"]  # sd-v: the SD model with a v_prediction scheduler
@@ -197,17 +198,19 @@ def test_flux_without_guidance_embeds(models: dict[str, str]) -> None:
     assert denoiser.calls[0][1]["guidance"] is None
 
 
-def test_flux_sigmas_are_shifted_like_the_pipeline(models: dict[str, str]) -> None:
-    u = torch.sigmoid(torch.normal(0.0, 1.0, size=(64,), generator=seeded(5)))  # logit-normal
-    dynamic = objective_for(Family.FLUX, models["flux"])
+def test_flux_sigmas_are_the_examples_table_or_shifted_like_the_pipeline(models: dict[str, str]) -> None:
+    u = torch.rand(64, generator=seeded(5))  # FLUX.1's example: uniform
+    unshifted = (1000 - (u * 1000).long()) / 1000  # its scheduler's table, unshifted (it shifts dynamically)
+    torch.testing.assert_close(objective_for(Family.FLUX, models["flux"]).sigmas(64, 64, seeded(5)), unshifted)
+    dynamic = objective_for(Family.FLUX, models["flux"], settings=LossSettings(flow_shift="auto"))
     assert isinstance(dynamic, FlowObjective)
     mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * (64 - 256)  # tiny config: base 256/0.5, max 4096/1.15
-    expected = math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+    expected = math.exp(mu) / (math.exp(mu) + (1 / unshifted - 1))
     torch.testing.assert_close(dynamic.sigmas(64, 64, seeded(5)), expected)
     assert (dynamic.sigmas(64, 4096, seeded(5)) > dynamic.sigmas(64, 256, seeded(5))).all()  # larger: noisier
-    static = objective_for(Family.FLUX, models["flux-static"])
+    static = objective_for(Family.FLUX, models["flux-static"])  # a static shift 3 shifts the table itself
     assert isinstance(static, FlowObjective)
-    torch.testing.assert_close(static.sigmas(64, 64, seeded(5)), 3 * u / (1 + 2 * u))
+    torch.testing.assert_close(static.sigmas(64, 64, seeded(5)), 3 * unshifted / (1 + 2 * unshifted))
 
 
 # --- errors ---------------------------------------------------------------------------------
