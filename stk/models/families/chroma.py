@@ -2,12 +2,12 @@
 approximator (`distilled_guidance_layer`), conditioned on T5 alone: no CLIP, no pooled vector, no guidance input;
 sampled with true classifier-free guidance and a negative prompt.
 
-diffusers has no training example for Chroma: it trains by FLUX.1's recipe (diffusers' train_dreambooth_lora_flux.py,
-as stk.models.families.flux does: rectified flow, target noise - latents, 2x2 latent patches packed into tokens, the
-same packing and position ids) with ChromaPipeline's scheduler, and the transformer is called as ChromaPipeline.__call__
-calls it: timestep = sigma (the pipeline passes timestep / 1000 with timestep = sigma * 1000), zero txt_ids, the packed
-patches' img_ids, and the attention mask of ChromaPipeline._prepare_attention_mask: the text mask joined with ones
-for the image tokens.
+diffusers has no training example for Chroma: it trains by FLUX.1's recipe (diffusers' train_dreambooth_flux.py and
+train_dreambooth_lora_flux.py, as stk.models.families.flux does, their defaults included: rectified flow, target noise -
+latents, 2x2 latent patches packed into tokens, the same packing and position ids) with ChromaPipeline's scheduler, and
+the transformer is called as ChromaPipeline.__call__ calls it: timestep = sigma (the pipeline passes timestep / 1000
+with timestep = sigma * 1000), zero txt_ids, the packed patches' img_ids, and the attention mask of
+ChromaPipeline._prepare_attention_mask: the text mask joined with ones for the image tokens.
 
 Text is ChromaPipeline._get_t5_prompt_embeds: T5 run with the tokenizer's attention mask over 512 tokens, after which
 the transformer attends to each caption's real tokens and ONE padding token (`mask_indices <= seq_lengths`). The cache

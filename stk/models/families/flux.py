@@ -1,6 +1,8 @@
 """FLUX.1: a transformer trained by rectified flow matching (diffusers' train_dreambooth_flux.py) on 2x2 latent
 patches packed into tokens, conditioned on T5's last hidden state and CLIP's pooled output (diffusers'
-FluxPipeline.encode_prompt) and, in the guidance-distilled dev model, on a guidance scale."""
+FluxPipeline.encode_prompt) and, in the guidance-distilled dev model, on a guidance scale. As the example by default:
+a sample of the latent distribution, and uniform draws indexing the scheduler's unshifted table (it shifts dynamically,
+at inference only)."""
 
 from __future__ import annotations
 

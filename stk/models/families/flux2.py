@@ -27,6 +27,7 @@ FLUX.2-dev (train_dreambooth_lora_flux2.py):
   processor's apply_chat_template is its tokenizer's.
 - Sigmas: the example's, from the scheduler's unshifted table (the scheduler shifts dynamically, at inference
   only); `--flow-shift auto` shifts them as Flux2Pipeline does, by compute_empirical_mu at its default 50 steps.
+  Latents: the mode of the distribution (`latent_dist.mode()`), so stk-cache stores the mean only by default.
 - Samples: the pipeline's defaults, 50 steps at embedded guidance 4, no negative prompt (guidance-distilled).
 """
 

@@ -8,7 +8,7 @@ on Qwen3, trained as diffusers' examples/dreambooth/train_dreambooth_lora_flux2_
   10, 20, 30; stk follows the pipeline that makes the images, as the example's validation does not.)
   The text encoder loads as Qwen3Model: the hub's Qwen3ForCausalLM without its unused language-model head.
 - No guidance input (`guidance_embeds` false); samples use classifier-free guidance with the empty caption.
-- Sigmas: the scheduler's (FLUX.1's, dynamic shifting by image size).
+- Sigmas and latents: FLUX.2-dev's (stk.models.families.flux2).
 - Samples: the pipeline's defaults, 50 steps at guidance 4 (the base models; the distilled FLUX.2-klein-4B/9B sample
   in 4 steps at guidance 1: pass --validation-steps and --validation-guidance).
 """

@@ -14,8 +14,11 @@ it.
   nothing there); the transformer takes the timestep sigma (the example's `timesteps / 1000`), the text mask and the
   packed grid (`img_shapes`); target noise - latents, compared packed (the example unpacks the prediction instead:
   the same mean). The example's default weighting ("none") weighs every sample alike.
-- Sigmas: the example draws them from the scheduler's unshifted table (its scheduler shifts dynamically, at inference
-  only); stk shifts them as the pipeline shifts its schedule for the image's token count (FlowObjective), like FLUX.1.
+- Sigmas: as the example, uniform draws index the scheduler's unshifted table (its scheduler shifts dynamically, at
+  inference only; the example's `shift=3.0` changes nothing then); `--flow-shift auto` shifts them as the pipeline
+  shifts its schedule for the image's token count.
+- Latents: the example trains on a sample of the latent distribution (`latent_dist.sample()`): stk-cache stores its
+  log-variance by default.
 - Samples: the model card's 50 steps and true classifier-free guidance 4 (`true_cfg_scale`) with a negative prompt
   (the card's is " "; stk's is the empty caption, as for every family).
 Qwen-Image-Edit (its own template, image conditioning) and Qwen-Image 2.1 (another transformer, VAE and encoder) are

@@ -8,10 +8,10 @@ side. The pipeline masks nothing, so the stored length (what --trim-padding keep
 real tokens: trimming drops T5's padding only, never a CLIP position (the transformer attends to that padding, so
 trimming is not exact, as for every family that does not mask).
 
-Training, as the examples' defaults: latents (sample - shift) * scale; sigmas logit-normal, shifted by the scheduler's
-static shift (3.0); the transformer gets timestep = sigma * 1000; weighting `logit_normal` (ones); and
-`--precondition_outputs 1`: the prediction becomes noisy - sigma * prediction and the target the clean latents (the
-velocity MSE weighted by sigma^2).
+Training, as the examples' defaults: latents (sample - shift) * scale, a sample of the latent distribution; sigmas from
+the scheduler's table shifted by its static shift (3.0), indexed by logit-normal draws; the transformer gets timestep =
+sigma * 1000; weighting `logit_normal` (ones); and `--precondition_outputs 1`: the prediction becomes noisy - sigma *
+prediction and the target the clean latents (the velocity MSE weighted by sigma^2).
 
 Sample images: 28 steps and guidance 3.5 with the empty caption as the negative prompt, as SD3.5 Large's model card
 runs it. The pipeline's own defaults (28, 7.0) are those of SD3 Medium, the 2024 model; SD3.5 Medium's card asks 40

@@ -10,7 +10,9 @@ as diffusers' examples/dreambooth/train_dreambooth_lora_z_image.py trains it.
   negated; target noise - latents. The example's default weighting ("none") weighs every sample alike, and its
   per-sample mean then mean is the plain mean here (one bucket: equal sizes). No packing: the transformer patchifies
   2x2 itself.
-- Sigmas: the scheduler's static shift (Tongyi-MAI/Z-Image ships shift 6, no dynamic shifting).
+- Sigmas: as the example, uniform draws index the scheduler's table, shifted by its static shift (Tongyi-MAI/Z-Image
+  ships shift 6, no dynamic shifting). Latents: the mode of the distribution (`latent_dist.mode()`), so stk-cache
+  stores the mean only by default.
 - Samples: the base model's card, 50 steps and classifier-free guidance 4 with the empty caption as the negative
   prompt (the distilled Z-Image-Turbo samples in 8-9 steps at guidance 0: pass --validation-steps and
   --validation-guidance).

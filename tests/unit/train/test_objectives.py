@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, DiffusionPipeline, FluxPipeline, FluxTransformer2DModel
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from support.tiny_batches import Recorder, step_inputs, unused_parameters
 
 from stk.errors import InputError
@@ -211,6 +212,17 @@ def test_flux_sigmas_are_the_examples_table_or_shifted_like_the_pipeline(models:
     static = objective_for(Family.FLUX, models["flux-static"])  # a static shift 3 shifts the table itself
     assert isinstance(static, FlowObjective)
     torch.testing.assert_close(static.sigmas(64, 64, seeded(5)), 3 * unshifted / (1 + 2 * unshifted))
+
+
+def test_flux2s_auto_shift_is_its_pipelines_empirical_mu(models: dict[str, str]) -> None:
+    """Flux2Pipeline shifts by compute_empirical_mu at its 50 steps, not by its scheduler config's line."""
+    objective = objective_for(Family.FLUX2, models["flux2"], settings=LossSettings(flow_shift="auto"))
+    assert isinstance(objective, FlowObjective)
+    unshifted = (1000 - (torch.rand(64, generator=seeded(5)) * 1000).long()) / 1000
+    for tokens in (256, 4096, 8192):
+        mu = compute_empirical_mu(tokens, 50)
+        expected = math.exp(mu) / (math.exp(mu) + (1 / unshifted - 1))
+        torch.testing.assert_close(objective.sigmas(64, tokens, seeded(5)), expected)
 
 
 # --- errors ---------------------------------------------------------------------------------
