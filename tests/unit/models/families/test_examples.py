@@ -100,3 +100,38 @@ def test_a_logit_mean_is_the_examples(family: Family, mean: float, models: dict[
 def test_the_reference_scripts_are_the_ones_the_specs_name() -> None:
     here = {p.name for p in (Path(__file__).parents[3] / "reference" / "diffusers_examples").glob("*.py")}
     assert {Path(spec.example.script).name for spec in all_specs()} == here
+
+
+def readme_defaults() -> dict[str, list[str]]:
+    """The README's "Training defaults" table: family -> its cells (example, noise levels, latents)."""
+    readme = (Path(__file__).parents[4] / "README.md").read_text()
+    section = readme.split("### Training defaults", 1)[1].split("\n\n- ", 1)[0]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| `") and not line.startswith("| `--") and len(cells) == 4:
+            rows.update({name.strip(" `"): cells[1:] for name in cells[0].split(",")})
+    return rows
+
+
+def test_the_readmes_defaults_table_says_what_stk_does(models: dict[Family, str]) -> None:
+    rows = readme_defaults()
+    assert set(rows) == {family.value for family in Family}
+    for family in Family:
+        example, levels, latents = rows[family.value]
+        spec = spec_for(family)
+        assert Path(spec.example.script).name.removeprefix("train_dreambooth_lora") in example.replace("...", "")
+        assert latents.startswith("a sample" if EncodeSettings().for_family(family).store_logvar else "the mode")
+        if spec.flow:
+            assert levels.startswith(LossSettings().sampling(family))
+            assert ("unshifted" in levels) is (
+                flow_objective(family, models[family]).scheduler.config.use_dynamic_shifting
+            )
+    sd3 = stk_sigmas(Family.SD3, models[Family.SD3], LossSettings(timestep_sampling="logit-normal", logit_mean=1.0), 2)
+    assert float(sd3.median()) == pytest.approx(0.53, abs=0.01)  # "SD3.5's median sigma 0.53"
+
+
+def flow_objective(family: Family, model: str) -> FlowObjective:
+    objective = objective_for(family, model)
+    assert isinstance(objective, FlowObjective)
+    return objective
