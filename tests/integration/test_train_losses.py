@@ -18,4 +18,4 @@ def test_stk_train_refuses_them_before_any_model_loads(setups, tmp_path):
     usage = run_train(
         ["--cache", cache, "--model", model, "--output-dir", tmp_path / "run", "--flow-shift", "x"], mpi=0
     )
-    assert usage.returncode == 2 and "a number like 3.0, or auto" in usage.stderr
+    assert usage.returncode == 2 and "a positive number like 3.0, or one of example, auto" in usage.stderr

@@ -64,8 +64,8 @@ def test_one_step_is_train_dreambooth_lora_sd3(model: str) -> None:
 
 
 def test_sigmas_are_shifted_as_the_examples_scheduler_shifts(model: str) -> None:
-    """The example indexes the scheduler's discrete sigmas (static shift 3, no dynamic shifting); stk shifts its
-    continuous logit-normal draw by the same formula."""
+    """The example indexes the scheduler's discrete sigmas (static shift 3, no dynamic shifting) at floor(1000 u),
+    u logit-normal; so does stk."""
     objective = objective_for(Family.SD3, model)
     assert isinstance(objective, FlowObjective)
     config = objective.scheduler.config
@@ -74,7 +74,7 @@ def test_sigmas_are_shifted_as_the_examples_scheduler_shifts(model: str) -> None
     torch.testing.assert_close(objective.scheduler.sigmas, flow_shift(grid, 3.0))
     torch.testing.assert_close(objective.scheduler.timesteps, objective.scheduler.sigmas * 1000)
     u = torch.sigmoid(torch.normal(0.0, 1.0, size=(64,), generator=seeded(5)))
-    torch.testing.assert_close(objective.sigmas(64, 16, seeded(5)), flow_shift(u, 3.0))
+    torch.testing.assert_close(objective.sigmas(64, 16, seeded(5)), objective.scheduler.sigmas[(u * 1000).long()])
 
 
 def test_text_is_the_pipelines_encode_prompt_and_trimming_drops_t5_padding_only(model: str) -> None:
