@@ -3,7 +3,8 @@
 A bucket is a (width, height) pair, both multiples of the alignment. The table is derived from
 a resolution, either the short edge in pixels (`pixel`) or an area in megapixels (`area`), and
 spans the allowed aspect ratios; an image goes to the bucket nearest its aspect ratio (in log
-space, so 2:1 and 1:2 are equally far from 1:1).
+space, so 2:1 and 1:2 are equally far from 1:1). With `aspect` square the table is the one square
+bucket, so every image is cropped square.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from stk.errors import InputError
 
 __all__ = [
+    "Aspect",
     "BatchCheck",
     "Bucket",
     "BucketIndex",
@@ -36,6 +38,11 @@ class ResolutionType(str, enum.Enum):
     AREA = "area"  # resolution = megapixels
 
 
+class Aspect(str, enum.Enum):
+    BUCKETS = "buckets"  # a bucket per aspect ratio in [min_aspect, max_aspect]
+    SQUARE = "square"  # one square bucket of the resolution (SimpleTuner's crop_aspect square)
+
+
 @dataclass(frozen=True)
 class Bucket:
     id: int
@@ -54,6 +61,12 @@ class BucketSpec:
     alignment: int = 64
     min_aspect: float = 0.5
     max_aspect: float = 2.0
+    aspect: Aspect = Aspect.BUCKETS
+
+    @property
+    def side(self) -> float:
+        """The side of the square bucket: the short edge (pixel), the square root of the area (area)."""
+        return self.resolution if self.resolution_type is ResolutionType.PIXEL else math.sqrt(self.resolution * 1e6)
 
     def validate(self) -> None:
         """Checked before any work starts, so a bad spec fails at once rather than after a scan."""
@@ -61,8 +74,7 @@ class BucketSpec:
             raise InputError("alignment must be positive")
         if not 0 < self.min_aspect <= 1 <= self.max_aspect:
             raise InputError("aspect range must satisfy 0 < min-aspect <= 1 <= max-aspect")
-        side = self.resolution if self.resolution_type is ResolutionType.PIXEL else math.sqrt(self.resolution * 1e6)
-        if side < self.alignment:
+        if self.side < self.alignment:
             raise InputError(
                 f"resolution {self.resolution} ({self.resolution_type.value}) is below the alignment {self.alignment}"
             )
@@ -89,7 +101,9 @@ def make_buckets(spec: BucketSpec) -> list[Bucket]:
     spec.validate()
     a = spec.alignment
     sizes: set[tuple[int, int]] = set()
-    if spec.resolution_type is ResolutionType.PIXEL:
+    if spec.aspect is Aspect.SQUARE:
+        sizes.add((_align(spec.side, a), _align(spec.side, a)))
+    elif spec.resolution_type is ResolutionType.PIXEL:
         short = _align(spec.resolution, a)
         for long in range(short, int(short * max(spec.max_aspect, 1 / spec.min_aspect)) + 1, a):
             if long / short <= spec.max_aspect + 1e-9:
@@ -98,7 +112,7 @@ def make_buckets(spec: BucketSpec) -> list[Bucket]:
                 sizes.add((short, long))
     else:
         area = spec.resolution * 1e6
-        square = _align(math.sqrt(area), a)
+        square = _align(spec.side, a)
         sizes.add((square, square))
         for width in range(square + a, int(math.sqrt(area * spec.max_aspect)) + 2 * a, a):
             height = _align(area / width, a)

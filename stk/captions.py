@@ -5,13 +5,17 @@ from __future__ import annotations
 import enum
 import os
 import posixpath
+from collections.abc import Sequence
 
 __all__ = [
     "CAPTION_EXTENSIONS",
     "CaptionError",
+    "CaptionSource",
     "MissingCaption",
     "caption_from_filename",
+    "caption_from_stem",
     "decode_caption",
+    "sidecar_of",
     "sidecar_stem",
 ]
 
@@ -24,6 +28,13 @@ class MissingCaption(str, enum.Enum):
     ERROR = "error"
     EMPTY = "empty"
     FILENAME = "filename"
+
+
+class CaptionSource(str, enum.Enum):
+    """Where a dataset's captions come from."""
+
+    SIDECAR = "sidecar"  # a table's caption column, else the sidecar file, else MissingCaption
+    STEM = "stem"  # every image's file stem, '_' as a space (SimpleTuner's caption_strategy filename)
 
 
 class CaptionError(Exception):
@@ -39,9 +50,26 @@ def sidecar_stem(key: str) -> str:
     return posixpath.splitext(key)[0]
 
 
+def sidecar_of(key: str, extensions: Sequence[str]) -> tuple[str, int] | None:
+    """The stem `key` is the sidecar caption of and its extension's place in `extensions` (the first is preferred),
+    or None where it is none: `a/cat.caption` is `a/cat`'s with ".caption". Extensions match in any case."""
+    lowered = key.lower()
+    for rank, extension in enumerate(extensions):
+        stem = key[: -len(extension)]
+        if lowered.endswith(extension.lower()) and stem and not stem.endswith("/"):
+            return stem, rank
+    return None
+
+
 def caption_from_filename(key: str) -> str:
     stem = os.path.splitext(posixpath.basename(key))[0]
     return " ".join(stem.replace("_", " ").replace("-", " ").split())
+
+
+def caption_from_stem(key: str) -> str:
+    """SimpleTuner's filename caption: the file's stem with each '_' a space, nothing else changed
+    (`a_red-car.jpg` is "a red-car")."""
+    return os.path.splitext(posixpath.basename(key))[0].replace("_", " ")
 
 
 def decode_caption(data: bytes) -> str:

@@ -30,6 +30,20 @@ from stk.datagen import generate_dataset, generate_format_samples
 from stk.models import Family, build_tiny_model, quiet_model_libraries
 from stk.models.families import DEMO_FAMILY, family_names
 
+CHECKPOINT_EVERY = 10  # the full run's --checkpoint-every
+# The damaged newest checkpoint needs one before it: one at CHECKPOINT_EVERY, and one at the last step after it.
+MIN_STEPS = CHECKPOINT_EVERY + 1
+
+
+def _enough_steps(ctx: click.Context, param: click.Parameter, steps: int) -> int:
+    """--steps, refused before any work where the run would leave one checkpoint to resume from."""
+    if steps < MIN_STEPS:
+        raise click.BadParameter(
+            f"{steps} is too few: the demo damages the newest checkpoint and resumes from the one before, so it needs "
+            f"two (every {CHECKPOINT_EVERY} steps and the last): give at least {MIN_STEPS}"
+        )
+    return steps
+
 
 def _mpiexec() -> str:
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -50,7 +64,7 @@ def _run(ranks: int, module: str, args: list[str]) -> dict[str, Any]:
 @click.option("--dir", "workdir", default="demo-output", help="Where the dataset, model and outputs go (replaced).")
 @click.option("--images", default=96, help="Images to generate.")
 @click.option("--ranks", default=2, help="MPI ranks for each step.")
-@click.option("--steps", default=20, help="Training steps.")
+@click.option("--steps", default=20, callback=_enough_steps, help=f"Training steps (at least {MIN_STEPS}).")
 @click.option("--family", type=click.Choice(family_names()), default=DEMO_FAMILY.value,
               help="The model family of the tiny model trained.")  # fmt: skip
 def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None:
@@ -81,8 +95,8 @@ def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None
                                            "--validation-prompts", prompts])  # fmt: skip
     train = ["--cache", cache, "--scan", scan, "--model", model, "--batch-size", "2", "--max-steps", str(steps),
              "--validation-every", "10", "--validation-steps", "10"]  # samples of the cache's prompts  # fmt: skip
-    full = [*train, "--output-dir", run, "--deepspeed", "zero2", "--lr", "1e-4", "--checkpoint-every", "10",
-            "--ema-decay", "0.9"]  # fmt: skip
+    full = [*train, "--output-dir", run, "--deepspeed", "zero2", "--lr", "1e-4",
+            "--checkpoint-every", str(CHECKPOINT_EVERY), "--ema-decay", "0.9"]  # fmt: skip
     trained = _run(ranks, "stk.cli.train", full)
     damaged = _damage(trained["checkpoint"])
     more = steps + 4

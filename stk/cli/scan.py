@@ -323,10 +323,7 @@ def _dataset_list(
     rank reads the list; the settings it could not carry over are logged where `warn` (rank 0: once for the job)."""
     datasets = None
     if datasets_file:
-        found = read_datasets(datasets_file)
-        for warning in found.warnings if warn else ():
-            log.warning("%s", warning)
-        datasets = found.specs
+        datasets = read_datasets(datasets_file, _log_warning if warn else None).specs
     elif config_file:
         datasets = datasets_in_config(config_file)
     if datasets is not None and source:
@@ -334,6 +331,10 @@ def _dataset_list(
     if datasets is None and not source:
         raise InputError("give SOURCE (a directory, s3:// prefix, table or -), or --datasets FILE")
     return datasets
+
+
+def _log_warning(line: str) -> None:
+    log.warning("%s", line)
 
 
 def _alignment(given: int | None, family: Family | None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +37,10 @@ class Datasets:
     format: str  # "stk", "kohya" or "simpletuner"
 
 
-def read_datasets(path: str) -> Datasets:
+def read_datasets(path: str, warn: Callable[[str], object] | None = None) -> Datasets:
     """The dataset list in `path`, checked (not empty, unique names); InputError (exit 3) for a file that
-    cannot be read or is in none of the formats."""
+    cannot be read or is in none of the formats. Each warning is handed to `warn` before the check, so that a
+    list whose every entry was skipped says why before the error."""
     document = _document(path)
     if isinstance(document, list):
         specs, warnings = simpletuner.convert(document, path)
@@ -51,6 +53,11 @@ def read_datasets(path: str) -> Datasets:
             found = Datasets(_stk_datasets(document["dataset"], path), [], "stk")
     else:
         raise InputError(f"{path}: no dataset list found; {ACCEPTED}")
+    if warn is not None:
+        for warning in found.warnings:
+            warn(warning)
+    if not found.specs and found.warnings:
+        raise InputError(f"{path}: no datasets stk can scan: every one was skipped (the warning lines say why)")
     check_datasets(found.specs, path)
     return found
 

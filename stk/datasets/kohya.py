@@ -3,7 +3,9 @@
 What each key means is taken from sd-scripts' docs/config_README-en.md: `[general]` holds defaults for
 every dataset and subset, each `[[datasets]]` its own (resolution, batch size, buckets), each
 `[[datasets.subsets]]` one image directory; a setting given lower wins. Each subset becomes one stk
-dataset named after its directory. A key stk has no use for becomes one warning line where it is written.
+dataset named after its directory, its captions read as kohya reads them (library/train_util.py): the file
+of the image's stem with `caption_extension`, an image without one captioned "". A key stk has no use for
+becomes one warning line where it is written.
 """
 
 from __future__ import annotations
@@ -18,13 +20,23 @@ from stk.errors import InputError
 __all__ = ["convert"]
 
 # The settings stk carries over, from any level; a lower level's value wins.
-_INHERITED = ("resolution", "enable_bucket", "num_repeats", "random_crop", "caption_extension", "caption_dropout_rate")
-_EXTENSIONS = (".txt", ".caption")  # the sidecar captions stk-scan reads
+_INHERITED = (
+    "resolution",
+    "enable_bucket",
+    "num_repeats",
+    "random_crop",
+    "caption_extension",
+    "caption_dropout_rate",
+    "class_tokens",
+)
+_CAPTION_EXTENSION = ".caption"  # kohya's default (library/config_util.py), '.' added where it is left out
+_CLASS_TOKENS = (
+    "is not supported by stk: an image with no caption file fails the scan (kohya captions it with them), so write "
+    "them into its caption file; ignored"
+)
 _REASONS = {
     "batch_size": "belongs to stk-scan's and stk-train's --batch-size; ignored",
     "bucket_reso_steps": "is not carried: stk-scan --family sets the multiple of the bucket sides; ignored",
-    "class_tokens": "is not supported by stk: an image with no caption file fails the scan, so write them into "
-    "its caption file; ignored",
     "metadata_file": "is not read by stk: captions come from .txt/.caption files beside the images or a .jsonl "
     "table (stk-scan TABLE); ignored",
 }
@@ -68,9 +80,6 @@ def _settings(table: dict[str, Any], where: str, warnings: list[str], own: tuple
     """The settings of one level that stk carries (and its `own` keys); the others are warned of here."""
     fields = Fields(table, where, _REASONS)
     settings = {key: fields.take(key) for key in (*_INHERITED, *own) if key in fields.left}
-    extension = settings.get("caption_extension")
-    if extension is not None and extension not in _EXTENSIONS:
-        fields.warn("caption_extension", f"{extension!r}: stk reads {' and '.join(_EXTENSIONS)} files; ignored")
     warnings.extend(fields.rest())
     return settings
 
@@ -102,8 +111,12 @@ def _subset(
     settings = {**inherited, **_settings(subset, f"{path}, dataset {name!r}", warnings, ("image_dir", "is_reg"))}
     table: dict[str, Any] = {"name": name, "source": directory, **_resolution(settings.get("resolution"), where)}
     if "metadata_file" not in subset:
-        # DreamBooth style: kohya stops at an image with no caption file (class_tokens aside, which stk lacks)
-        table["missing-caption"] = "error"
+        # DreamBooth style: the caption file with kohya's extension; an image without one kohya captions with the
+        # class_tokens (which stk lacks: it fails here), else with "" (and a warning)
+        table["caption-extension"] = _extension(settings.get("caption_extension", _CAPTION_EXTENSION), where)
+        table["missing-caption"] = "error" if "class_tokens" in settings else "empty"
+    if "class_tokens" in settings:
+        warnings.append(f"{path}, dataset {name!r}: class_tokens {_CLASS_TOKENS}")
     # kohya's num_repeats, like stk's repeats, count every pass; its default, 1, said here so that stk's --repeats
     # does not stand in for it
     table["repeats"] = settings.get("num_repeats", 1)
@@ -112,6 +125,13 @@ def _subset(
     if "caption_dropout_rate" in settings:
         table["caption-dropout"] = settings["caption_dropout_rate"]
     return dataset_from_table(table, f"{path}, dataset {name!r}")
+
+
+def _extension(value: Any, where: str) -> str:
+    """kohya's caption_extension as it reads it: ".caption", and "caption" as ".caption"."""
+    if not isinstance(value, str):
+        raise InputError(f"{where}: caption_extension = {value!r} is not a string")
+    return value if value.startswith(".") else "." + value
 
 
 def _resolution(value: Any, where: str) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """SimpleTuner's `multidatabackend.json` as stk datasets.
 
-What each key means is taken from SimpleTuner's documentation/DATALOADER.md: a JSON list of backends, each
+What each key means is taken from SimpleTuner's documentation/DATALOADER.md, and its defaults from its code
+(data_backend/config/image.py, helpers/prompts.py): a JSON list of backends, each
 with an `id`; image datasets (`dataset_type` image or absent) on a `local` directory or an `aws` bucket become
 stk datasets; the text-embed, image-embed and conditioning backends and every key stk has no use for
 become one warning line each.
@@ -29,9 +30,14 @@ _REASONS = {
     "text_embeds": "is not carried: stk-cache --out holds the text embeddings; ignored",
     "image_embeds": "is not carried: stk-cache --out holds the latents; ignored",
 }
-# The caption strategies that map to stk's --missing-caption: `textfile` reads the .txt beside each image
-# (stk reads it too, and fails an image without one); `filename` captions an image by its file name.
-_MISSING_CAPTION = {"textfile": "error", "filename": "filename"}
+# What each caption strategy is in stk (SimpleTuner's helpers/prompts.py): `textfile` reads the .txt beside each
+# image and fails one without it; `filename`, its default, captions every image by its file's stem with each '_' a
+# space, whatever files lie beside it.
+_CAPTIONS = {
+    "textfile": {"caption-extension": ".txt", "missing-caption": "error"},
+    "filename": {"captions": "stem"},
+}
+_DEFAULT_STRATEGY = "filename"  # SimpleTuner's --caption_strategy default, which a dataset without its own takes
 
 
 def convert(entries: list[Any], path: str) -> tuple[list[DatasetSpec], list[str]]:
@@ -107,7 +113,7 @@ def _source(fields: Fields, table: dict[str, Any], storage: str) -> None:
     """`source` (and for a parquet table `root` and `caption-column`) from where the images are and the
     caption strategy."""
     images = _images(fields, storage)
-    strategy = fields.take("caption_strategy")
+    strategy = fields.take("caption_strategy") or _DEFAULT_STRATEGY
     parquet = fields.take("parquet")
     backend = fields.take("metadata_backend")
     if strategy == "parquet":
@@ -115,11 +121,13 @@ def _source(fields: Fields, table: dict[str, Any], storage: str) -> None:
         parquet = None
     else:
         table["source"] = images
-        if strategy in _MISSING_CAPTION:
-            table["missing-caption"] = _MISSING_CAPTION[strategy]
-        elif strategy is not None:
-            supported = "is not supported by stk (textfile, filename, parquet); ignored"
-            fields.warn("caption_strategy", f"{strategy} {supported}")
+        if strategy in _CAPTIONS:
+            table.update(_CAPTIONS[strategy])
+        else:
+            instead = "captions from .txt/.caption files, else stk-scan's --missing-caption"
+            fields.warn(
+                "caption_strategy", f"{strategy} is not supported by stk (textfile, filename, parquet): {instead}"
+            )
     if parquet is not None:
         fields.warn("parquet", "is used by stk only with caption_strategy parquet; ignored")
     if backend not in (None, "discovery", "parquet"):
@@ -192,16 +200,31 @@ def _resolution(fields: Fields, table: dict[str, Any]) -> None:
 
 
 def _crop(fields: Fields, table: dict[str, Any]) -> None:
-    """`crop` true with `crop_style` center or random (SimpleTuner's default style: random)."""
-    crop, style = fields.take("crop"), fields.take("crop_style")
+    """`crop` true with `crop_style` center or random (SimpleTuner's default style: random) and `crop_aspect`
+    (its default: square)."""
+    crop, style, aspect = fields.take("crop"), fields.take("crop_style"), fields.take("crop_aspect")
     if crop is True:
         style = "random" if style is None else style
         if style in ("center", "random"):
             table["crop"] = style
         else:
             fields.warn("crop_style", f"{style} is not supported by stk (center, random); left to stk-cache's --crop")
+        _crop_aspect(fields, table, aspect or "square")
         return
     if crop is not None:
         fields.warn("crop", "is not true: stk crops every image to its bucket; left to stk-cache's --crop")
-    if style is not None:
-        fields.warn("crop_style", "applies only with crop true; ignored")
+    for key, value in (("crop_style", style), ("crop_aspect", aspect)):
+        if value is not None:
+            fields.warn(key, "applies only with crop true; ignored")
+
+
+def _crop_aspect(fields: Fields, table: dict[str, Any], aspect: str) -> None:
+    """square: one square bucket; preserve (each image's own aspect) is stk's aspect buckets; closest and random
+    pick from `crop_aspect_buckets`, where stk takes the bucket nearest each image's aspect."""
+    if aspect == "square":
+        table["aspect"] = "square"
+    elif aspect in ("closest", "random"):
+        listed = " (not crop_aspect_buckets)" if fields.take("crop_aspect_buckets") is not None else ""
+        fields.warn("crop_aspect", f"{aspect}: stk crops each image to the nearest of its own aspect buckets{listed}")
+    elif aspect != "preserve":
+        fields.warn("crop_aspect", f"{aspect} is not supported by stk (square, preserve); stk's aspect buckets apply")

@@ -11,14 +11,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from stk.buckets import ResolutionType
-from stk.captions import MissingCaption
+from stk.buckets import Aspect, ResolutionType
+from stk.captions import CaptionSource, MissingCaption
 from stk.errors import InputError
+from stk.imageinfo import is_image_name
 from stk.preprocess import CropMode
 
 __all__ = ["FIELDS", "DatasetSpec", "check_datasets", "dataset_from_table"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a directory name on every file system and S3
+_EXTENSION = re.compile(r"^\.[^/\\\s]+$")  # ".caption", ".cap.txt": no separator, no space
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class DatasetSpec:
     root: str | None = None  # what a table source's relative paths are under (stk-scan --root)
     caption_dropout: float | None = None  # the share of its samples trained with the empty caption
     crop: CropMode | None = None  # where stk-cache crops its images to their bucket
+    aspect: Aspect | None = None  # square: one square bucket, every image cropped to it
+    captions: CaptionSource | None = None  # stem: every caption from its file name (SimpleTuner's filename)
+    caption_extension: str | None = None  # the one sidecar read (kohya's caption_extension); else .txt, .caption
 
     def toml_table(self) -> dict[str, Any]:
         """The fields given, as stk's TOML writes them (kebab-case keys, enums as their values)."""
@@ -53,12 +58,15 @@ _ENUMS: dict[str, type[Any]] = {
     "resolution_type": ResolutionType,
     "missing_caption": MissingCaption,
     "crop": CropMode,
+    "aspect": Aspect,
+    "captions": CaptionSource,
 }
 _TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,),
     "source": (str,),
     "caption_column": (str,),
     "root": (str,),
+    "caption_extension": (str,),
     "repeats": (int,),
     "min_size": (int,),
     "weight": (int, float),
@@ -108,6 +116,18 @@ def _check_values(spec: DatasetSpec, where: str) -> None:
         raise InputError(f"{where} ({spec.name}): resolution must be above 0, not {spec.resolution:g}")
     if spec.min_size is not None and spec.min_size < 0:
         raise InputError(f"{where} ({spec.name}): min-size must be 0 or more, not {spec.min_size}")
+    _check_captions(spec, f"{where} ({spec.name})")
+
+
+def _check_captions(spec: DatasetSpec, where: str) -> None:
+    extension = spec.caption_extension
+    if extension is not None and not _EXTENSION.match(extension):
+        raise InputError(f"{where}: caption-extension {extension!r} must be '.' and a name, as '.caption'")
+    if extension is not None and is_image_name("x" + extension):
+        raise InputError(f"{where}: caption-extension {extension!r} is an image's; captions are text files")
+    if spec.captions is CaptionSource.STEM and (extension is not None or spec.missing_caption is not None):
+        given = "caption-extension" if extension is not None else "missing-caption"
+        raise InputError(f'{where}: {given} does not apply with captions = "stem" (every caption is its file\'s stem)')
 
 
 def check_datasets(specs: Sequence[DatasetSpec], where: str) -> None:

@@ -6,7 +6,7 @@ become Python only a batch at a time (to stat them, fingerprint them, probe them
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
-from stk.captions import CAPTION_EXTENSIONS, sidecar_stem
+from stk.captions import CAPTION_EXTENSIONS, sidecar_of, sidecar_stem
 from stk.imageinfo import is_image_name
 from stk.storage import name_text, text_name
 
@@ -109,15 +109,14 @@ def _of_lists(columns: list[list[Any]], schema: pa.Schema) -> pa.Table:
 
 
 def _batched_listing(
-    root: str, listed: Iterable[storage.FileInfo] | None
+    root: str, listed: Iterable[storage.FileInfo] | None, extensions: Sequence[str]
 ) -> Iterator[tuple[list[list[Any]], list[list[Any]]]]:
-    """The listing (`listed`, or storage.list_files) a batch at a time: image rows and sidecar rows, as column lists.
-    An image's location is None where it is the root joined with its path."""
+    """The listing (`listed`, or storage.list_files) a batch at a time: image rows and sidecar rows (files with one of
+    `extensions`), as column lists. An image's location is None where it is the root joined with its path."""
     prefix = storage.join(root, "")
     images: list[list[Any]] = [[] for _ in range(8)]
     sidecars: list[list[Any]] = [[] for _ in range(4)]
     for count, info in enumerate(storage.list_files(root) if listed is None else listed, 1):
-        ext = posixpath.splitext(info.key)[1].lower()
         if is_image_name(info.key) or info.key.endswith("/"):
             kind = (info.error_kind or "unreadable") if info.error else None
             path, location = name_text(info.key), name_text(info.location)
@@ -125,8 +124,8 @@ def _batched_listing(
                    info.error or None, name_text(sidecar_stem(info.key)))  # fmt: skip
             for column, value in zip(images, row, strict=True):
                 column.append(value)
-        elif ext in CAPTION_EXTENSIONS:
-            side = (name_text(sidecar_stem(info.key)), CAPTION_EXTENSIONS.index(ext), name_text(info.location),
+        elif sidecar := sidecar_of(info.key, extensions):
+            side = (name_text(sidecar[0]), sidecar[1], name_text(info.location),
                     f"{info.size}:{info.mtime!r}:{info.etag or ''}")  # fmt: skip
             for column, item in zip(sidecars, side, strict=True):
                 column.append(item)
@@ -136,11 +135,14 @@ def _batched_listing(
     yield images, sidecars
 
 
-def from_tree(root: str, listed: Iterable[storage.FileInfo] | None = None) -> pa.Table:
-    """Every image under a directory or s3:// prefix, with its sidecar caption if any, and every
-    directory that cannot be listed (an error row each); `listed`: its files, when listed already."""
+def from_tree(
+    root: str, listed: Iterable[storage.FileInfo] | None = None, extensions: Sequence[str] = CAPTION_EXTENSIONS
+) -> pa.Table:
+    """Every image under a directory or s3:// prefix, with its sidecar caption if any (a file of its stem with one of
+    `extensions`, the first preferred), and every directory that cannot be listed (an error row each); `listed`: its
+    files, when listed already."""
     image_batches, sidecar_batches = [], []
-    for images, sidecars in _batched_listing(root, listed):
+    for images, sidecars in _batched_listing(root, listed, extensions):
         image_batches.append(_of_lists(images, _LISTED))
         sidecar_batches.append(_of_lists(sidecars, _SIDECARS))
     found = pa.concat_tables(image_batches)

@@ -28,6 +28,8 @@ __all__ = ["COMBINED_SCHEMA", "Scanned", "combined_checks", "write_combined"]
 
 COMBINED_SCHEMA = METADATA_SCHEMA.append(pa.field("dataset", pa.string()))
 _ROWS = 65_536  # rows streamed at a time
+# what each dataset's entry in buckets.json takes from its own buckets.json
+_BUCKET_SETTINGS = ("resolution", "resolution_type", "alignment", "min_aspect", "max_aspect", "aspect")
 
 
 @dataclass
@@ -85,7 +87,7 @@ def _dataset_entry(one: Scanned, first_id: int) -> dict[str, Any]:
         "weight": spec.weight,
         "crop": spec.crop.value if spec.crop else None,
         "caption_dropout": spec.caption_dropout,
-        **{key: doc[key] for key in ("resolution", "resolution_type", "alignment", "min_aspect", "max_aspect")},
+        **{key: doc[key] for key in _BUCKET_SETTINGS},
         "min_size": doc["min_size"],
         "images": one.summary.images,
         "buckets": [first_id + b["id"] for b in doc["buckets"]],

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from stk import storage
 from stk.buckets import ways_out
+from stk.captions import CaptionSource
 from stk.datasets import DatasetSpec
 from stk.errors import BatchCheckFailed, InputError, check_max_errors, parse_max_errors
 from stk.imageinfo import is_image_name
@@ -35,9 +36,14 @@ DATASETS_DIR = "datasets"  # OUT/datasets/<name>/: each dataset's own scan
 
 def dataset_options(spec: DatasetSpec, base: ScanOptions) -> ScanOptions:
     """The scan of one dataset: the command's options with the dataset's own fields over them."""
-    buckets = replace(base.buckets, **_given(spec, "resolution", "resolution_type", "min_aspect", "max_aspect"))
+    given = _given(spec, "resolution", "resolution_type", "min_aspect", "max_aspect", "aspect")
+    buckets = replace(base.buckets, **given)
     buckets.validate()
-    probe = replace(base.probe, **_given(spec, "missing_caption"))
+    probe = replace(base.probe, **_given(spec, "missing_caption", "captions"))
+    if spec.caption_extension is not None:
+        probe = replace(probe, sidecars=(spec.caption_extension,))
+    elif spec.captions is CaptionSource.STEM:
+        probe = replace(probe, sidecars=())  # none read: nothing to list or fingerprint
     columns = {**base.columns, "caption": spec.caption_column} if spec.caption_column else base.columns
     return replace(
         base,

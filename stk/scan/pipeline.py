@@ -164,7 +164,7 @@ def _list(opts: ScanOptions, listed: list[pa.Table]) -> pa.Table:
             raise InputError(f"{opts.source}: no such table")
         found = cands.from_table(metadata.read_columns(opts.source, opts.columns), source_root(opts))
     else:
-        found = cands.from_tree(opts.source, file_infos(listed.pop()) if listed else None)
+        found = cands.from_tree(opts.source, file_infos(listed.pop()) if listed else None, opts.probe.sidecars)
     return cands.settle(found, opts.threads)
 
 
@@ -283,7 +283,7 @@ def _probe_share(share: Share, opts: ScanOptions, world: World, run_id: str) -> 
     ):
         for block in share:
             todo, new = cands.ready(block.todo, opts.source), []
-            sidecars = listed_for(todo, pool)
+            sidecars = listed_for(todo, pool, opts.probe.sidecars)
             for start in range(0, todo.num_rows, opts.commit_every):
                 chunk = todo.slice(start, opts.commit_every).to_pylist()
                 records = records_to_table(_probe_chunk(pool, chunk, opts, sidecars))

@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stk import storage
-from stk.captions import CaptionError, MissingCaption, caption_from_filename, decode_caption
+from stk.captions import (
+    CAPTION_EXTENSIONS,
+    CaptionError,
+    CaptionSource,
+    MissingCaption,
+    caption_from_filename,
+    caption_from_stem,
+    decode_caption,
+)
 from stk.errors import StkError, described
 from stk.imageformats import ACCEPTED
 from stk.imageheaders import MetadataWarning
@@ -23,26 +31,35 @@ class ProbeOptions:
     max_pixels: int | None = 178_956_970
     missing_caption: MissingCaption = MissingCaption.FILENAME
     formats: frozenset[str] = field(default=ACCEPTED)  # Pillow format names (--formats)
+    captions: CaptionSource = CaptionSource.SIDECAR  # a dataset's own (stk.datasets.DatasetSpec)
+    sidecars: tuple[str, ...] = CAPTION_EXTENSIONS  # the sidecar extensions looked for, the first preferred
 
     def settings_key(self) -> str:
         """Records made under other settings, or by a reader that knew fewer formats, would
-        differ: they are not reused."""
+        differ: they are not reused. The caption settings are named only where not the default, so a scan
+        made before they existed is reused."""
         formats = ",".join(sorted(self.formats))
-        return f"max_pixels={self.max_pixels};missing_caption={self.missing_caption.value};formats={formats}"
+        key = f"max_pixels={self.max_pixels};missing_caption={self.missing_caption.value};formats={formats}"
+        if self.captions is not CaptionSource.SIDECAR:
+            key += f";captions={self.captions.value}"
+        if self.sidecars != CAPTION_EXTENSIONS:
+            key += f";sidecars={','.join(self.sidecars)}"
+        return key
 
 
 Candidate = Mapping[str, Any]  # a row of stk.scan.candidates.CANDIDATE_SCHEMA, with its fingerprint
-_ASKED = Sidecars()  # no listing: each sidecar name asked for
 
 
-def _caption(cand: Candidate, image: str, opts: ProbeOptions, sidecars: Sidecars) -> tuple[str, str]:
+def _caption(cand: Candidate, image: str, opts: ProbeOptions, sidecars: Sidecars | None) -> tuple[str, str]:
     """(caption, source); raises CaptionError when none may be used."""
+    if opts.captions is CaptionSource.STEM:
+        return caption_from_stem(cand["path"]), "filename"
     if cand["caption"] is not None:
         return cand["caption"], "table"
     if cand["caption_location"]:
         location: str | None = storage.text_name(cand["caption_location"])
     else:
-        location = sidecars.find(image) if cand["find_sidecar"] else None
+        location = (sidecars or Sidecars(opts.sidecars)).find(image) if cand["find_sidecar"] else None
     if location is not None:
         try:
             return decode_caption(storage.read_bytes(location)), "sidecar"
@@ -55,7 +72,8 @@ def _caption(cand: Candidate, image: str, opts: ProbeOptions, sidecars: Sidecars
     if opts.missing_caption is MissingCaption.FILENAME:
         return caption_from_filename(cand["path"]), "filename"
     raise CaptionError(
-        "no caption (no table column, no .txt/.caption sidecar) and --missing-caption error", kind="caption_missing"
+        f"no caption (no table column, no {'/'.join(opts.sidecars)} sidecar) and --missing-caption error",
+        kind="caption_missing",
     )
 
 
@@ -83,7 +101,7 @@ def _failure(exc: Exception) -> tuple[str, str]:
     return "unreadable", f"cannot read: {described(exc)}"
 
 
-def probe(cand: Candidate, opts: ProbeOptions, sidecars: Sidecars = _ASKED) -> Record:
+def probe(cand: Candidate, opts: ProbeOptions, sidecars: Sidecars | None = None) -> Record:
     """A record for `cand`; whatever fails for this one file becomes its error record, never an
     exception. Only a failure of the storage itself (InfraError: S3 down past its budget) ends the scan.
     `sidecars`: the listings of its block's directories (stk.scan.sidecars), else each name is asked for."""

@@ -10,6 +10,7 @@ an unreadable caption (its error row), one that came is not seen (as one made ju
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import Executor
 
 import pyarrow as pa
@@ -32,10 +33,13 @@ def _parts(image: str) -> tuple[str, str] | None:
 
 
 class Sidecars:
-    """Where each image's sidecar caption is: known for the images of the directories listed, asked per name for the
-    others."""
+    """Where each image's sidecar caption is (a file of its stem with one of `extensions`, the first preferred): known
+    for the images of the directories listed, asked per name for the others."""
 
-    def __init__(self, known: dict[str, str | None] | None = None) -> None:
+    def __init__(
+        self, extensions: Sequence[str] = CAPTION_EXTENSIONS, known: dict[str, str | None] | None = None
+    ) -> None:
+        self.extensions = tuple(extensions)
         self._known = known or {}  # image: its sidecar, None where it has none
 
     def find(self, image: str) -> str | None:
@@ -43,7 +47,7 @@ class Sidecars:
         if image in self._known:
             return self._known[image]
         stem = sidecar_stem(image)
-        return next((stem + ext for ext in CAPTION_EXTENSIONS if storage.exists(stem + ext)), None)
+        return next((stem + ext for ext in self.extensions if storage.exists(stem + ext)), None)
 
 
 def _found(directory: str, wanted: frozenset[str], images: int) -> frozenset[str] | None:
@@ -63,9 +67,9 @@ def _found(directory: str, wanted: frozenset[str], images: int) -> frozenset[str
     return frozenset(found)
 
 
-def listed_for(todo: pa.Table, pool: Executor) -> Sidecars:
-    """The sidecars of the candidates of `todo` that will look for one, each directory holding at least LIST_FROM of
-    them listed once, the listings spread over `pool`."""
+def listed_for(todo: pa.Table, pool: Executor, extensions: Sequence[str] = CAPTION_EXTENSIONS) -> Sidecars:
+    """The sidecars with `extensions` of the candidates of `todo` that will look for one, each directory holding at
+    least LIST_FROM of them listed once, the listings spread over `pool`."""
     caption_location = pc.fill_null(todo.column("caption_location"), "")
     looking = pc.and_(
         pc.and_(todo.column("find_sidecar"), pc.is_null(todo.column("caption"))),
@@ -78,17 +82,17 @@ def listed_for(todo: pa.Table, pool: Executor) -> Sidecars:
         if parts:
             images[parts[0]].append((image, parts[1]))
     listed = [(directory, named) for directory, named in images.items() if len(named) >= LIST_FROM]
-    found = pool.map(lambda item: _found(item[0], _wanted(item[1]), len(item[1])), listed)
+    found = pool.map(lambda item: _found(item[0], _wanted(item[1], extensions), len(item[1])), listed)
     known: dict[str, str | None] = {}
     for (directory, named), names in zip(listed, found, strict=True):
         if names is not None:
-            known.update((image, _first(directory, stem, names)) for image, stem in named)
-    return Sidecars(known)
+            known.update((image, _first(directory, stem, names, extensions)) for image, stem in named)
+    return Sidecars(extensions, known)
 
 
-def _first(directory: str, stem: str, names: frozenset[str]) -> str | None:
-    return next((f"{directory}/{stem}{ext}" for ext in CAPTION_EXTENSIONS if stem + ext in names), None)
+def _first(directory: str, stem: str, names: frozenset[str], extensions: Sequence[str]) -> str | None:
+    return next((f"{directory}/{stem}{ext}" for ext in extensions if stem + ext in names), None)
 
 
-def _wanted(named: list[tuple[str, str]]) -> frozenset[str]:
-    return frozenset(stem + ext for _, stem in named for ext in CAPTION_EXTENSIONS)
+def _wanted(named: list[tuple[str, str]], extensions: Sequence[str]) -> frozenset[str]:
+    return frozenset(stem + ext for _, stem in named for ext in extensions)

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from stk.buckets import (
+    Aspect,
     BatchCheck,
     Bucket,
     BucketIndex,
@@ -163,6 +164,20 @@ def test_validate_accepts_edges() -> None:
     BucketSpec(64, alignment=64, min_aspect=1.0, max_aspect=1.0).validate()
     only_square = make_buckets(BucketSpec(64, alignment=64, min_aspect=1.0, max_aspect=1.0))
     assert [(b.width, b.height) for b in only_square] == [(64, 64)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "side"),
+    [
+        (BucketSpec(1000, ResolutionType.PIXEL, 64, aspect=Aspect.SQUARE), 1024),  # the short edge, aligned
+        (BucketSpec(1.0, ResolutionType.AREA, 64, aspect=Aspect.SQUARE), 1024),  # the square of that area
+        (BucketSpec(1024 * 1024 / 1e6, ResolutionType.AREA, 16, aspect=Aspect.SQUARE), 1024),
+    ],
+)
+def test_square_is_one_bucket_that_every_aspect_goes_to(spec: BucketSpec, side: int) -> None:
+    buckets = make_buckets(spec)
+    assert [(b.id, b.width, b.height) for b in buckets] == [(0, side, side)]
+    assert BucketIndex(buckets).nearest(3000, 1000).id == 0  # SimpleTuner's crop_aspect square: cropped square
 
 
 # --- BucketIndex.nearest -----------------------------------------------------------------------

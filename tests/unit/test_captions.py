@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from stk.captions import CAPTION_EXTENSIONS, CaptionError, caption_from_filename, decode_caption, sidecar_stem
+from stk.captions import (
+    CAPTION_EXTENSIONS,
+    CaptionError,
+    caption_from_filename,
+    caption_from_stem,
+    decode_caption,
+    sidecar_of,
+    sidecar_stem,
+)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +70,36 @@ def test_non_utf8_raises_caption_error(data: bytes, position: int) -> None:
 )
 def test_caption_from_filename(key: str, expected: str) -> None:
     assert caption_from_filename(key) == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("photos/my_cat-on_the-sofa.jpg", "my cat-on the-sofa"),  # only '_' becomes a space
+        ("a/b/__x__.png", "  x  "),  # and nothing is trimmed
+        ("dir.with.dots/file.name.jpg", "file.name"),
+        ("s3://bucket/x/IMG_0001.JPG", "IMG 0001"),
+    ],
+)
+def test_caption_from_stem_is_simpletuners_filename_caption(key: str, expected: str) -> None:
+    assert caption_from_stem(key) == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "extensions", "expected"),
+    [
+        ("a/cat.txt", CAPTION_EXTENSIONS, ("a/cat", 0)),
+        ("a/cat.caption", CAPTION_EXTENSIONS, ("a/cat", 1)),
+        ("a/cat.TXT", CAPTION_EXTENSIONS, ("a/cat", 0)),  # any case, as the listing always matched
+        ("a/cat.txt", (".caption",), None),  # kohya's default reads no .txt
+        ("a/cat.cap.txt", (".cap.txt",), ("a/cat", 0)),  # what kohya appends to the stem
+        ("a/.txt", CAPTION_EXTENSIONS, None),  # no stem
+        ("a/cat.png", CAPTION_EXTENSIONS, None),
+        ("a/cat.txt", (), None),
+    ],
+)
+def test_sidecar_of(key: str, extensions: tuple[str, ...], expected: tuple[str, int] | None) -> None:
+    assert sidecar_of(key, extensions) == expected
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from click.testing import CliRunner, Result
 from support.commands import clean_env
 
 from stk.cli.scan import main as scan_main
-from stk.datagen import generate_dataset
+from stk.datagen import generate_dataset, make_image
 from stk.datasets import read_datasets
 
 pytestmark = pytest.mark.usefixtures("keep_logging")
@@ -166,3 +166,131 @@ def test_source_and_datasets_together_or_neither_are_refused(sources: Path, tmp_
     assert "not both" in _one_line(_scan(sources / "style", "--datasets", listed, "--out", tmp_path / "out"), 3)
     assert "--datasets FILE" in _one_line(_scan("--out", tmp_path / "out"), 3)
     assert "--datasets" in _one_line(_scan(sources / "style", "--print-config"), 3)
+
+
+# --- other trainers' configs, scanned: each key means what it means in that trainer ---------------------------------
+
+# SimpleTuner's simpletuner/examples/multidatabackend-small-dreambooth-1024px.json as it ships, and the video example
+# of its documentation/DATALOADER.md: nothing in either is an image dataset stk can scan.
+SIMPLETUNER_HUGGINGFACE = """[
+  {
+    "id": "dreambooth-1024",
+    "type": "huggingface",
+    "dataset_name": "RareConcepts/Domokun",
+    "crop": true, "crop_style": "random", "crop_aspect": "square",
+    "minimum_image_size": 256,
+    "maximum_image_size": 1024,
+    "target_downsample_size": 1024,
+    "resolution": 1024,
+    "resolution_type": "pixel_area",
+    "metadata_backend": "huggingface",
+    "caption_strategy": "instanceprompt",
+    "instance_prompt": "\U0001f7eb",
+    "cache_dir_vae": "cache/vae/{model_family}/dreambooth-1024"
+  },
+  {
+    "id": "alt-embed-cache",
+    "dataset_type": "text_embeds",
+    "default": true,
+    "type": "local",
+    "cache_dir": "cache/text/{model_family}"
+  }
+]"""
+SIMPLETUNER_VIDEO = """[
+  {
+    "id": "disney-black-and-white",
+    "type": "local",
+    "dataset_type": "video",
+    "crop": false,
+    "resolution": 480,
+    "resolution_type": "pixel_area",
+    "instance_data_dir": "datasets/disney-black-and-white",
+    "caption_strategy": "textfile",
+    "video": {"num_frames": 125, "min_frames": 125}
+  },
+  {
+    "id": "text-embeds",
+    "type": "local",
+    "dataset_type": "text_embeds",
+    "default": true,
+    "cache_dir": "cache/text/ltxvideo"
+  }
+]"""
+
+
+def _image(folder: Path, name: str, width: int, height: int, **sidecars: str) -> None:
+    """`name`.png, and a caption file `name`.EXT for each EXT=caption given."""
+    folder.mkdir(parents=True, exist_ok=True)
+    make_image(width, height, seed=width + height).save(folder / f"{name}.png")
+    for extension, caption in sidecars.items():
+        (folder / f"{name}.{extension}").write_text(caption, encoding="utf-8")
+
+
+def _rows(out: Path) -> dict[str, tuple[Any, ...]]:
+    """The scan table's rows by file name: dataset, caption, its source and the bucket's sides."""
+    table = pq.read_table(out / "metadata.parquet").to_pylist()
+    keys = ("dataset", "caption", "caption_source", "bucket_width", "bucket_height")
+    return {Path(row["path"]).name: tuple(row[key] for key in keys) for row in table}
+
+
+def test_kohyas_caption_extension_given_or_its_default(tmp_path: Path) -> None:
+    _image(tmp_path / "chars", "cat", 64, 64, caption="a cat, from .caption", txt="not read")
+    _image(tmp_path / "chars", "dog", 64, 64, txt="not read either")  # no .caption: kohya captions it ""
+    _image(tmp_path / "style", "sky", 64, 64, txt="a sky, from .txt", caption="not read")
+    config = tmp_path / "dataset_config.toml"
+    config.write_text(
+        f"[general]\nenable_bucket = true\nresolution = 64\n\n[[datasets]]\n\n"
+        f"  [[datasets.subsets]]\n  image_dir = '{tmp_path / 'chars'}'\n\n"
+        f"  [[datasets.subsets]]\n  image_dir = '{tmp_path / 'style'}'\n  caption_extension = '.txt'\n"
+    )
+    out = tmp_path / "out"
+    result = _scan("--datasets", config, "--out", out, "--alignment", 16, "--batch-size", 1, "--gpus", 1)
+    assert result.exit_code == 0, result.output
+    assert _rows(out) == {
+        "cat.png": ("chars", "a cat, from .caption", "sidecar", 64, 64),
+        "dog.png": ("chars", "", "empty", 64, 64),
+        "sky.png": ("style", "a sky, from .txt", "sidecar", 64, 64),
+    }
+
+
+def test_simpletuners_filename_captions_textfile_and_square_crops(tmp_path: Path) -> None:
+    _image(tmp_path / "named", "a_red-car", 96, 64, txt="not read: captions come from the name")
+    _image(tmp_path / "named", "tall_one", 64, 128)
+    _image(tmp_path / "texts", "wide", 96, 64, txt="a wide one", caption="not read")
+    _image(tmp_path / "texts", "lone", 64, 64, caption="not read: textfile reads .txt only")
+    entries = [
+        # no caption_strategy (SimpleTuner's default, filename), crop without crop_aspect (its default, square)
+        {"id": "named", "type": "local", "instance_data_dir": str(tmp_path / "named"), "crop": True,
+         "crop_style": "center", "resolution": 64, "resolution_type": "pixel", "repeats": 0},
+        {"id": "texts", "type": "local", "instance_data_dir": str(tmp_path / "texts"), "caption_strategy": "textfile",
+         "resolution": 64, "resolution_type": "pixel"},
+        {"id": "text-embeds", "dataset_type": "text_embeds", "default": True, "type": "local", "cache_dir": "cache"},
+    ]  # fmt: skip
+    config = tmp_path / "multidatabackend.json"
+    config.write_text(json.dumps(entries))
+    out = tmp_path / "out"
+    common = ["--alignment", 16, "--batch-size", 1, "--gpus", 1, "--max-errors", 1]
+    result = _scan("--datasets", config, "--out", out, *common)
+    assert result.exit_code == 0, result.output
+    assert _rows(out) == {
+        "a_red-car.png": ("named", "a red-car", "filename", 64, 64),  # the stem, '_' as a space
+        "tall_one.png": ("named", "tall one", "filename", 64, 64),  # square, whatever its aspect
+        "wide.png": ("texts", "a wide one", "sidecar", 96, 64),  # aspect buckets
+    }
+    (error,) = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert (Path(error["path"]).name, error["kind"]) == ("lone.png", "caption_missing")
+    named, texts = json.loads((out / "buckets.json").read_text())["datasets"]
+    assert (named["aspect"], named["crop"], texts["aspect"], texts["crop"]) == ("square", "center", "buckets", None)
+
+
+@pytest.mark.parametrize("text", [SIMPLETUNER_HUGGINGFACE, SIMPLETUNER_VIDEO], ids=["huggingface", "video"])
+def test_a_list_with_nothing_stk_can_scan_says_why_each_entry_was_skipped(tmp_path: Path, text: str) -> None:
+    config = tmp_path / "multidatabackend.json"
+    config.write_text(text, encoding="utf-8")
+    result = _scan("--datasets", config, "--out", tmp_path / "out")
+    error = _one_line(result, 3)
+    assert "no datasets stk can scan" in error
+    lines = result.stderr.splitlines()
+    skipped = [line for line in lines if "WARNING" in line and line.endswith("; skipped")]
+    assert [line.split("dataset '")[1].split("'")[0] for line in skipped] == [e["id"] for e in json.loads(text)]
+    assert lines.index(skipped[-1]) < lines.index(error)  # the reasons, then the error

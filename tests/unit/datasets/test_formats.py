@@ -82,6 +82,14 @@ def test_datasets_in_config_takes_the_list_from_a_config_file(tmp_path: Path) ->
         ("x.toml", "[[dataset]]\nname = 'a'\nsource = '/d'\nweight = -1.5\n", "weight must be above 0, not -1.5"),
         ("x.toml", "[[dataset]]\nname = 'a'\nsource = '/d'\n" * 2, "two datasets are named 'a'"),
         ("x.toml", "dataset = []\n", "no datasets"),
+        ("x.toml", "[[dataset]]\nname='a'\nsource='/d'\ncaption-extension='txt'\n", "'txt' must be '.' and a name"),
+        ("x.toml", "[[dataset]]\nname='a'\nsource='/d'\ncaption-extension='.png'\n", "'.png' is an image's"),
+        ("x.toml", "[[dataset]]\nname='a'\nsource='/d'\naspect='round'\n", "expected one of buckets, square"),
+        (
+            "x.toml",
+            "[[dataset]]\nname='a'\nsource='/d'\ncaptions='stem'\nmissing-caption='empty'\n",
+            'missing-caption does not apply with captions = "stem"',
+        ),
     ],
 )
 def test_bad_files_are_refused_in_one_line_naming_the_file(tmp_path: Path, name: str, text: str, message: str) -> None:

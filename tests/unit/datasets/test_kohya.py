@@ -104,8 +104,8 @@ NO_BUCKETS = (
     "stk sorts images into aspect buckets of that area"
 )
 CLASS_TOKENS = (
-    "class_tokens is not supported by stk: an image with no caption file fails the scan, so write them into its "
-    "caption file; ignored"
+    "class_tokens is not supported by stk: an image with no caption file fails the scan (kohya captions it with "
+    "them), so write them into its caption file; ignored"
 )
 
 
@@ -119,10 +119,16 @@ def test_the_documented_example_converts_subset_by_subset(tmp_path: Path) -> Non
     path = write(tmp_path, DOCUMENTED)
     found = read_datasets(path)
     assert found.format == "kohya"
-    dreambooth = {"resolution": 512 * 512 / 1e6, "resolution_type": ResolutionType.AREA}
+    # the .txt of [general]; an image without one fails, where kohya would caption it with the class_tokens
+    dreambooth = {
+        "resolution": 512 * 512 / 1e6,
+        "resolution_type": ResolutionType.AREA,
+        "caption_extension": ".txt",
+        "missing_caption": MissingCaption.ERROR,
+    }
     assert found.specs == [
-        DatasetSpec(name="hoge", source="C:\\hoge", missing_caption=MissingCaption.ERROR, **dreambooth, repeats=1),
-        DatasetSpec(name="fuga", source="C:\\fuga", missing_caption=MissingCaption.ERROR, **dreambooth, repeats=1),
+        DatasetSpec(name="hoge", source="C:\\hoge", **dreambooth, repeats=1),
+        DatasetSpec(name="fuga", source="C:\\fuga", **dreambooth, repeats=1),
         DatasetSpec(
             name="piyo", source="C:\\piyo", resolution=768 * 768 / 1e6, resolution_type=ResolutionType.AREA, repeats=1
         ),
@@ -135,8 +141,8 @@ def test_the_documented_example_converts_subset_by_subset(tmp_path: Path) -> Non
         f"{first}: keep_tokens is not supported by stk; ignored",
         f"{first}: {NO_BUCKETS}",
         f"{path}, dataset 'hoge': {CLASS_TOKENS}",
-        f"{path}, dataset 'fuga': {CLASS_TOKENS}",
         f"{path}, dataset 'fuga': keep_tokens is not supported by stk; ignored",
+        f"{path}, dataset 'fuga': {CLASS_TOKENS}",
         f"{first}, subset 3 (C:\\reg): is_reg: regularisation images are not supported by stk; skipped",
         f"{second}: batch_size belongs to stk-scan's and stk-train's --batch-size; ignored",
         f"{second}: {NO_BUCKETS}",
@@ -149,12 +155,17 @@ def test_settings_inherit_down_and_one_directory_in_two_datasets_gets_two_names(
     path = write(tmp_path, SEPARATORS)
     found = read_datasets(path)
     area = ResolutionType.AREA
-    error = MissingCaption.ERROR
+    # no class_tokens: kohya captions an image without a caption file with ""; the .txt of the first [[datasets]],
+    # kohya's default .caption for the others
+    captions = {"missing_caption": MissingCaption.EMPTY}
     assert found.specs == [
-        DatasetSpec("image_dir", "/path/to/image_dir", 1, None, 1024 * 1024 / 1e6, area, missing_caption=error),
-        DatasetSpec("hoge", "/data/hoge", 1, resolution=512 * 512 / 1e6, resolution_type=area, missing_caption=error),
-        DatasetSpec("hoge-2", "/data/hoge", 1, resolution=768 * 768 / 1e6, resolution_type=area, missing_caption=error),
-    ]
+        DatasetSpec("image_dir", "/path/to/image_dir", 1, None, 1024 * 1024 / 1e6, area, **captions,
+                    caption_extension=".txt"),
+        DatasetSpec("hoge", "/data/hoge", 1, resolution=512 * 512 / 1e6, resolution_type=area, **captions,
+                    caption_extension=".caption"),
+        DatasetSpec("hoge-2", "/data/hoge", 1, resolution=768 * 768 / 1e6, resolution_type=area, **captions,
+                    caption_extension=".caption"),
+    ]  # fmt: skip
     first = f"{path}, [[datasets]] 1"
     assert found.warnings == [
         f"{path}, [general]: flip_aug is not supported by stk; ignored",
@@ -191,19 +202,18 @@ caption_extension = ".md"
   image_dir = "/data/photos"
   num_repeats = 1
   random_crop = false
-  caption_extension = ".caption"
+  caption_extension = "caption"
 
   [[datasets.subsets]]
   image_dir = "/data/photos"
 """,
     )
     found = read_datasets(path)
-    assert [(s.name, s.repeats, s.crop, s.caption_dropout) for s in found.specs] == [
-        ("style", 10, CropMode.RANDOM, 0.05),
-        ("photos", 1, CropMode.CENTER, 0.05),
+    assert [(s.name, s.repeats, s.crop, s.caption_dropout, s.caption_extension) for s in found.specs] == [
+        ("style", 10, CropMode.RANDOM, 0.05, ".md"),  # any extension kohya reads
+        ("photos", 1, CropMode.CENTER, 0.05, ".caption"),  # the '.' kohya adds
     ]
     assert found.warnings == [
-        f"{path}, [[datasets]] 1: caption_extension '.md': stk reads .txt and .caption files; ignored",
         f"{path}, [[datasets]] 1, subset 3 (/data/photos): the same image_dir twice in one dataset, which kohya "
         "ignores; skipped",
     ]

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from support.dataset_files import refusal
 
-from stk.buckets import ResolutionType
-from stk.captions import MissingCaption
+from stk.buckets import Aspect, ResolutionType
+from stk.captions import CaptionSource, MissingCaption
 from stk.datasets import DatasetSpec, read_datasets
 from stk.preprocess import CropMode
 
@@ -150,8 +150,10 @@ def test_the_documented_examples_convert_with_a_warning_line_for_each_setting_le
             resolution_type=ResolutionType.AREA,
             min_aspect=0.5,
             max_aspect=3.0,
-            missing_caption=MissingCaption.ERROR,  # textfile: the .txt beside each image
+            missing_caption=MissingCaption.ERROR,  # textfile: the .txt beside each image, and no other
+            caption_extension=".txt",
             crop=CropMode.CENTER,
+            aspect=Aspect.SQUARE,  # crop_aspect square
         ),
         DatasetSpec(
             name="photo-concept-bucket",
@@ -176,7 +178,6 @@ def test_the_documented_examples_convert_with_a_warning_line_for_each_setting_le
     first, concept, data = (f"{path}, dataset {name!r}" for name in names)
     assert found.warnings == [
         f"{first}: minimum_image_size is an area here; stk's min-size is the short edge in pixels; ignored",
-        f"{first}: crop_aspect is not supported by stk; ignored",
         f"{first}: maximum_image_size is not supported by stk; ignored",
         f"{first}: target_downsample_size is not supported by stk; ignored",
         f"{first}: prepend_instance_prompt is not supported by stk; ignored",
@@ -190,6 +191,8 @@ def test_the_documented_examples_convert_with_a_warning_line_for_each_setting_le
         f"{concept}: parquet.identifier_includes_extension is not true: stk needs file names with their extension",
         f"{concept}: parquet.fallback_caption_column is not supported by stk; ignored",
         f"{concept}: minimum_image_size is an area here; stk's min-size is the short edge in pixels; ignored",
+        f"{concept}: crop_aspect closest: stk crops each image to the nearest of its own aspect buckets "
+        "(not crop_aspect_buckets)",
         f"{concept}: maximum_image_size is not supported by stk; ignored",
         f"{concept}: target_downsample_size is not supported by stk; ignored",
         f"{concept}: prepend_instance_prompt is not supported by stk; ignored",
@@ -197,8 +200,6 @@ def test_the_documented_examples_convert_with_a_warning_line_for_each_setting_le
         f"{concept}: cache_dir_vae is not carried: stk-cache --out holds the cache; ignored",
         f"{concept}: preserve_data_backend_cache is not supported by stk; ignored",
         f"{concept}: vae_cache_clear_each_epoch is not supported by stk; ignored",
-        f"{concept}: crop_aspect is not supported by stk; ignored",
-        f"{concept}: crop_aspect_buckets is not supported by stk; ignored",
         f"{data}: aws_endpoint_url is not carried: give stk-scan --s3-endpoint-url (or [s3] endpoint_url in --config)",
         f"{data}: aws_access_key_id is not carried: boto3 reads S3 credentials from its usual chain "
         "(AWS_ACCESS_KEY_ID, AWS_PROFILE)",
@@ -243,10 +244,12 @@ def test_captions_crop_dropout_and_an_s3_dataset(tmp_path: Path) -> None:
         ],
     )
     by_name, bucket = read_datasets(path).specs
-    assert by_name.missing_caption is MissingCaption.FILENAME
+    assert (by_name.captions, by_name.missing_caption, by_name.caption_extension) == (CaptionSource.STEM, None, None)
     assert by_name.crop is CropMode.RANDOM  # crop true without crop_style: SimpleTuner's default style
+    assert by_name.aspect is Aspect.SQUARE  # and without crop_aspect: its default, square
     assert by_name.caption_dropout == 0.1
     assert (bucket.source, bucket.missing_caption) == ("s3://images/sets/style", MissingCaption.ERROR)
+    assert (bucket.caption_extension, bucket.captions, bucket.aspect) == (".txt", None, None)
     assert read_datasets(path).warnings == [
         f"{path}, dataset 'bucket': aws_endpoint_url is not carried: give stk-scan --s3-endpoint-url "
         "(or [s3] endpoint_url in --config)"
@@ -271,7 +274,8 @@ def test_what_stk_cannot_do_is_one_warning_line_each(tmp_path: Path) -> None:
     photos, loose = f"{path}, dataset 'my photos'", f"{path}, dataset 'loose'"
     assert found.warnings == [
         f"{photos}: id 'my photos' is named 'my-photos' in stk (letters, digits, '.', '_', '-')",
-        f"{photos}: caption_strategy instanceprompt is not supported by stk (textfile, filename, parquet); ignored",
+        f"{photos}: caption_strategy instanceprompt is not supported by stk (textfile, filename, parquet): captions "
+        "from .txt/.caption files, else stk-scan's --missing-caption",
         f"{photos}: crop_style corner is not supported by stk (center, random); left to stk-cache's --crop",
         f"{loose}: resolution has no resolution_type: stk-scan's --resolution-type applies to it",
         f"{loose}: crop is not true: stk crops every image to its bucket; left to stk-cache's --crop",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from stk.buckets import ResolutionType
-from stk.captions import MissingCaption
+from stk.buckets import Aspect, ResolutionType
+from stk.captions import CaptionSource, MissingCaption
 from stk.datasets import DatasetSpec, datasets_toml, read_datasets
 from stk.preprocess import CropMode
 
@@ -26,8 +26,10 @@ SPECS = [
         root="s3://bucket/images",
         caption_dropout=1e-05,
         crop=CropMode.RANDOM,
+        aspect=Aspect.SQUARE,
+        caption_extension=".caption",
     ),
-    DatasetSpec(name="photos", source="/data/photos", weight=1e16),
+    DatasetSpec(name="photos", source="/data/photos", weight=1e16, captions=CaptionSource.STEM),
     DatasetSpec(name="plain", source="/data/plain"),
 ]
 

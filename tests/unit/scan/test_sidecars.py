@@ -36,8 +36,8 @@ def _tree(root: Path) -> list[str]:
     return sorted(str(p) for p in root.rglob("*.png"))
 
 
-def _records(table: pa.Table, found: sidecars.Sidecars | None) -> list[Record]:
-    return [probe(cand, ProbeOptions(), *([found] if found else [])) for cand in table.to_pylist()]
+def _records(table: pa.Table, found: sidecars.Sidecars | None, opts: ProbeOptions | None = None) -> list[Record]:
+    return [probe(cand, opts or ProbeOptions(), *([found] if found else [])) for cand in table.to_pylist()]
 
 
 def _asked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -71,6 +71,26 @@ def test_one_listing_per_directory_gives_the_same_records(tmp_path: Path, monkey
         "a/img4.png": ("img4", "filename", None),
         "a/img5.png": ("img5", "filename", None),
         "b/img0.png": ("b zero", "sidecar", None),
+    }
+
+
+def test_a_datasets_own_extension_is_the_only_sidecar_read(tmp_path: Path) -> None:
+    """kohya's caption_extension (here its default, .caption): a .txt beside the image is no caption."""
+    table = ready(settle(from_list(_tree(tmp_path)), threads=1), "")
+    opts = ProbeOptions(sidecars=(".caption",))
+    one_by_one = _records(table, None, opts)
+    with ThreadPoolExecutor(2) as pool:
+        listed = _records(table, sidecars.listed_for(table, pool, opts.sidecars), opts)
+    assert listed == one_by_one
+    got = {os.path.relpath(r["path"], tmp_path): (r["caption"], r["caption_source"]) for r in listed}
+    assert got == {
+        "a/img0.png": ("img0", "filename"),
+        "a/img1.png": ("one", "sidecar"),
+        "a/img2.png": ("two, not preferred", "sidecar"),
+        "a/img3.png": ("img3", "filename"),  # the directory img3.txt is no .caption either
+        "a/img4.png": ("img4", "filename"),
+        "a/img5.png": ("img5", "filename"),
+        "b/img0.png": ("img0", "filename"),
     }
 
 
