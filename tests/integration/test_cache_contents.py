@@ -28,6 +28,7 @@ from support.cache_builds import (
 from support.commands import summary_of
 
 from stk.models import Family, load_encoders
+from stk.models.families import spec_for
 from stk.preprocess import CropMode, preprocess
 from stk.prompts import EMPTY_CAPTION
 from stk.shards import CacheReader, Manifest
@@ -85,8 +86,13 @@ def test_cache_holds_what_the_vae_and_text_encoders_give(
             with open(job.location, "rb") as f:
                 pre = preprocess(f, job.bucket_width, job.bucket_height, CropMode.CENTER, job.key)
             with torch.inference_mode():
-                expected = vae.encode(torch.from_numpy(pre.pixels)[None]).latent_dist.mean[0].numpy()
-            assert sample.mean.dtype == np.float32 and sample.logvar is None
+                dist = vae.encode(torch.from_numpy(pre.pixels)[None]).latent_dist
+            expected = dist.mean[0].numpy()
+            assert sample.mean.dtype == np.float32
+            # the log-variance where the family's example trains on a sample (every family here: SD, SDXL, FLUX.1)
+            assert (sample.logvar is not None) is spec_for(family).example.samples_latents
+            if sample.logvar is not None:
+                np.testing.assert_allclose(sample.logvar, dist.logvar[0].numpy(), rtol=1e-4, atol=1e-4)
             assert sample.mean.shape == (LATENT_CHANNELS[family], job.bucket_height // 8, job.bucket_width // 8)
             # unscaled and unshifted; batched vs alone on the CPU differs in the last bits only
             np.testing.assert_allclose(sample.mean, expected, rtol=1e-4, atol=1e-5, err_msg=job.path)
