@@ -36,7 +36,10 @@ DATASETS_DIR = "datasets"  # OUT/datasets/<name>/: each dataset's own scan
 def dataset_options(spec: DatasetSpec, base: ScanOptions) -> ScanOptions:
     """The scan of one dataset: the command's options with the dataset's own fields over them."""
     buckets = replace(base.buckets, **_given(spec, "resolution", "resolution_type", "min_aspect", "max_aspect"))
-    buckets.validate()
+    try:
+        buckets.validate()
+    except InputError as exc:
+        raise InputError(f"dataset {spec.name!r}: {exc}") from None
     probe = replace(base.probe, **_given(spec, "missing_caption"))
     columns = {**base.columns, "caption": spec.caption_column} if spec.caption_column else base.columns
     return replace(
@@ -99,9 +102,9 @@ def run_datasets(specs: Sequence[DatasetSpec], base: ScanOptions, world: World, 
     started = time.monotonic()
     parse_max_errors(base.max_errors, 0)  # a bad value fails now, not after the scans
     world.root_call(lambda: check_sources(specs))
+    options = world.root_call(lambda: [dataset_options(spec, base) for spec in specs])  # a bad one before any scan
     scanned = []
-    for spec in specs:
-        opts = dataset_options(spec, base)
+    for spec, opts in zip(specs, options, strict=True):
         log.info("dataset %r: %s", spec.name, spec.source)
         scanned_one = run_scan(opts, world)
         buckets = world.root_call(lambda opts=opts: read_buckets(opts.out_dir))  # type: ignore[misc]
