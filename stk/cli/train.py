@@ -43,7 +43,9 @@ Exit codes: 0 finished; 2 bad option; 3 unusable input (cache, model, config; a 
 another VAE or text encoders: --force); 5 a bucket cannot fill one effective batch; 6 the cache
 does not cover the scan, or a shard is damaged (stk-cache verify CACHE --repair, then stk-cache),
 or no checkpoint verifies (the message names the files); 7 preflight failed (output dir not
-shared or in use by another run, uneven GPUs); 69 a peer rank, storage or the network failed, a
+shared or in use by another run, uneven GPUs); 8 training diverged (more than
+--max-nonfinite-steps nan/inf steps in a row, or non-finite weights): nothing saved from it, resume
+an earlier checkpoint with a lower --lr; 69 a peer rank, storage or the network failed, a
 checkpoint could not be written, or another process's build of DeepSpeed's ops outlasted
 $STK_BUILD_WAIT_SECONDS (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM (before
 the first step: stopped at once), requeue the job to continue; 76 GPU fault (circuit breaker open);
@@ -173,6 +175,11 @@ def _default(name: str) -> Any:
     show_envvar=True,
     help="Newest kept.",
 )
+@click.option("--max-nonfinite-steps", default=_default("max_nonfinite_steps"), type=click.IntRange(0),
+              show_envvar=True,
+              help="Steps in a row whose loss or gradient norm is nan or inf that the run rides through (each one a "
+                   "warning, never checkpointed); one more stops every rank with exit 8, the checkpoints from "
+                   "before kept and no final/ written.")  # fmt: skip
 @click.option("--resume", default=_default("resume"), show_envvar=True,
               help="auto: from the newest checkpoint that verifies, OUTPUT/checkpoints/latest first (falling back "
                    "to older ones needs --keep-checkpoints 2 or more); none: start over; a checkpoint directory: "
