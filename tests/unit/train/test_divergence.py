@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from stk.models import Family
 from stk.slurm import free_port
+from stk.train.checkpointer import Checkpointer
 from stk.train.divergence import NonFiniteSteps, weights_finite
 from stk.train.stopping import Agreement, agree
 
@@ -38,6 +40,8 @@ def _agreed(losses: list[float], norms: list[float | None]) -> list[Agreement]:
         process.start()
     for process in ranks:
         process.join(60)
+        if process.is_alive():  # a hang is a failure, not a stuck test run
+            process.kill()
         assert process.exitcode == 0
     return [agreed for _, agreed in sorted(results.get() for _ in ranks)]
 
@@ -94,6 +98,14 @@ def test_only_rank_0_says_it() -> None:
     other = NonFiniteSteps(limit=0, rank=1)
     other.record(1, _step(True), world_size=2)
     assert other.exceeded and other.first.startswith("step 1: the loss on rank 0")
+
+
+def test_a_checkpoint_postponed_by_a_non_finite_step_is_due_at_the_next_step() -> None:
+    unused: Any = None  # the checkpoints and the trainable: `due` reads neither
+    checkpointer = Checkpointer(unused, every=10, settings={}, seed=0, family=Family.SD, trainable=unused)
+    assert not checkpointer.due(3, 100, stop=False) and checkpointer.due(10, 100, stop=False)
+    checkpointer.postponed = True  # what the loop does when step 10 is not finite
+    assert checkpointer.due(11, 100, stop=False)
 
 
 @pytest.mark.parametrize("where", ["trained", "partition"])
