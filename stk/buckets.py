@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from stk.errors import InputError
 
 __all__ = [
+    "MAX_SIDE",
     "Aspect",
     "BatchCheck",
     "Bucket",
@@ -31,6 +32,9 @@ __all__ = [
     "nearest_multiples",
     "ways_out",
 ]
+
+
+MAX_SIDE = 65536  # px: the longest bucket side a spec may make (the table has about MAX_SIDE / alignment sizes)
 
 
 class ResolutionType(str, enum.Enum):
@@ -74,9 +78,17 @@ class BucketSpec:
             raise InputError("alignment must be positive")
         if not 0 < self.min_aspect <= 1 <= self.max_aspect:
             raise InputError("aspect range must satisfy 0 < min-aspect <= 1 <= max-aspect")
-        if self.side < self.alignment:
+        side = self.side
+        given = f"resolution {self.resolution:g} ({self.resolution_type.value})"
+        if not math.isfinite(side):
+            raise InputError(f"{given} is not a finite number")
+        if side < self.alignment:
+            raise InputError(f"{given} is below the alignment {self.alignment}")
+        longest = side * max(self.max_aspect, 1 / self.min_aspect)
+        if longest > MAX_SIDE:  # a table of sides up to 1e9 px took gigabytes and never ended
             raise InputError(
-                f"resolution {self.resolution} ({self.resolution_type.value}) is below the alignment {self.alignment}"
+                f"{given} with aspect ratios from {self.min_aspect:g} to {self.max_aspect:g} makes bucket sides up "
+                f"to {longest:.3g} px; stk makes sides up to {MAX_SIDE} px, far above what any model trains at"
             )
 
 

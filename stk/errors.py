@@ -34,6 +34,7 @@ class ExitCode(enum.IntEnum):
     INCOMPLETE = 6  # damaged data: a scan table, manifest, shard or checkpoint that cannot be read or verified,
     # or a cache missing samples
     PREFLIGHT = 7  # stk-train: the job cannot run as set up (output not shared, uneven nodes); nothing trained
+    DIVERGED = 8  # stk-train: steps kept coming out non-finite (nan/inf): stopped, nothing saved from them
     INFRA = 69  # storage, network or a peer failed (S3 down past the retry budget, disk full): retry, maybe elsewhere
     REQUEUE = 75  # stk-train: checkpointed on SIGUSR2/SIGTERM; requeue the job to continue (EX_TEMPFAIL)
     GPU_FAULT = 76  # stk-train: a GPU fault opened the circuit breaker; drain the node and requeue elsewhere

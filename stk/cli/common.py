@@ -4,6 +4,7 @@ ends (one readable line and a documented exit code, never a traceback for expect
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -20,6 +21,7 @@ from stk.world import World, exit_now, failed_rank, get_world, raised_on_every_r
 __all__ = [
     "CONFIG_FILE",
     "CONTEXT",
+    "FiniteFloat",
     "common_options",
     "config_option",
     "default_of",
@@ -37,6 +39,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 CONFIG_FILE = "stk.config_file"  # the --config file's path, in click's context meta
 T = TypeVar("T")
 log = get_logger("cli")
+
+
+class FiniteFloat(click.FloatRange):
+    """Every float option's type (and its config key's and environment variable's): a finite number, within the
+    bounds if given. Python's float() reads "nan" and "inf", which click's FloatRange lets through (nan compares
+    false to any bound): `--lr nan` then failed deep in the optimizer and `--lr inf` trained to non-finite weights.
+    Refused here, they are a usage error (exit 2) naming the option."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return super().convert(number, param, ctx)
+
+    def _describe_range(self) -> str:
+        """No range in the help of an option without bounds (click's would print "x<=None")."""
+        return super()._describe_range() if self.min is not None or self.max is not None else ""
 
 
 def CONTEXT(command: str) -> dict[str, Any]:
@@ -102,7 +123,7 @@ def s3_options(fn: F) -> F:
     fn = click.option(
         "--s3-retry-seconds",
         default=storage.DEFAULT_RETRY_SECONDS,
-        type=click.FloatRange(0),
+        type=FiniteFloat(0),
         show_envvar=True,
         help="How long S3 may stop answering (connection errors, timeouts, 5xx, throttling) before the "
         "command gives up with exit 69.",

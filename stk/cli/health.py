@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from stk.cli.common import CONTEXT, config_option, quiet_option, run_command, set_option_defaults
+from stk.cli.common import CONTEXT, FiniteFloat, config_option, quiet_option, run_command, set_option_defaults
 from stk.config import load_command_config
 from stk.errors import StkError
 from stk.health.check import expected_gpus_from_env, report_json_lines, report_text
@@ -59,7 +59,7 @@ def _options(fn: Any) -> Any:
         click.option("--state", "state_path", default=None, show_envvar=True,
                      help="State file: what was alerted, and the last samples [default: /var/lib/stk-health/state.json "
                      "as root, else ~/.cache/stk-health/state.json]."),
-        click.option("--realert", type=click.FloatRange(0), default=4.0, show_envvar=True,
+        click.option("--realert", type=FiniteFloat(0), default=4.0, show_envvar=True,
                      help="Hours between repeated alerts while a fault persists (0: never repeat)."),
         click.option("--drain", is_flag=True, show_envvar=True,
                      help="On CRITICAL, drain this Slurm node (Reason=\"stk-health: ...\"); resume it when healthy, "
@@ -124,9 +124,7 @@ def check(ctx: click.Context, **params: Any) -> None:
 
 
 @cli.command("watch", context_settings=CONTEXT("health"), epilog=EPILOG)
-@click.option(
-    "--interval", type=click.FloatRange(min=1), default=60.0, show_envvar=True, help="Seconds between passes."
-)
+@click.option("--interval", type=FiniteFloat(min=1), default=60.0, show_envvar=True, help="Seconds between passes.")
 @_options
 @click.pass_context
 def watch(ctx: click.Context, interval: float, **params: Any) -> None:

@@ -14,6 +14,7 @@ from stk.captions import MissingCaption
 from stk.cli.common import (
     CONFIG_FILE,
     CONTEXT,
+    FiniteFloat,
     common_options,
     default_of,
     max_errors_option,
@@ -143,7 +144,7 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--resolution",
     default=default_of(BucketSpec, "resolution"),
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(min=0, min_open=True),
     show_envvar=True,
     help="Short edge in pixels (pixel) or megapixels (area).",
 )
@@ -171,14 +172,14 @@ def _columns(values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--min-aspect",
     default=default_of(BucketSpec, "min_aspect"),
-    type=click.FloatRange(min=0, max=1, min_open=True),
+    type=FiniteFloat(min=0, max=1, min_open=True),
     show_envvar=True,
     help="Narrowest width/height kept; narrower images are skipped.",
 )
 @click.option(
     "--max-aspect",
     default=default_of(BucketSpec, "max_aspect"),
-    type=click.FloatRange(min=1),
+    type=FiniteFloat(min=1),
     show_envvar=True,
     help="Widest width/height kept; wider images are skipped.",
 )

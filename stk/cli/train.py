@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 import click
 
-from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command, run_process
+from stk.cli.common import CONTEXT, FiniteFloat, common_options, default_of, options_from, run_command, run_process
 from stk.errors import InputError
 from stk.models import Family
 from stk.models.families import family_names
@@ -43,7 +43,9 @@ Exit codes: 0 finished; 2 bad option; 3 unusable input (cache, model, config; a 
 another VAE or text encoders: --force); 5 a bucket cannot fill one effective batch; 6 the cache
 does not cover the scan, or a shard is damaged (stk-cache verify CACHE --repair, then stk-cache),
 or no checkpoint verifies (the message names the files); 7 preflight failed (output dir not
-shared or in use by another run, uneven GPUs); 69 a peer rank, storage or the network failed, a
+shared or in use by another run, uneven GPUs); 8 training diverged (more than
+--max-nonfinite-steps nan/inf steps in a row, or non-finite weights): nothing saved from it, resume
+an earlier checkpoint with a lower --lr; 69 a peer rank, storage or the network failed, a
 checkpoint could not be written, or another process's build of DeepSpeed's ops outlasted
 $STK_BUILD_WAIT_SECONDS (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIGTERM (before
 the first step: stopped at once), requeue the job to continue; 76 GPU fault (circuit breaker open);
@@ -51,23 +53,26 @@ the first step: stopped at once), requeue the job to continue; 76 GPU fault (cir
 """
 
 
-def _betas(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, float]:
+def _betas(ctx: click.Context, param: click.Parameter, value: str) -> tuple[float, float]:
     try:
         first, second = (float(v) for v in value.split(","))
     except ValueError:
         raise click.BadParameter(f"{value!r}: give two numbers, like 0.9,0.999") from None
-    return first, second
+    beta = FiniteFloat(0, 1, max_open=True)
+    return beta.convert(first, param, ctx), beta.convert(second, param, ctx)
 
 
-def _flow_shift(value: str | float) -> str | float:
+def _flow_shift(ctx: click.Context, param: click.Parameter, value: str | float) -> str | float:
     if value in FLOW_SHIFTS:
         return value
+    usage = f"{value!r}: a positive number like 3.0, or one of {', '.join(FLOW_SHIFTS)}"
     try:
-        shift = float(value)
+        number = float(value)
     except ValueError:
-        shift = 0.0
-    if not 0 < shift < float("inf"):
-        raise click.BadParameter(f"{value!r}: a positive number like 3.0, or one of {', '.join(FLOW_SHIFTS)}")
+        raise click.BadParameter(usage) from None
+    shift = float(FiniteFloat().convert(number, param, ctx))
+    if shift <= 0:
+        raise click.BadParameter(usage)
     return shift
 
 
@@ -115,7 +120,7 @@ def _default(name: str) -> Any:
 @click.option(
     "--max-grad-norm",
     default=_default("max_grad_norm"),
-    type=click.FloatRange(0),
+    type=FiniteFloat(0),
     show_envvar=True,
     help="Gradient clipping (0: off).",
 )
@@ -125,7 +130,7 @@ def _default(name: str) -> Any:
 @click.option(
     "--lr",
     default=default_of(OptimizerSettings, "lr"),
-    type=click.FloatRange(0, min_open=True),
+    type=FiniteFloat(0, min_open=True),
     show_envvar=True,
     help="Peak learning rate.",
 )
@@ -137,7 +142,7 @@ def _default(name: str) -> Any:
     help="Optimizer betas.",
 )
 @click.option(
-    "--weight-decay", default=default_of(OptimizerSettings, "weight_decay"), type=click.FloatRange(0), show_envvar=True
+    "--weight-decay", default=default_of(OptimizerSettings, "weight_decay"), type=FiniteFloat(0), show_envvar=True
 )
 @click.option("--lr-schedule", type=click.Choice(SCHEDULES), default=_default("lr_schedule"), show_envvar=True,
               help="After warmup: constant, or cosine decay to 0 at the last step.")  # fmt: skip
@@ -161,6 +166,7 @@ def _default(name: str) -> Any:
 @click.option(
     "--guidance-scale",
     default=_default("guidance_scale"),
+    type=FiniteFloat(),
     show_envvar=True,
     help="Flux guidance embedding value in training.",
 )
@@ -173,6 +179,11 @@ def _default(name: str) -> Any:
     show_envvar=True,
     help="Newest kept.",
 )
+@click.option("--max-nonfinite-steps", default=_default("max_nonfinite_steps"), type=click.IntRange(0),
+              show_envvar=True,
+              help="Steps in a row whose loss or gradient norm is nan or inf that the run rides through (each one a "
+                   "warning, never checkpointed); one more stops every rank with exit 8, the checkpoints from "
+                   "before kept and no final/ written.")  # fmt: skip
 @click.option("--resume", default=_default("resume"), show_envvar=True,
               help="auto: from the newest checkpoint that verifies, OUTPUT/checkpoints/latest first (falling back "
                    "to older ones needs --keep-checkpoints 2 or more); none: start over; a checkpoint directory: "
@@ -184,9 +195,9 @@ def _default(name: str) -> Any:
               help="Resume although seed, optimizer, lr, schedule, batch or accumulation differ from the "
                    "checkpoint's, or the ranks left cannot keep its effective batch: this run's values apply "
                    "from the resumed step on.")  # fmt: skip
-@click.option("--snr-gamma", default=default_of(LossSettings, "snr_gamma"), type=float, show_envvar=True,
+@click.option("--snr-gamma", default=default_of(LossSettings, "snr_gamma"), type=FiniteFloat(), show_envvar=True,
               help="SD/SDXL: min-SNR-gamma loss weighting (5 is the paper's); unset: plain MSE.")  # fmt: skip
-@click.option("--noise-offset", default=default_of(LossSettings, "noise_offset"), type=float, show_envvar=True,
+@click.option("--noise-offset", default=default_of(LossSettings, "noise_offset"), type=FiniteFloat(), show_envvar=True,
               help="SD/SDXL: add this times N(0,1) per image and channel to the noise (0.05-0.1 is usual), "
                    "so the model learns very dark and very bright images.")  # fmt: skip
 @click.option("--timestep-sampling", type=click.Choice(TIMESTEP_SAMPLINGS), show_envvar=True,
@@ -194,25 +205,25 @@ def _default(name: str) -> Any:
               help="Flow families: how u is drawn (sigma is about 1 - u): sigmoid(N(--logit-mean, --logit-std)), "
                    "sigmoid(--logit-std * N(0,1)) (kohya's), or uniform [default: the family's diffusers "
                    "example's; README, 'Training defaults'].")  # fmt: skip
-@click.option("--logit-mean", default=default_of(LossSettings, "logit_mean"), type=float, show_envvar=True,
+@click.option("--logit-mean", default=default_of(LossSettings, "logit_mean"), type=FiniteFloat(), show_envvar=True,
               help="Flow families, logit-normal: the mean, as diffusers' --logit_mean (> 0 favours less "
                    "noise).")  # fmt: skip
-@click.option("--logit-std", default=default_of(LossSettings, "logit_std"), type=float, show_envvar=True,
+@click.option("--logit-std", default=default_of(LossSettings, "logit_std"), type=FiniteFloat(), show_envvar=True,
               help="Flow families, logit-normal and sigmoid: the spread.")  # fmt: skip
 @click.option("--flow-shift", default=default_of(LossSettings, "flow_shift"),
-              callback=lambda _ctx, _param, value: _flow_shift(value), show_envvar=True,
+              callback=_flow_shift, show_envvar=True,
               help="Flow families: example (the scheduler's training table, as the family's diffusers example "
                    "indexes it: shifted only by a static shift in the scheduler's config), "
                    "auto (shifted as the pipeline shifts its schedule for the image's size), or a number S "
                    "(sigma' = S sigma / (1 + (S-1) sigma)).")  # fmt: skip
-@click.option("--ema-decay", default=_default("ema_decay"), type=click.FloatRange(0, 1, max_open=True),
+@click.option("--ema-decay", default=_default("ema_decay"), type=FiniteFloat(0, 1, max_open=True),
               show_envvar=True,
               help="Keep an EMA of the trained weights with this decay (0.9999 is usual; 0: none), sharded "
                    "over the ranks in fp32. OUTPUT/final then holds the EMA weights, "
                    "OUTPUT/final-no-ema the raw ones.")  # fmt: skip
 @click.option("--ema-every", default=_default("ema_every"), type=click.IntRange(1), show_envvar=True,
               help="Optimizer steps between EMA updates.")  # fmt: skip
-@click.option("--caption-dropout", default=default_of(LossSettings, "caption_dropout"), type=click.FloatRange(0, 1),
+@click.option("--caption-dropout", default=default_of(LossSettings, "caption_dropout"), type=FiniteFloat(0, 1),
               show_envvar=True,
               help="Train each sample on the empty caption with this probability (0.1 is usual), so classifier-"
                    "free guidance has an unconditional prediction to work with.")  # fmt: skip
@@ -227,7 +238,7 @@ def _default(name: str) -> Any:
               help="Optimizer steps between sample rounds (0: only at step 0 and the end).")  # fmt: skip
 @click.option("--validation-steps", default=None, type=click.IntRange(1), show_envvar=True,
               help="Inference steps per sample [default: 30; Flux 28].")  # fmt: skip
-@click.option("--validation-guidance", default=None, type=click.FloatRange(0), show_envvar=True,
+@click.option("--validation-guidance", default=None, type=FiniteFloat(0), show_envvar=True,
               help="Guidance scale of the samples [default: SD 7.5, SDXL 5, Flux 3.5].")  # fmt: skip
 @click.option("--validation-resolution", default=None, show_envvar=True,
               callback=lambda _ctx, _param, value: _resolution(value),
@@ -262,7 +273,7 @@ def _default(name: str) -> Any:
                    "direction; saved as a LoRA is, for pipe.load_lora_weights.")  # fmt: skip
 @click.option("--lora-alpha", default=None, type=int, show_envvar=True,
               help="Each --adapter's update is scaled by alpha / rank [default: the rank].")  # fmt: skip
-@click.option("--lora-dropout", default=default_of(LoraSettings, "dropout"), type=float, show_envvar=True,
+@click.option("--lora-dropout", default=default_of(LoraSettings, "dropout"), type=FiniteFloat(), show_envvar=True,
               help="LoRA: dropout on the adapter's input. LoHa, LoKr: peft's rank dropout, rows of the weight "
                    "update dropped. Training only.")  # fmt: skip
 @click.option("--lora-targets", default=None, show_envvar=True,
@@ -278,7 +289,7 @@ def _default(name: str) -> Any:
 @click.option("--local-cache-dir", default=None, show_envvar=True,
               help="Node-local directory for whole S3 shards, may be shared by the node's ranks "
                    "[default: a temp dir per rank].")  # fmt: skip
-@click.option("--local-cache-size", default=None, type=click.FloatRange(0, min_open=True), show_envvar=True,
+@click.option("--local-cache-size", default=None, type=FiniteFloat(0, min_open=True), show_envvar=True,
               help="GiB of S3 shards kept in --local-cache-dir, least recently used out, shards in use "
                    "by any rank kept [default: no limit].")  # fmt: skip
 @click.option("--check-shards/--no-check-shards", default=_default("check_shards"), show_envvar=True,
@@ -299,9 +310,9 @@ def _default(name: str) -> Any:
               help="Apprise URL for the gpu.fault alert (repeatable); prefer --notify-config.")  # fmt: skip
 @click.option("--notify-config", default=None, type=click.Path(dir_okay=False), show_envvar=True,
               help="Apprise config file with the alert targets.")  # fmt: skip
-@click.option("--health-interval", default=_default("health_interval"), type=click.FloatRange(0.1), show_envvar=True,
+@click.option("--health-interval", default=_default("health_interval"), type=FiniteFloat(0.1), show_envvar=True,
               help="Seconds between GPU health samples in each rank.")  # fmt: skip
-@click.option("--collective-timeout", default=_default("collective_timeout"), type=click.FloatRange(1),
+@click.option("--collective-timeout", default=_default("collective_timeout"), type=FiniteFloat(1),
               show_envvar=True,
               help="Seconds a rank waits for its peers in one collective (and the rendezvous): a rank that "
               "died or hangs ends the job with exit 69 after this long. Longer than rank 0 takes to export "

@@ -6,6 +6,7 @@ a list that only names its sources behaves like one stk-scan per source with the
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -93,6 +94,8 @@ def dataset_from_table(table: Mapping[str, Any], where: str) -> DatasetSpec:
             values[name] = _ENUMS[name](value)
         elif isinstance(value, bool) or not isinstance(value, _TYPES[name]):
             raise InputError(f"{where}: {key} = {value!r} is not {_TYPE_NAMES[_TYPES[name][-1]]}")
+        elif isinstance(value, float) and not math.isfinite(value):  # TOML's nan and inf, JSON's NaN and Infinity
+            raise InputError(f"{where}: {key} = {value} is not a finite number")
         else:
             values[name] = float(value) if isinstance(value, int) and float in _TYPES[name] else value
     for required in ("name", "source"):

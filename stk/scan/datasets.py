@@ -38,7 +38,10 @@ def dataset_options(spec: DatasetSpec, base: ScanOptions) -> ScanOptions:
     """The scan of one dataset: the command's options with the dataset's own fields over them."""
     given = _given(spec, "resolution", "resolution_type", "min_aspect", "max_aspect", "aspect")
     buckets = replace(base.buckets, **given)
-    buckets.validate()
+    try:
+        buckets.validate()
+    except InputError as exc:
+        raise InputError(f"dataset {spec.name!r}: {exc}") from None
     probe = replace(base.probe, **_given(spec, "missing_caption", "captions"))
     if spec.caption_extension is not None:
         probe = replace(probe, sidecars=(spec.caption_extension,))
@@ -105,9 +108,9 @@ def run_datasets(specs: Sequence[DatasetSpec], base: ScanOptions, world: World, 
     started = time.monotonic()
     parse_max_errors(base.max_errors, 0)  # a bad value fails now, not after the scans
     world.root_call(lambda: check_sources(specs))
+    options = world.root_call(lambda: [dataset_options(spec, base) for spec in specs])  # a bad one before any scan
     scanned = []
-    for spec in specs:
-        opts = dataset_options(spec, base)
+    for spec, opts in zip(specs, options, strict=True):
         log.info("dataset %r: %s", spec.name, spec.source)
         scanned_one = run_scan(opts, world)
         buckets = world.root_call(lambda opts=opts: read_buckets(opts.out_dir))  # type: ignore[misc]

@@ -27,6 +27,8 @@ __all__ = ["Checkpointer", "fit_world_size", "loadable"]
 
 log = get_logger("train")
 
+NONFINITE = "nonfinite_steps"  # the client state's count of the run's non-finite steps
+
 
 def fit_world_size(
     opts: TrainOptions, world: World, checkpoints: CheckpointDir, resume: Resume
@@ -54,7 +56,7 @@ def loadable(resume: Resume, saved_world: int | None, world: World, deepspeed_co
 @dataclass
 class Checkpointer:
     """Saves at every `every`-th step, on a stop and at the last step, on every rank (a collective); `last` is the
-    newest tag this run saved."""
+    newest tag this run saved. A save the loop `postponed` (a non-finite step) is due at the next step."""
 
     checkpoints: CheckpointDir
     every: int  # --checkpoint-every; 0: only on a stop and at the end
@@ -64,16 +66,20 @@ class Checkpointer:
     trainable: Trainable
     hooks: list[TrainHook] = field(default_factory=list)
     last: str | None = None
+    postponed: bool = False
 
     def due(self, step: int, last_step: int, stop: bool) -> bool:
-        return stop or bool(self.every and step % self.every == 0) or step >= last_step
+        return stop or self.postponed or bool(self.every and step % self.every == 0) or step >= last_step
 
-    def save(self, model: StepModel, step: int, position: dict[str, Any]) -> None:
-        """Checkpoint optimizer step `step`, with the sampler's trained `position`."""
-        client_state = {"stk": {"step": step, "sampler": position, "seed": self.seed, "family": self.family.value}}
+    def save(self, model: StepModel, step: int, position: dict[str, Any], nonfinite_steps: int) -> None:
+        """Checkpoint optimizer step `step`, with the sampler's trained `position` and the run's count of
+        non-finite steps so far."""
+        client_state = {"stk": {"step": step, "sampler": position, "seed": self.seed, "family": self.family.value,
+                                NONFINITE: nonfinite_steps}}  # fmt: skip
         self.last = self.checkpoints.save(
             model.engine, step, client_state, self.settings, also=lambda folder: self._beside(model, folder)
         )
+        self.postponed = False
 
     def _beside(self, model: StepModel, folder: str) -> list[str]:
         """What a checkpoint holds besides DeepSpeed's files, on every rank: each hook's part (this rank's EMA
@@ -88,10 +94,10 @@ class Checkpointer:
 
     def resume(
         self, engine: Any, sampler: BucketSampler, resume: Resume, opts: TrainOptions, overridden: list[str]
-    ) -> int:
-        """Load the checkpoint and return its step. With settings overridden (--override-resume) this run's optimizer
-        settings and schedule replace the checkpoint's, and a sample order that no longer matches starts its epoch
-        over."""
+    ) -> tuple[int, int]:
+        """Load the checkpoint and return its step and the run's non-finite steps by then (0 in a checkpoint saved
+        before they were counted). With settings overridden (--override-resume) this run's optimizer settings and
+        schedule replace the checkpoint's, and a sample order that no longer matches starts its epoch over."""
         where = f"{resume.directory}/{resume.tag}"
         state = self.checkpoints.load(engine, resume, keep_schedule=not overridden)
         step = int(state["step"])
@@ -105,4 +111,4 @@ class Checkpointer:
         if overridden:
             apply_optimizer_settings(engine.optimizer, opts.optimizer, engine.lr_scheduler, step)
         log.info("resumed from %s at step %d", where, step)
-        return step
+        return step, int(state.get(NONFINITE, 0))

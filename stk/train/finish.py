@@ -29,13 +29,14 @@ class TrainSummary:
     resumed_from: str | None
     checkpoint: str | None  # the last one saved by this run
     final: str | None  # the diffusers model, when finished
-    loss: float | None  # the last step's, averaged over ranks
+    loss: float | None  # the last step's, averaged over ranks (None where it was not finite)
     seconds: float
     samples_per_second: float
     peak_gpu_memory: int | None  # bytes, this rank's torch.cuda.max_memory_allocated (None on the CPU)
     ranks: int
     hosts: dict[str, int]  # host name -> ranks it ran: where the job really ran, in its log
     samples_per_dataset: dict[str, int] = field(default_factory=dict)  # trained by this run; {}: one dataset
+    nonfinite_steps: int = 0  # steps whose loss or gradient norm was nan or inf, resumed ones included
 
     def to_dict(self) -> dict[str, Any]:
         """The summary line's fields (samples_per_dataset only where a run has several datasets)."""
@@ -83,4 +84,5 @@ def summary(run: Trainer, outcome: Outcome, final: str | None, resume: Resume | 
         ranks=sum(run.hosts.values()),
         hosts=run.hosts,
         samples_per_dataset=dict(sorted(run.samples_per_dataset.items())),
+        nonfinite_steps=run.nonfinite.total,
     )

@@ -57,6 +57,7 @@ class TrainOptions:
     notify_urls: tuple[str, ...] = ()
     notify_config: str | None = None
     health_interval: float = 10.0
+    max_nonfinite_steps: int = 3  # non-finite steps in a row a run rides through; one more stops it (exit 8)
     collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds a rank waits for its peers in one collective
     override_resume: bool = False  # resume although run_settings differ from the checkpoint's
     report_to: str = "tensorboard"  # where rank 0 reports besides metrics.jsonl: tensorboard | wandb | none

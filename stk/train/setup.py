@@ -23,6 +23,7 @@ from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.checkpointer import Checkpointer
 from stk.train.datasets import caption_dropouts
 from stk.train.distributed import DistEnv, init_distributed, resolve_dist_env
+from stk.train.divergence import NonFiniteSteps
 from stk.train.dsconfig import zero_stage
 from stk.train.embeddings import Embeddings, embed_captions
 from stk.train.engine import build_engine, engine_config
@@ -62,10 +63,11 @@ class Trainer:
     first_step: int
     step: int
     trainable: Trainable
+    nonfinite: NonFiniteSteps  # the run's non-finite steps, and whether they stop it
     hooks: list[TrainHook] = field(default_factory=list)
     validator: Validator | None = None
     hosts: dict[str, int] = field(default_factory=dict)  # host -> ranks on it
-    loss: float | None = None
+    loss: float | None = None  # the last step's, averaged over ranks; None where it was not finite
     samples_per_dataset: dict[str, int] = field(default_factory=dict)  # trained by this run, with several datasets
 
 
@@ -94,7 +96,7 @@ def setup(setting: Setting, world: World, signals: StopSignals) -> Trainer:
         setting.checkpoints, opts.checkpoint_every, plan.run_settings(opts, sampler.world_size), opts.seed,
         plan.family, setting.trainable,
     )  # fmt: skip
-    step = checkpointer.resume(model.engine, sampler, resume, opts, setting.overridden) if resume else 0
+    step, nonfinite = checkpointer.resume(model.engine, sampler, resume, opts, setting.overridden) if resume else (0, 0)
     checkpointer.hooks = hooks = hooks_for(opts, model.engine.module, env.rank, env.world_size, resume)
     watch = GpuWatch(
         None, interval=opts.health_interval, notify_urls=opts.notify_urls, notify_config=opts.notify_config,
@@ -109,6 +111,7 @@ def setup(setting: Setting, world: World, signals: StopSignals) -> Trainer:
         opts, plan, sampler, model, env.rank, checkpointer, metrics, signals, watch,
         Progress(world, total_steps - step, "steps", "train"), total_steps, first_step=step, step=step,
         trainable=setting.trainable, hooks=hooks, validator=validator,
+        nonfinite=NonFiniteSteps(opts.max_nonfinite_steps, env.rank, total=nonfinite),
         hosts=dict(sorted(Counter(world.allgather(world.node)).items())),
     )  # fmt: skip
 

@@ -9,6 +9,7 @@ process.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -117,22 +118,45 @@ class StopSignals:
 class Agreement:
     stop: bool  # some rank got a stop signal: checkpoint and exit with the requeue code
     fault: bool  # some rank's GPU faulted: exit with the GPU-fault code, no checkpoint
-    loss: float  # the step's loss averaged over ranks
+    loss: float  # the step's loss averaged over ranks (nan where any rank's was not finite)
     digest: int  # the ranks' digests of their samples summed (mod 2**32): what the step trained on, whatever the ranks
+    nonfinite_ranks: int = 0  # the ranks whose loss was nan or inf
+    first_nonfinite: int | None = None  # the lowest of them
+    grad_norm_nonfinite: bool = False  # the gradient norm (one for the whole step) was nan or inf
+
+    @property
+    def finite(self) -> bool:
+        """Whether the step's loss on every rank and its gradient norm were finite numbers."""
+        return not self.nonfinite_ranks and not self.grad_norm_nonfinite
 
 
-def agree(stop: bool, fault: bool, loss: float, digest: int, device: torch.device) -> Agreement:
-    """Every rank's flags OR-ed, losses averaged and sample digests (below 2**32 each) summed, in one all-reduce
-    (collective: every rank calls it at the same optimizer step). float64 sums them exactly up to 2**21 ranks."""
+def agree(
+    stop: bool, fault: bool, loss: float, digest: int, device: torch.device, grad_norm: float | None = None
+) -> Agreement:
+    """Every rank's flags OR-ed, losses averaged, sample digests (below 2**32 each) summed and non-finite losses and
+    gradient norms counted, in one all-reduce (collective: every rank calls it at the same optimizer step). float64
+    sums them exactly up to 2**21 ranks. Only where a loss was not finite does a second all-reduce find the lowest
+    rank it was on, for the line that names it: every rank knows by then that it must take part."""
     import torch.distributed as dist
 
-    values = torch.tensor([float(stop), float(fault), loss, float(digest)], dtype=torch.float64, device=device)
-    size = 1
+    bad_loss, bad_norm = not math.isfinite(loss), grad_norm is not None and not math.isfinite(grad_norm)
+    values = [float(stop), float(fault), loss, float(digest), float(bad_loss), float(bad_norm)]
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    size, rank = 1, 0
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        size = dist.get_world_size()
-    stop_sum, fault_sum, loss_sum, digest_sum = values.tolist()
-    return Agreement(stop=stop_sum > 0, fault=fault_sum > 0, loss=loss_sum / size, digest=int(digest_sum) % 2**32)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        size, rank = dist.get_world_size(), dist.get_rank()
+    stop_sum, fault_sum, loss_sum, digest_sum, bad_losses, bad_norms = summed.tolist()
+    first = None
+    if bad_losses:
+        lowest = torch.tensor([rank if bad_loss else size], dtype=torch.float64, device=device)
+        if size > 1:
+            dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+        first = int(lowest.item())
+    return Agreement(
+        stop=stop_sum > 0, fault=fault_sum > 0, loss=loss_sum / size, digest=int(digest_sum) % 2**32,
+        nonfinite_ranks=int(bad_losses), first_nonfinite=first, grad_norm_nonfinite=bad_norms > 0,
+    )  # fmt: skip
 
 
 def is_peer_failure(exc: BaseException) -> bool:

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from stk.buckets import (
+    MAX_SIDE,
     Aspect,
     BatchCheck,
     Bucket,
@@ -151,6 +152,14 @@ def test_area_alignment_16_is_finer_than_64() -> None:
         (BucketSpec(min_aspect=0.5, max_aspect=0.9), "aspect range"),
         (BucketSpec(resolution=32, alignment=64), "below the alignment"),
         (BucketSpec(resolution=0.001, resolution_type=ResolutionType.AREA, alignment=64), "below the alignment"),
+        (
+            BucketSpec(resolution=1e9),
+            r"^resolution 1e\+09 \(pixel\) with aspect ratios from 0.5 to 2 makes bucket "
+            r"sides up to 2e\+09 px; stk makes sides up to 65536 px",
+        ),
+        (BucketSpec(resolution=1e9, resolution_type=ResolutionType.AREA), "sides up to 6.32e\\+07 px"),
+        (BucketSpec(resolution=1024, min_aspect=1e-9), "sides up to 1.02e\\+12 px"),
+        (BucketSpec(resolution=float("nan")), "resolution nan"),
     ],
 )
 def test_validate_rejects_bad_specs(spec: BucketSpec, message: str) -> None:
@@ -162,6 +171,8 @@ def test_validate_rejects_bad_specs(spec: BucketSpec, message: str) -> None:
 
 def test_validate_accepts_edges() -> None:
     BucketSpec(64, alignment=64, min_aspect=1.0, max_aspect=1.0).validate()
+    largest = make_buckets(BucketSpec(MAX_SIDE / 2, alignment=8))  # the most sides a spec may ask for
+    assert max(max(b.width, b.height) for b in largest) == MAX_SIDE
     only_square = make_buckets(BucketSpec(64, alignment=64, min_aspect=1.0, max_aspect=1.0))
     assert [(b.width, b.height) for b in only_square] == [(64, 64)]
 

@@ -138,6 +138,9 @@ def test_the_config_files_dataset_tables_are_a_list(sources: Path, tmp_path: Pat
         ('name = "m"\nsource = "{root}/missing"', ("dataset 'm'", "no such directory")),
         ('name = "s"\nsource = "-"', ("dataset 's'", "stdin")),
         ('name = "w"\nsource = "{root}/style"\nweight = 0', ("weight must be above 0",)),
+        ('name = "n"\nsource = "{root}/style"\nweight = nan', ("dataset 2: weight = nan is not a finite number",)),
+        ('name = "i"\nsource = "{root}/style"\nweight = inf', ("dataset 2: weight = inf is not a finite number",)),
+        ('name = "r"\nsource = "{root}/style"\nresolution = 1e9', ("resolution 1e+09", "65536")),
         ('name = "u"\nsource = "{root}/style"\ncolour = "red"', ("unknown field", "colour")),
     ],
 )

@@ -80,6 +80,13 @@ def test_datasets_in_config_takes_the_list_from_a_config_file(tmp_path: Path) ->
         ("x.toml", "[[dataset]]\nname = 'a'\nsource = '/d'\nrepeat = 2\n", "dataset 1: unknown field(s) repeat"),
         ("x.toml", "[[dataset]]\nname = 'a'\nsource = '/d'\nweight = 0\n", "weight must be above 0, not 0"),
         ("x.toml", "[[dataset]]\nname = 'a'\nsource = '/d'\nweight = -1.5\n", "weight must be above 0, not -1.5"),
+        ("x.toml", "[[dataset]]\nname = 'a'\nsource = '/d'\nweight = nan\n", "dataset 1: weight = nan is not a finite"),
+        ("x.toml", "[[dataset]]\nname = 'a'\nsource = '/d'\nresolution = -inf\n", "resolution = -inf is not a finite"),
+        (
+            "list.json",
+            '[{"id": "a", "instance_data_dir": "/d", "probability": Infinity}]',
+            "inf is not a finite number",
+        ),
         ("x.toml", "[[dataset]]\nname = 'a'\nsource = '/d'\n" * 2, "two datasets are named 'a'"),
         ("x.toml", "dataset = []\n", "no datasets"),
         ("x.toml", "[[dataset]]\nname='a'\nsource='/d'\ncaption-extension='txt'\n", "'txt' must be '.' and a name"),

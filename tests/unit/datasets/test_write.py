@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from stk.buckets import Aspect, ResolutionType
 from stk.captions import CaptionSource, MissingCaption
 from stk.datasets import DatasetSpec, datasets_toml, read_datasets
+from stk.errors import InputError
 from stk.preprocess import CropMode
 
 SPECS = [
@@ -44,7 +47,8 @@ def test_a_list_written_reads_back_to_the_same_specs(tmp_path: Path) -> None:
     assert text.endswith('\n\n[[dataset]]\nname = "plain"\nsource = "/data/plain"\n')  # the rest: the options
 
 
-def test_infinite_weight_is_valid_toml(tmp_path: Path) -> None:
+def test_infinite_weight_is_valid_toml_that_the_reader_refuses_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "inf.toml"
     path.write_text(datasets_toml([DatasetSpec(name="a", source="/a", weight=math.inf)]), encoding="utf-8")
-    assert read_datasets(str(path)).specs[0].weight == math.inf
+    with pytest.raises(InputError, match=r"inf\.toml, dataset 1: weight = inf is not a finite number$"):
+        read_datasets(str(path))  # read as TOML (its float inf), then refused as a weight
