@@ -33,10 +33,10 @@ class ChangedSinceScan(PreprocessError):
 @dataclass(frozen=True)
 class SeenFile:
     """A scan row's record of its file: size, mtime, ETag (S3), and the image's width and height after EXIF
-    orientation; None where the table has no such column."""
+    orientation; None where the table has no such column or value (nothing is compared there)."""
 
-    bytes: int
-    mtime: float
+    bytes: int | None
+    mtime: float | None
     etag: str | None = None
     width: int | None = None
     height: int | None = None
@@ -44,11 +44,11 @@ class SeenFile:
     def file_change(self, info: FileInfo) -> str | None:
         """How the file now differs from the scan's record of it; None: it does not. An ETag decides where both
         have one (S3: a HEAD's LastModified is rounded to the second, the listing's is not); else the mtime."""
-        if info.size != self.bytes:
+        if self.bytes is not None and info.size != self.bytes:
             return f"{self.bytes} bytes when scanned, now {info.size}"
         if self.etag and info.etag:
             return None if self.etag == info.etag else f"ETag {self.etag} when scanned, now {info.etag}"
-        if abs(info.mtime - self.mtime) > _MTIME_SLACK:
+        if self.mtime is not None and abs(info.mtime - self.mtime) > _MTIME_SLACK:
             return f"modified since: mtime {self.mtime:.6f} when scanned, now {info.mtime:.6f}"
         return None
 
@@ -61,7 +61,7 @@ class SeenFile:
 
 
 def seen_files(table: pa.Table) -> list[SeenFile]:
-    """The SeenFile of each row of a table holding some of SEEN_COLUMNS (bytes and mtime at least)."""
+    """The SeenFile of each row of a table holding some of SEEN_COLUMNS (bytes and mtime at least: JOB_COLUMNS)."""
     return [SeenFile(**row) for row in table.select([c for c in SEEN_COLUMNS if c in table.column_names]).to_pylist()]
 
 
