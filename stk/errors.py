@@ -14,6 +14,7 @@ __all__ = [
     "InfraError",
     "InputError",
     "PreflightFailed",
+    "RankSafeError",
     "StkError",
     "TooManyErrors",
     "check_max_errors",
@@ -40,7 +41,22 @@ class ExitCode(enum.IntEnum):
     GPU_FAULT = 76  # stk-train: a GPU fault opened the circuit breaker; drain the node and requeue elsewhere
 
 
-class StkError(Exception):
+def _rebuilt(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
+    """An exception of `cls` holding `args`, made without calling its __init__ (see RankSafeError)."""
+    return cls.__new__(cls, *args)
+
+
+class RankSafeError(Exception):
+    """An exception that unpickles whatever its __init__ takes. World sends errors between ranks pickled, and
+    Exception's own pickling calls `cls(*self.args)`: a class whose __init__ takes other arguments than it gives
+    Exception (ManifestDamaged(location, why) keeps one message) fails to unpickle on the receiving rank, and the
+    error path itself raises a TypeError. Here the instance is remade from its args and attributes alone."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuilt, (type(self), self.args), self.__dict__
+
+
+class StkError(RankSafeError):
     """An expected failure: printed as one line (no traceback) and mapped to an exit code."""
 
     exit_code: ExitCode = ExitCode.INPUT

@@ -16,6 +16,8 @@ from typing import BinaryIO
 
 from PIL import Image
 
+from stk.errors import RankSafeError
+
 __all__ = [
     "JXL_CONTAINER",
     "ORIENTATION_TAG",
@@ -56,7 +58,7 @@ class ImageHeader:
     min_bytes: int = 0  # the least a whole file holds, where the header tells (uncompressed pixels)
 
 
-class ImageError(Exception):
+class ImageError(RankSafeError):
     """A file that cannot be used; `kind` is a short stable name for errors.jsonl."""
 
     def __init__(self, kind: str, reason: str) -> None:

@@ -3,7 +3,9 @@
 stk-train takes it on --output-dir: two runs on one directory would overwrite each other's
 metrics, checkpoints and final model, and each summary would point at the other's weights.
 stk-cache takes it on a local --out (and `verify --repair` on the cache it rewrites): two builds
-would both encode everything, and each manifest would unlist the other's shards. The lease is a
+would both encode everything, and each manifest would unlist the other's shards. stk-scan takes it on
+--out: two scans would rename each other's journal and state files (one died on a state file the other
+had taken), or the last to finish would replace the other's table, silently. The lease is a
 small JSON file (host, pid, Slurm job id and restart count, run id), created with `os.link` from
 a private temp file: link is atomic on NFS as on local disk, where fcntl/flock locks are
 unreliable or absent. Rank 0 renews it (rewrites it, which moves its mtime) every
@@ -32,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stk.errors import PreflightFailed
+from stk.errors import InputError, PreflightFailed
 from stk.log import get_logger
 from stk.slurm import job_id, restart_count
 from stk.world import World
@@ -83,9 +85,13 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
-        """Take the lease, or raise PreflightFailed naming the live run that holds it."""
-        if not os.path.isdir(os.path.dirname(self.path)):
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        """Take the lease, or raise PreflightFailed naming the live run that holds it (InputError: the directory is
+        a file)."""
+        directory = os.path.dirname(self.path)
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise InputError(f"{self.option} {directory}: is a file, not a directory: give a directory")
+        if not os.path.isdir(directory):
+            os.makedirs(directory, exist_ok=True)
             self._made_directory = True
         for _ in range(3):  # a takeover can lose a race to another run: look again
             if self._create():

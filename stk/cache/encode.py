@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from stk import storage
 from stk.cache.memory import TextPass
 from stk.models import Encoders
-from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
+from stk.preprocess import CropMode, Preprocessed, PreprocessError
 from stk.shards import LatentRecord, ShardWriter, TextRecord
 from stk.shards.config import EncodeSettings
 from stk.shards.jobs import ImageJob
@@ -71,9 +70,8 @@ def _load(job: ImageJob, crop: CropMode) -> Preprocessed | tuple[str, str]:
     """The preprocessed image (cropped as its dataset asks, else as `crop`), or the error kind and the reason it cannot
     be used."""
     try:
-        with storage.open_read(job.location) as f:
-            return preprocess(f, job.bucket_width, job.bucket_height, job.crop or crop, job.key)
-    except PreprocessError as exc:
+        return job.load(crop)
+    except PreprocessError as exc:  # ChangedSinceScan too
         return exc.kind, str(exc)
     except OSError as exc:  # missing or unreadable now: a rerun may succeed
         return "unreadable", f"cannot read: {exc.strerror or exc}"

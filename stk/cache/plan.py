@@ -26,7 +26,7 @@ from stk import storage
 from stk.errors import InputError
 from stk.shards import CacheReader, Manifest
 from stk.shards.config import CacheConfig
-from stk.shards.jobs import JOB_COLUMNS, ImageJobs, ScanBuckets, ScanRows, inverse_permutation, job_columns
+from stk.shards.jobs import IMAGE_COLUMNS, ImageJobs, ScanBuckets, ScanRows, inverse_permutation, job_columns
 from stk.shards.keys import KEY_CHARS, text_key
 
 if TYPE_CHECKING:
@@ -251,8 +251,8 @@ def rank_share(
         )
     rows, bounds, sources, text_bounds = share
     crop = scan.crop[rows] if scan.crop is not None else None
-    table = scan.take(rows, JOB_COLUMNS)
-    jobs = job_columns(table, scan.root, config.latent_recipe(), config.text_recipe(), crop)
+    table = scan.take(rows, IMAGE_COLUMNS)
+    jobs = job_columns(table, scan.root, config.latent_recipe(), config.text_recipe(), crop, seen=True)
     captions = captions_at(scan, extra, sources, config.text_recipe())
     return Share(jobs, bounds), Share(captions, text_bounds)
 

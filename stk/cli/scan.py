@@ -25,6 +25,7 @@ from stk.cli.common import (
 from stk.datasets import DatasetSpec, datasets_in_config, datasets_toml, read_datasets
 from stk.errors import InputError
 from stk.imageformats import FORMAT_NAMES, accepted_formats
+from stk.lease import Lease, leased
 from stk.log import get_logger
 from stk.models.families import Family, family_names
 from stk.scan import ScanOptions, run_scan
@@ -50,7 +51,8 @@ Examples:
 \b
 Exit codes: 0 done; 2 bad option; 3 source, dataset list or output unusable;
 4 more bad files than --max-errors (outputs written, see errors.jsonl);
-5 a bucket cannot fill one effective batch (outputs written; see the message).
+5 a bucket cannot fill one effective batch (outputs written; see the message);
+7 another stk-scan holds --out (the message names it).
 """
 
 
@@ -275,14 +277,15 @@ def main(
                 sys.stdout.write(datasets_toml(datasets))
             return 0
         opts = _options(params, source, mapping, probe, family, world)
-        if datasets is None:
-            summary = run_scan(opts, world).__dict__
-        else:
-            summary = run_datasets(datasets, opts, world, datasets_file or str(config_file))
-        if world.is_root and jsonl:
-            sys.stdout.writelines(json_lines(os.path.join(opts.out_dir, METADATA)))
-        elif world.is_root:
-            sys.stdout.write(json.dumps(summary) + "\n")
+        with leased(Lease(opts.out_dir, "stk-scan", "--out"), world):  # one scan per --out, held by rank 0
+            if datasets is None:
+                summary = run_scan(opts, world).__dict__
+            else:
+                summary = run_datasets(datasets, opts, world, datasets_file or str(config_file))
+            if world.is_root and jsonl:
+                sys.stdout.writelines(json_lines(os.path.join(opts.out_dir, METADATA)))
+            elif world.is_root:
+                sys.stdout.write(json.dumps(summary) + "\n")
         return 0
 
     run_command("stk-scan", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)

@@ -16,6 +16,7 @@ from stk.export.weights import pipeline_of
 from stk.log import get_logger
 from stk.models.families import Family
 from stk.storage.failures import storage_errors
+from stk.storage.modes import honour_umask
 
 __all__ = ["ExportOptions", "export"]
 
@@ -50,6 +51,7 @@ def export(opts: ExportOptions) -> str:
             else:
                 with pipeline_of(source, opts.model, out.parent) as pipeline:
                     write_single_file(pipeline, source.family.value, tmp)
+            honour_umask(tmp)  # safetensors writes 0600: an export on shared storage is for the team
             tmp.rename(out)
         finally:
             tmp.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from stk.metadata import to_json_lines
 from stk.storage.failures import storage_errors
+from stk.storage.modes import honour_umask
 
 __all__ = ["PARTS_DIR", "PartWriter", "atomic_file", "clear_parts", "stream_jsonl", "stream_parquet"]
 
@@ -63,6 +64,7 @@ def atomic_file(location: str) -> Iterator[str]:
     the old file or the new one, never a part."""
     with storage_errors(location, saving=True):  # pyarrow's errors name no file: name the one being written
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(location) or ".")
+        honour_umask(fd)  # mkstemp makes 0600, and the writer that reopens it keeps that
         os.close(fd)
         try:
             yield tmp

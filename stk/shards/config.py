@@ -51,6 +51,9 @@ class CacheConfig:
     buckets: dict[str, Any]  # the scan's resolution, resolution_type and alignment (and its datasets', scan_buckets)
     norm: LatentNorm  # how stk-train normalises the stored latents for the denoiser
 
+    def __post_init__(self) -> None:  # a config records what was stored, never "the family's default"
+        object.__setattr__(self, "settings", self.settings.for_family(Family(self.family)))
+
     @staticmethod
     def scan_buckets(buckets_json: Mapping[str, Any]) -> dict[str, Any]:
         """What a cache records of the scan's buckets.json. A scan of several datasets adds the distinct resolutions

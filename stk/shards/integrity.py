@@ -11,13 +11,17 @@ sbatch templates do for infrastructure failures) would meet the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
-from stk.errors import CacheIncomplete
+import zstandard
+
+from stk.errors import CacheIncomplete, described
 from stk.shards.layout import SHARDS_DIR, file_sha256
 
-__all__ = ["MISSING", "damaged", "problem"]
+__all__ = ["MISSING", "damaged", "named_damage", "problem"]
 
 MISSING = "missing"
 
@@ -45,3 +49,17 @@ def damaged(location: str, why: str) -> CacheIncomplete:
         f"shard {location} is damaged ({why}): run `stk-cache verify {cache} --repair`, rerun stk-cache "
         "(it encodes the shard's samples again), then rerun this command"
     )
+
+
+@contextlib.contextmanager
+def named_damage(path: str, location: str, entry: dict[str, Any]) -> Iterator[None]:
+    """Reads of a shard that passed its check: one that fails anyway was changed under the job (cut short, rewritten)
+    and is the damaged shard (exit 6, named with its fix), not a traceback (zstd's ZstdError on a cut frame, HDF5's
+    OSError). `path` is the local file (an S3 shard's copy), `location` the shard's place in the cache."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, zstandard.ZstdError) as exc:
+        why = problem(path, entry, sha256=False)
+        if why is None and isinstance(exc, OSError) and exc.errno is not None:
+            raise  # the storage failed (an I/O error, a stale NFS handle), not the shard: as any such failure
+        raise damaged(location, why or f"unreadable: {described(exc)}") from None

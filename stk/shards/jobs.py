@@ -19,13 +19,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
-from stk.preprocess import CropMode
+from stk.preprocess import CropMode, Preprocessed
 from stk.scan.reader import CROPS, ScanTable, dataset_rows, open_scan, read_scan_columns, row_crops
 from stk.shards.config import CacheConfig
 from stk.shards.keys import KEY_CHARS, latent_keys, text_key
+from stk.shards.scanned import CHANGED, SEEN_COLUMNS, SeenFile, read_as_scanned, seen_files
 
 __all__ = [
     "ERRORS",
+    "IMAGE_COLUMNS",
     "JOB_COLUMNS",
     "ImageJob",
     "ImageJobs",
@@ -41,7 +43,7 @@ __all__ = [
 
 ERRORS = "errors.jsonl"  # CACHE/errors.jsonl: the records the last build could not encode
 # errors.jsonl kinds that a rerun would meet again: their records are reported, not expected
-BAD_INPUT = frozenset({"decode_failed", "nonfinite_latent", "nonfinite_embedding"})
+BAD_INPUT = frozenset({"decode_failed", "nonfinite_latent", "nonfinite_embedding", CHANGED})
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,25 @@ class ImageJob:
     key: str
     text_key: str
     crop: CropMode | None = None  # its dataset's; None: the command's (--crop)
+    seen: SeenFile | None = None  # what the scan recorded of the file; None: not checked
 
     @property
     def pixels(self) -> int:
         return self.bucket_width * self.bucket_height
 
+    def load(self, crop: CropMode) -> Preprocessed:
+        """The image fitted to its bucket, cropped as its dataset asks, else as `crop`; ChangedSinceScan (a
+        PreprocessError) for a file that is no longer the one the scan saw."""
+        return read_as_scanned(
+            self.location, self.seen, self.bucket_width, self.bucket_height, self.crop or crop, self.key
+        )
+
 
 # the scan table's columns a job needs
 JOB_COLUMNS = ["path", "caption", "bucket_width", "bucket_height", "bytes", "mtime"]
 _IDENTITY = ["path", "bytes", "mtime", "bucket_width", "bucket_height"]  # what a latent key is made of
+# the columns of rows whose images are read: the job's, and what the scan recorded of each file
+IMAGE_COLUMNS = [*JOB_COLUMNS, *(c for c in SEEN_COLUMNS if c not in JOB_COLUMNS)]
 DATASET = "dataset"  # the column naming each row's dataset in a scan of several
 _KEY_CHUNK = 65_536  # rows read and keyed at a time: their Python values live only that long
 
@@ -99,12 +111,13 @@ class ScanRows:
             start += batch.num_rows
 
     def take(self, rows: np.ndarray, columns: list[str]) -> pa.Table:
-        """These rows' `columns`, in the order of `rows`."""
+        """These rows' `columns` (those the table has), in the order of `rows`."""
+        schema = self._file.schema_arrow
+        columns = [c for c in columns if c in schema.names]
         where, parts = [], []
         for at, batch in self.by_batch(rows, columns):
             where.append(at)
             parts.append(batch)
-        schema = self._file.schema_arrow
         table = pa.Table.from_batches(parts, pa.schema([schema.field(c) for c in columns]))
         return table.take(pa.array(inverse_permutation(np.concatenate([np.zeros(0, np.int64), *where]))))
 
@@ -160,6 +173,7 @@ class ImageJobs:
     text_key: np.ndarray  # each row's caption's text key, bytes (S40)
     crop: np.ndarray  # int8: each row's dataset's crop (ScanRows.crop), -1 where it gives none (the command's)
     dataset: np.ndarray  # int64: each row's place in buckets.json's "datasets" (reader.dataset_rows); -1: one source
+    seen: pa.Table | None = None  # the rows' SEEN_COLUMNS, where their images are read (encoded, or on the fly)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -170,6 +184,7 @@ class ImageJobs:
         return ImageJobs(
             self.root, self.path.take(index), self.caption.take(index), self.bucket_width[rows],
             self.bucket_height[rows], self.key[rows], self.text_key[rows], self.crop[rows], self.dataset[rows],
+            self.seen.take(index) if self.seen is not None else None,
         )  # fmt: skip
 
     def rows(self, start: int = 0, stop: int | None = None) -> list[ImageJob]:
@@ -177,24 +192,26 @@ class ImageJobs:
         stop = len(self) if stop is None else stop
         scan = ScanTable([], self.root)
         paths, captions = self.path[start:stop].to_pylist(), self.caption[start:stop].to_pylist()
+        seen = seen_files(self.seen.slice(start, stop - start)) if self.seen is not None else [None] * len(paths)
         return [
             ImageJob(
                 path, scan.image_location(path), int(w), int(h), caption or "", key.decode(), text.decode(),
-                CROPS[crop] if crop >= 0 else None,
+                CROPS[crop] if crop >= 0 else None, file,
             )
-            for path, caption, w, h, key, text, crop in zip(
+            for path, caption, w, h, key, text, crop, file in zip(
                 paths, captions, self.bucket_width[start:stop], self.bucket_height[start:stop],
-                self.key[start:stop], self.text_key[start:stop], self.crop[start:stop].tolist(), strict=True,
+                self.key[start:stop], self.text_key[start:stop], self.crop[start:stop].tolist(), seen, strict=True,
             )
         ]  # fmt: skip
 
 
 def job_columns(
     table: pa.Table, root: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any],
-    crop: np.ndarray | None = None, dataset: np.ndarray | None = None,
+    crop: np.ndarray | None = None, dataset: np.ndarray | None = None, seen: bool = False,
 ) -> ImageJobs:  # fmt: skip
     """A scan table's rows (JOB_COLUMNS of it), with their crops (as ScanRows.crop) keyed under the given recipes, and
-    their datasets (as reader.dataset_rows; None: a scan of one source)."""
+    their datasets (as reader.dataset_rows; None: a scan of one source); with `seen`, the table's SEEN_COLUMNS kept
+    to check each image against when it is read."""
     key = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     text = np.empty(table.num_rows, dtype=f"S{KEY_CHARS}")
     for start in range(0, table.num_rows, _KEY_CHUNK):
@@ -204,16 +221,22 @@ def job_columns(
     widths, heights = (table.column(n).to_numpy().astype(np.int32) for n in ("bucket_width", "bucket_height"))
     crop = crop if crop is not None else np.full(table.num_rows, -1, np.int8)
     dataset = dataset if dataset is not None else np.full(table.num_rows, -1, np.int64)
-    return ImageJobs(root, table.column("path"), table.column("caption"), widths, heights, key, text, crop, dataset)
+    kept = table.select([c for c in SEEN_COLUMNS if c in table.column_names]) if seen else None
+    return ImageJobs(
+        root, table.column("path"), table.column("caption"), widths, heights, key, text, crop, dataset, kept
+    )
 
 
-def read_jobs(scan_dir: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any]) -> ImageJobs:
-    """The scan's rows as keyed columns, each with its dataset and that dataset's crop in a scan of several."""
-    table, root = read_scan_columns(scan_dir, [*JOB_COLUMNS, DATASET])
+def read_jobs(
+    scan_dir: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any], seen: bool = False
+) -> ImageJobs:
+    """The scan's rows as keyed columns, each with its dataset and that dataset's crop in a scan of several; with
+    `seen`, what the scan recorded of each file (job_columns)."""
+    table, root = read_scan_columns(scan_dir, [*(IMAGE_COLUMNS if seen else JOB_COLUMNS), DATASET])
     if DATASET not in table.column_names:
-        return job_columns(table, root, latent_recipe, text_recipe)
+        return job_columns(table, root, latent_recipe, text_recipe, seen=seen)
     dataset, crop = dataset_rows(scan_dir, table.column(DATASET).chunks)
-    return job_columns(table, root, latent_recipe, text_recipe, crop, dataset)
+    return job_columns(table, root, latent_recipe, text_recipe, crop, dataset, seen)
 
 
 @dataclass

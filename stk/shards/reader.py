@@ -37,7 +37,7 @@ import numpy as np
 
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
-from stk.shards.integrity import MISSING, damaged, problem
+from stk.shards.integrity import MISSING, damaged, named_damage, problem
 from stk.shards.keyindex import KeyIndex
 from stk.shards.layout import TEXT, decompress, open_h5, shard_key_arrays, shard_location
 from stk.shards.localcopies import TRIES, LocalCopies
@@ -157,15 +157,16 @@ class CacheReader:
         group_id, row = self._latent_at(key)
         group = self._groups[group_id]
         self._fetch(group.shard)
-        with self._locked():
-            opened = self._opened(group.shard)
-            meta = self._latent_meta(group, opened)
-            chunks = []
-            for name in meta.payloads:
-                dataset = opened.dataset(f"{group.path}/{name}")
-                mask, frame = dataset.id.read_direct_chunk((row,) + (0,) * len(group.shape))
-                chunks.append(dataset[row] if mask else frame)  # a filter was skipped: let HDF5 decode it
-        arrays = [c if isinstance(c, np.ndarray) else decompress(c, meta.dtype, group.shape) for c in chunks]
+        with self._named_damage(group.shard):
+            with self._locked():
+                opened = self._opened(group.shard)
+                meta = self._latent_meta(group, opened)
+                chunks = []
+                for name in meta.payloads:
+                    dataset = opened.dataset(f"{group.path}/{name}")
+                    mask, frame = dataset.id.read_direct_chunk((row,) + (0,) * len(group.shape))
+                    chunks.append(dataset[row] if mask else frame)  # a filter was skipped: let HDF5 decode it
+            arrays = [c if isinstance(c, np.ndarray) else decompress(c, meta.dtype, group.shape) for c in chunks]
         return LatentRecord(
             key=key,
             text_key=str(meta.text_key[row]),
@@ -183,19 +184,20 @@ class CacheReader:
         group_id, row = found
         group = self._groups[group_id]
         self._fetch(group.shard)
-        with self._locked():
-            opened = self._opened(group.shard)
-            if group.text_meta is None:
-                group.text_meta = _TextMeta.read(opened.file[TEXT])
-            meta = group.text_meta
-            frames = {}
-            for name, array in meta.arrays.items():
-                start = int(array.end[row - 1]) if row else 0
-                frames[name] = opened.dataset(f"{TEXT}/{name}/data")[start : int(array.end[row])].data
-        arrays = {
-            name: decompress(frame, meta.arrays[name].dtype, tuple(meta.arrays[name].shape[row].tolist()))
-            for name, frame in frames.items()
-        }
+        with self._named_damage(group.shard):
+            with self._locked():
+                opened = self._opened(group.shard)
+                if group.text_meta is None:
+                    group.text_meta = _TextMeta.read(opened.file[TEXT])
+                meta = group.text_meta
+                frames = {}
+                for name, array in meta.arrays.items():
+                    start = int(array.end[row - 1]) if row else 0
+                    frames[name] = opened.dataset(f"{TEXT}/{name}/data")[start : int(array.end[row])].data
+            arrays = {
+                name: decompress(frame, meta.arrays[name].dtype, tuple(meta.arrays[name].shape[row].tolist()))
+                for name, frame in frames.items()
+            }
         return TextRecord(key=key, arrays=arrays, length=int(meta.length[row]))
 
     def text_key(self, key: str) -> str:
@@ -346,6 +348,12 @@ class CacheReader:
                 self._damaged[shard] = damaged(location, why)
                 raise self._damaged[shard]
             self._checked.add(shard)
+
+    def _named_damage(self, shard: int) -> contextlib.AbstractContextManager[None]:
+        """Reads of a checked shard that fail anyway: integrity.named_damage, with the file they read."""
+        entry = self.manifest.shards[shard]
+        location = shard_location(self.cache, str(entry["name"]))
+        return named_damage(self._copies.path(entry) if self._copies is not None else location, location, entry)
 
     def _local_copy(self, shard: int) -> str:
         assert self._copies is not None

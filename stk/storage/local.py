@@ -13,6 +13,7 @@ from typing import BinaryIO
 from stk.errors import InputError
 from stk.storage.base import FileInfo, NotAFileError
 from stk.storage.failures import storage_errors
+from stk.storage.modes import honour_umask
 
 __all__ = ["LocalBackend", "fsync_dir"]
 
@@ -23,12 +24,6 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class LocalBackend:
@@ -164,7 +159,7 @@ def _write_atomic(destination: str, fill: Callable[[BinaryIO], object]) -> None:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
         try:
-            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+            honour_umask(fd)  # mkstemp makes 0600
             with os.fdopen(fd, "wb") as out:
                 fill(out)
                 out.flush()

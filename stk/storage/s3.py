@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from stk.errors import InfraError, InputError
 from stk.log import get_logger
 from stk.storage.base import FileInfo
+from stk.storage.modes import honour_umask
 from stk.storage.ranged import RangedReader
 
 __all__ = ["DEFAULT_RETRY_SECONDS", "S3Backend", "configure_s3", "list_entries", "split_url"]
@@ -394,6 +395,7 @@ class S3Backend:
         os.close(fd)
         try:
             _call(lambda: client().download_file(bucket, key, tmp), bucket, key)
+            honour_umask(tmp)  # mkstemp's 0600, or boto3's own temp file's
             os.replace(tmp, local_path)
         finally:
             if os.path.exists(tmp):

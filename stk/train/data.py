@@ -20,14 +20,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from stk import storage
 from stk.errors import CacheIncomplete, InputError
 from stk.log import get_logger
-from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
+from stk.preprocess import CropMode, Preprocessed, PreprocessError
 from stk.shards import CacheReader, Manifest, TextRecord
 from stk.shards.config import CacheConfig
 from stk.shards.jobs import ImageJob, ImageJobs, read_jobs
 from stk.shards.keys import text_key
+from stk.shards.scanned import ChangedSinceScan
 from stk.train.batch import Batch, collate_text, stack_float32
 from stk.train.sampler import key_array
 
@@ -184,7 +184,7 @@ class ImageData:
         self.vae_scale_factor = vae_scale_factor
         self.crop = CropMode(crop)
         # the latent key of a made-up recipe: a stable per-image seed for random crops
-        self._jobs = read_jobs(scan_dir, {"on_the_fly_crop_seed": seed}, {})
+        self._jobs = read_jobs(scan_dir, {"on_the_fly_crop_seed": seed}, {}, seen=True)
         jobs, f = self._jobs, vae_scale_factor
         bad = np.flatnonzero((jobs.bucket_width % f != 0) | (jobs.bucket_height % f != 0))
         if len(bad):
@@ -236,8 +236,9 @@ class ImageData:
 
     def _pixels(self, job: ImageJob) -> Preprocessed:
         try:
-            with storage.open_read(job.location) as f:
-                return preprocess(f, job.bucket_width, job.bucket_height, job.crop or self.crop, job.key)
+            return job.load(self.crop)
+        except ChangedSinceScan as exc:
+            raise InputError(f"{job.location}: {exc}") from exc
         except PreprocessError as exc:
             raise InputError(f"{job.location}: {exc} (remove it from the scan table, or train from a cache)") from exc
         except OSError as exc:

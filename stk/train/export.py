@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from stk.storage.failures import storage_errors
+from stk.storage.modes import honour_umask
 
 __all__ = ["export_pipeline", "replaced_on_success"]
 
@@ -67,16 +68,6 @@ def export_pipeline(
     return out_dir
 
 
-def _apply_umask(folder: Path) -> None:
-    """safetensors writes its files 0600; a model on shared storage is for the whole team to read, as far as the
-    user's umask allows."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in folder.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            path.chmod(0o666 & ~umask)
-
-
 @contextmanager
 def replaced_on_success(out_dir: str) -> Iterator[Path]:
     """An empty sibling folder to build in, which then replaces `out_dir` by renames: `out_dir` holds either what it
@@ -89,7 +80,7 @@ def replaced_on_success(out_dir: str) -> Iterator[Path]:
         try:
             tmp.mkdir(parents=True)
             yield tmp
-            _apply_umask(tmp)
+            honour_umask(tmp)  # safetensors writes 0600: a model on shared storage is for the team
             if out.exists():
                 old = out.with_name(f"{out.name}.old-{os.getpid()}")
                 out.rename(old)

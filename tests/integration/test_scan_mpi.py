@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from support.commands import RunScan, scan_command, scan_env, summary_of
+from support.commands import RunScan, one_error, scan_command, scan_env, summary_of
 from support.processes import mpi_rank_pids, process_ended
 
 from stk.datagen import generate_dataset, make_image
+from stk.errors import ExitCode
+from stk.lease import Holder, lease_name
 
 pytestmark = pytest.mark.integration
 
 JOURNAL = ".scan-journal"
+SCAN_LEASE = lease_name("stk-scan")
 
 
 def _table(out: Path) -> pa.Table:
@@ -83,6 +87,18 @@ def test_two_ranks_give_the_same_outputs_as_one(tmp_path: Path, run_scan: RunSca
     assert len((tmp_path / "two" / "errors.jsonl").read_text().splitlines()) == s2["errors"] + s2["skipped"]
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["ranks"] == 2
     assert not (tmp_path / "two" / JOURNAL).exists()
+    assert not (tmp_path / "two" / SCAN_LEASE).exists()  # rank 0's, released
+
+
+def test_a_held_out_stops_both_ranks_with_one_line(tmp_path: Path, run_scan: RunScan):
+    """Rank 0 alone takes --out's lease; its refusal reaches the other rank, which neither hangs nor logs it again."""
+    generate_dataset(str(tmp_path / "data"), count=4, seed=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / SCAN_LEASE).write_text(json.dumps(asdict(Holder("node7", 4242, "run-7", "1234", 0))))
+    proc = run_scan([tmp_path / "data", "--out", out], mpi=2)
+    one_error(proc, ExitCode.PREFLIGHT, "in use by another stk-scan run (host node7, pid 4242, Slurm job 1234")
+    assert os.listdir(out) == [SCAN_LEASE]
 
 
 def test_datasets_on_two_ranks_give_the_same_outputs_as_one(tmp_path: Path, run_scan: RunScan):

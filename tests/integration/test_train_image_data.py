@@ -6,6 +6,7 @@ On the session's three-shard SDXL cache (support.train_caches)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -66,10 +67,13 @@ def test_image_data_errors_name_the_scan_or_the_image(train_data_built: Built, t
     (scan / "summary.json").write_text(json.dumps({**summary, "root": str(data)}))
     images = ImageData(str(scan), 8)
     paths = next(iter(images.buckets().values()))
-    (data / paths[1]).write_bytes(b"not an image any more")
+    broken = data / paths[1]
+    before = broken.stat()  # the same size and mtime: the scan's row still matches it, and the decoder fails
+    broken.write_bytes(b"not an image any more".ljust(before.st_size, b"!"))
+    os.utime(broken, ns=(before.st_atime_ns, before.st_mtime_ns))
     with pytest.raises(InputError) as raised:
         images.load(paths)
-    assert paths[1] in str(raised.value) and "\n" not in str(raised.value)
+    assert paths[1] in str(raised.value) and "cannot decode" in str(raised.value) and "\n" not in str(raised.value)
     with pytest.raises(InputError, match="not in the scan table"):
         images.load(["no/such.png"])
     with pytest.raises(InputError, match="not a multiple of the VAE's scale factor 32"):

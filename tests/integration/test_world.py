@@ -8,25 +8,31 @@ RANK_ONE_FAILS = """
 import sys
 
 from stk.errors import InputError
+from stk.shards.manifest import ManifestDamaged
 from stk.world import get_world
 
 world = get_world()
+FAILURES = [InputError("rank 1 cannot load the model"), ManifestDamaged("cache/manifest.json", "not JSON")]
 
-def load():
+def load(failure):
     if world.rank == 1:
-        raise InputError("rank 1 cannot load the model")
+        raise failure
     return world.rank
 
-try:
-    world.run_everywhere(load)
-except InputError as exc:
-    with open(f"{sys.argv[1]}/rank{world.rank}.txt", "w") as f:
-        f.write(str(exc))
+seen = []
+for failure in FAILURES:
+    try:
+        world.run_everywhere(lambda: load(failure))
+    except type(failure) as exc:
+        seen.append(str(exc))
+with open(f"{sys.argv[1]}/rank{world.rank}.txt", "w") as f:
+    f.write("\\n".join(seen))
 """
 
 
 @pytest.mark.integration
 def test_one_ranks_failure_reaches_every_rank_under_mpi(tmp_path) -> None:
+    """An error whose __init__ takes other arguments than its message (ManifestDamaged) arrives whole too."""
     import subprocess
     import sys
     from pathlib import Path
@@ -42,4 +48,6 @@ def test_one_ranks_failure_reaches_every_rank_under_mpi(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "rank 1 cannot load the model"
+        lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        assert lines[0] == "rank 1 cannot load the model"
+        assert lines[1].startswith("cache/manifest.json is damaged (not JSON): run `stk-cache verify cache --repair`")

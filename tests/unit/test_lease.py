@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.commands import LEASE_NAME
 
-from stk.errors import PreflightFailed
+from stk.errors import InputError, PreflightFailed
 from stk.lease import STALE_SECONDS, Holder, Lease
 
 
@@ -42,6 +42,13 @@ def test_acquire_writes_who_holds_it_and_release_removes_it(tmp_path):
     lease.release()
     assert not (tmp_path / LEASE_NAME).exists()
     assert os.listdir(tmp_path) == []  # no temp files left behind
+
+
+def test_a_directory_that_is_a_file_is_refused_and_kept(tmp_path):
+    (tmp_path / "out").write_text("mine")
+    with pytest.raises(InputError, match=r"--out .*/out: is a file, not a directory"):
+        Lease(str(tmp_path / "out"), "stk-scan", "--out").acquire()
+    assert (tmp_path / "out").read_text() == "mine"
 
 
 def test_a_live_holder_elsewhere_is_refused_with_its_host_pid_and_job(tmp_path):

@@ -4,6 +4,8 @@ printed back; every kind of bad list refused in one line with exit 3 before any 
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,12 @@ from support.commands import clean_env
 from stk.cli.scan import main as scan_main
 from stk.datagen import generate_dataset, make_image
 from stk.datasets import read_datasets
+from stk.lease import Holder, lease_name
 
 pytestmark = pytest.mark.usefixtures("keep_logging")
 
 STYLE, PHOTOS = 12, 30  # images in each
+SCAN_LEASE = lease_name("stk-scan")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +67,7 @@ def test_two_datasets_make_one_scan_directory_with_each_ones_settings(sources: P
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert (summary["images"], summary["root"]) == (STYLE + PHOTOS, "")
+    assert not (out / SCAN_LEASE).exists()  # released
     assert [(d["name"], d["images"]) for d in summary["datasets"]] == [("style", STYLE), ("photos", PHOTOS)]
 
     table = pq.read_table(out / "metadata.parquet")
@@ -297,3 +302,21 @@ def test_a_list_with_nothing_stk_can_scan_says_why_each_entry_was_skipped(tmp_pa
     skipped = [line for line in lines if "WARNING" in line and line.endswith("; skipped")]
     assert [line.split("dataset '")[1].split("'")[0] for line in skipped] == [e["id"] for e in json.loads(text)]
     assert lines.index(skipped[-1]) < lines.index(error)  # the reasons, then the error
+
+
+def test_an_out_that_is_a_file_is_one_line_exit_3(sources: Path, tmp_path: Path) -> None:
+    """It was a FileExistsError traceback (exit 1)."""
+    (tmp_path / "out").write_text("mine")
+    assert "--out" in _one_line(_scan(sources / "style", "--out", tmp_path / "out"), 3)
+    assert (tmp_path / "out").read_text() == "mine"
+
+
+def test_an_out_another_scan_holds_is_one_line_exit_7_with_nothing_written(sources: Path, tmp_path: Path) -> None:
+    """Two scans on one --out: one died on a state file the other had renamed, or the last to finish won silently."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / SCAN_LEASE).write_text(json.dumps(asdict(Holder("node7", 4242, "run-7", "1234", 0))))
+    for args in ((sources / "style",), ("--datasets", _two(sources, tmp_path / "list.toml"))):
+        line = _one_line(_scan(*args, "--out", out), 7)
+        assert f"--out {out} is in use by another stk-scan run (host node7, pid 4242, Slurm job 1234" in line
+    assert os.listdir(out) == [SCAN_LEASE]

@@ -23,7 +23,7 @@ MODEL = {"vae": {"class": "AutoencoderKL"}, "text": {"encoders": []}}
 
 
 def _config(crop: CropMode) -> CacheConfig:
-    return CacheConfig("sd", MODEL, EncodeSettings(crop), {}, LatentNorm(0.18215))
+    return CacheConfig("sd", MODEL, EncodeSettings(crop, store_logvar=False), {}, LatentNorm(0.18215))
 
 
 def _recipe(crop: str) -> dict[str, Any]:

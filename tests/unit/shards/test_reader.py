@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from support.shard_records import SHAPES, assert_same_latent, make_latent, write
 
+from stk.errors import CacheIncomplete
 from stk.shards import (
     CacheReader,
+    TextRecord,
     shard_location,
 )
 
@@ -64,3 +66,21 @@ def test_file_locking_is_off_even_when_h5py_was_imported_first(cache: str) -> No
         assert make_latent(0).key in proc.stdout
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize("cut", [4096, 16000])  # bytes kept of ~290 KB, data in the first ~30 KB
+def test_a_shard_cut_short_while_it_is_read_is_named_with_its_fix(cache: str, cut: int) -> None:
+    """A shard checked at its first read, then truncated under the job: stk-train died 8 steps later with zstd's
+    ZstdError traceback (exit 1; a text read: KeyError). Now each later read is the damaged shard's one line, as at
+    the start (exit 6)."""
+    latents = [make_latent(i) for i in range(12)]
+    texts = [TextRecord(f"{i:064x}", {"hidden": np.full((5, 8), i, np.float16)}, 5) for i in range(3)]
+    rank0 = write(cache, latents, texts, shard_size=10**9)
+    location = shard_location(cache, rank0.infos[0].name)
+    with CacheReader(cache) as reader:
+        assert_same_latent(reader.latent(latents[0].key), latents[0])  # checked and open
+        os.truncate(location, cut)
+        fix = f"run `stk-cache verify {cache} --repair`"
+        for read in (lambda: reader.latent(latents[-1].key), lambda: reader.text(texts[-1].key)):
+            with pytest.raises(CacheIncomplete, match=rf"shard {location} is damaged \(\d+ bytes, .*\): {fix}"):
+                read()

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.combined_scans import CENTER_OFFSET, write_scan
+from support.combined_scans import CENTER_OFFSET, STYLE, write_scan
 from support.processes import loader_threads
 
+from stk.datagen import make_image
 from stk.errors import InputError
 from stk.train.batch import Batch
 from stk.train.data import BatchLoader, CacheData, ImageData
@@ -112,3 +113,13 @@ def test_images_on_the_fly_take_their_dataset_s_crop(tmp_path: Path) -> None:
     }
     assert offsets[(4, 6)] == {(0, 0)}  # photos: 72x48 fits its 48x32 bucket whole
     assert len(offsets[(8, 8)]) > 1 and offsets[(8, 8)] != {CENTER_OFFSET}  # style: one offset per image
+
+
+def test_an_image_replaced_after_the_scan_stops_the_run_in_one_line(tmp_path: Path) -> None:
+    """--vae-on-the-fly trained on the new picture, silently."""
+    data = ImageData(str(write_scan(tmp_path)), vae_scale_factor=8)
+    replaced = tmp_path / "images" / STYLE / "im0.png"
+    make_image(200, 40, seed=9).save(replaced)
+    keys = data.bucket_keys()[(8, 8)].astype(str).tolist()
+    with pytest.raises(InputError, match=rf"^{replaced}: changed since stk-scan read it .*run stk-scan again"):
+        data.load(keys)

@@ -70,12 +70,14 @@ def test_one_step_is_train_dreambooth_lora_z_image(model: str) -> None:
 
 
 def test_sigmas_are_shifted_as_the_schedulers_static_shift(model: str) -> None:
-    """Tongyi-MAI/Z-Image's scheduler: shift 6 at every resolution (no dynamic shifting)."""
+    """Tongyi-MAI/Z-Image's scheduler: shift 6 at every resolution (no dynamic shifting), in the table the example
+    indexes with uniform draws."""
     objective = objective_for(Family.ZIMAGE, model)
-    u = sample_u(objective.settings, 64, torch.Generator().manual_seed(3))
+    u = sample_u(objective.settings, "uniform", 64, torch.Generator().manual_seed(3))
+    unshifted = (1000 - (u * 1000).long()) / 1000
     for image_tokens in (16, 4096):
         drawn = objective.sigmas(64, image_tokens, torch.Generator().manual_seed(3))
-        torch.testing.assert_close(drawn, 6 * u / (1 + 5 * u))
+        torch.testing.assert_close(drawn, 6 * unshifted / (1 + 5 * unshifted))
 
 
 def test_the_tokenizer_renders_qwen3s_chat_template(model: str) -> None:
