@@ -1,0 +1,81 @@
+"""stk.export.source on real stk-train outputs (the session's `trained`: a full fine-tune of the tiny SD on 2 ranks,
+checkpoints at steps 2 and 4; `sdxl`: a tiny SDXL pipeline, as a full fine-tune's final/ holds one), damaged or given
+the wrong family in copies: a checkpoint is verified against the sha256 of its stk-run.json as a resume verifies it
+(exit 6 naming the file), and a --family that the source's own record contradicts is one line (exit 3)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.checkpoints import MODEL, OPTIM, step_dir
+
+from stk.errors import CheckpointDamaged, InputError
+from stk.export import ExportOptions, Format, export
+from stk.models import Family
+from stk.train.checkpoint import SETTINGS
+
+
+def model_of(args: list[Any]) -> str:
+    return str(args[args.index("--model") + 1])
+
+
+def overwrite(path: Path, offset: int = 4096, size: int = 64) -> None:
+    """Bytes changed in place: the file keeps its size, so only its sha256 tells."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(os.urandom(size))
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda d: overwrite(d / MODEL), f"{MODEL}: sha256 "),
+        (lambda d: os.truncate(d / OPTIM.format(1), 1000), f"{OPTIM.format(1)}: 1000 bytes, "),
+    ],
+    ids=["bytes-changed", "optimizer-states-truncated"],
+)
+def test_a_checkpoint_that_does_not_match_its_digests_is_exit_6_before_any_model_loads(
+    copied: tuple[list[Any], Path], tmp_path: Path, damage: Any, says: str
+) -> None:
+    args, out = copied
+    damage(step_dir(out, 4))
+    opts = ExportOptions(
+        str(step_dir(out, 4)), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE, model=model_of(args)
+    )
+    with pytest.raises(CheckpointDamaged, match=f"the checkpoint is damaged .*{says}.*export another checkpoint"):
+        export(opts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_checkpoint_without_digests_is_exported_with_a_warning(
+    copied: tuple[list[Any], Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saved by an older stk: nothing to verify it by, said once."""
+    args, out = copied
+    record = step_dir(out, 4) / SETTINGS
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "files"}))
+    with caplog.at_level(logging.WARNING):
+        export(ExportOptions(str(step_dir(out, 4)), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE,
+                             model=model_of(args)))  # fmt: skip
+    assert (tmp_path / "m.safetensors").is_file()
+    assert any("records no digests" in r.getMessage() for r in caplog.records)
+
+
+def test_a_full_fine_tunes_final_given_another_family_is_refused(sdxl: Path, tmp_path: Path) -> None:
+    """An SDXL final/ with --family sd (written before, through SD's layout): the pipeline's record wins."""
+    with pytest.raises(InputError, match=r"holds SDXL's pipeline \(its model_index.json\), not --family sd's"):
+        export(ExportOptions(str(sdxl), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE, Family.SD))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_checkpoint_given_another_family_is_refused(copied: tuple[list[Any], Path], tmp_path: Path) -> None:
+    args, out = copied
+    opts = ExportOptions(str(step_dir(out, 4)), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE, Family.SDXL,
+                         model_of(args))  # fmt: skip
+    with pytest.raises(InputError, match=r"the checkpoint trained sd \(its stk-run.json\), not --family sdxl"):
+        export(opts)
