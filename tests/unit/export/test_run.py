@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from support.checkpoints import step_dir
+from support.checkpoints import run_model, step_dir
 from support.commands import one_error, stk_export
 
 from stk.errors import ExitCode, InputError
@@ -124,7 +124,7 @@ def test_the_scratch_of_a_killed_export_goes_on_the_rerun(trained: tuple[list[An
     """A full fine-tune's checkpoint is made a whole pipeline beside OUT first: killed while copying it (SIGXFSZ at
     the limit, as a SIGKILL would), the export leaves it; the next export to OUT removes it and writes OUT."""
     args, run = trained
-    model, file = str(args[args.index("--model") + 1]), tmp_path / "m.safetensors"
+    model, file = run_model(args), tmp_path / "m.safetensors"
     source = step_dir(run, 4)
     proc = stk_export(source, file, "--format", "single-file", "--model", model, file_limit=FILE_LIMIT, killed=True)
     assert proc.returncode == -signal.SIGXFSZ, proc.stderr

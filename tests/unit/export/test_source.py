@@ -5,23 +5,17 @@ the wrong family in copies: a checkpoint is verified against the sha256 of its s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.checkpoints import MODEL, OPTIM, step_dir
+from support.checkpoints import MODEL, OPTIM, run_model, step_dir, without_digests
 
 from stk.errors import CheckpointDamaged, InputError
 from stk.export import ExportOptions, Format, export
 from stk.models import Family
-from stk.train.checkpoint import SETTINGS
-
-
-def model_of(args: list[Any]) -> str:
-    return str(args[args.index("--model") + 1])
 
 
 def overwrite(path: Path, offset: int = 4096, size: int = 64) -> None:
@@ -45,7 +39,7 @@ def test_a_checkpoint_that_does_not_match_its_digests_is_exit_6_before_any_model
     args, out = copied
     damage(step_dir(out, 4))
     opts = ExportOptions(
-        str(step_dir(out, 4)), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE, model=model_of(args)
+        str(step_dir(out, 4)), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE, model=run_model(args)
     )
     with pytest.raises(CheckpointDamaged, match=f"the checkpoint is damaged .*{says}.*export another checkpoint"):
         export(opts)
@@ -57,11 +51,13 @@ def test_a_checkpoint_without_digests_is_exported_with_a_warning(
 ) -> None:
     """Saved by an older stk: nothing to verify it by, said once."""
     args, out = copied
-    record = step_dir(out, 4) / SETTINGS
-    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "files"}))
+    without_digests(step_dir(out, 4))
     with caplog.at_level(logging.WARNING):
-        export(ExportOptions(str(step_dir(out, 4)), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE,
-                             model=model_of(args)))  # fmt: skip
+        export(
+            ExportOptions(
+                str(step_dir(out, 4)), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE, model=run_model(args)
+            )
+        )
     assert (tmp_path / "m.safetensors").is_file()
     assert any("records no digests" in r.getMessage() for r in caplog.records)
 
@@ -73,9 +69,10 @@ def test_a_full_fine_tunes_final_given_another_family_is_refused(sdxl: Path, tmp
     assert not list(tmp_path.iterdir())
 
 
-def test_a_checkpoint_given_another_family_is_refused(copied: tuple[list[Any], Path], tmp_path: Path) -> None:
-    args, out = copied
-    opts = ExportOptions(str(step_dir(out, 4)), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE, Family.SDXL,
-                         model_of(args))  # fmt: skip
+def test_a_checkpoint_given_another_family_is_refused(trained: tuple[list[Any], Path], tmp_path: Path) -> None:
+    args, out = trained
+    folder, file = str(step_dir(out, 4)), str(tmp_path / "m.safetensors")
+    opts = ExportOptions(folder, file, Format.SINGLE_FILE, Family.SDXL, run_model(args))
     with pytest.raises(InputError, match=r"the checkpoint trained sd \(its stk-run.json\), not --family sdxl"):
         export(opts)
+    assert not list(tmp_path.iterdir())
