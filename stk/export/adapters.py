@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
-from stk.errors import CheckpointDamaged, InputError
+from stk.errors import InputError
 from stk.export.formats import Format
+from stk.export.source import check_whole
 from stk.models.families import all_specs, spec_for
 from stk.models.families.spec import FamilySpec
 from stk.models.layouts import LoraLayer
 
-__all__ = ["Adapter", "check_finite", "lora_layers", "read_adapter", "write_adapter"]
+__all__ = ["Adapter", "lora_layers", "read_adapter", "write_adapter"]
 
 METADATA = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 # a tensor name's mark -> the adapter type (peft's names): LoHa and LoKr are added by naming their tensors here
@@ -38,21 +39,19 @@ class Adapter:
 def read_adapter(file: Path) -> Adapter:
     """The adapter in `file`; CheckpointDamaged (exit 6) for a file that is not whole safetensors (truncated, its
     header overwritten), InputError (exit 3) for one that holds no adapter stk-export knows."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            keys = f.keys()  # a safe_open handle is not iterable
-            tensors, metadata = {key: f.get_tensor(key) for key in keys}, dict(f.metadata() or {})
-    except SafetensorError as exc:
-        raise CheckpointDamaged(f"{file}: damaged, not a whole safetensors file ({exc})") from exc
+    check_whole([file])
+    with safe_open(str(file), framework="pt") as f:
+        keys = f.keys()  # a safe_open handle is not iterable
+        tensors, metadata = {key: f.get_tensor(key) for key in keys}, dict(f.metadata() or {})
     kind = next((kind for mark, kind in KINDS.items() if any(mark in key for key in tensors)), None)
     if kind is None:
         raise InputError(f"{file}: holds no adapter stk-export knows (LoRA, DoRA, LoHa, LoKr tensors)")
     return Adapter(file, kind, tensors, metadata)
 
 
-def check_finite(tensors: dict[str, torch.Tensor], where: Path) -> None:
+def _check_finite(tensors: dict[str, torch.Tensor], where: Path) -> None:
     """InputError naming the first tensor holding a NaN or an infinity: the training diverged, and an exported file
     would make black images in every tool that loads it."""
     bad = [name for name, tensor in tensors.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
@@ -111,7 +110,7 @@ def write_adapter(adapter: Adapter, family: str, fmt: Format, out: Path) -> None
     adapter is not `family`'s or holds a NaN."""
     spec = spec_for(family)
     _check_family(adapter, spec)
-    check_finite(adapter.tensors, adapter.file)
+    _check_finite(adapter.tensors, adapter.file)
     if fmt is Format.DIFFUSERS:
         shutil.copyfile(adapter.file, out)
         return

@@ -5,6 +5,7 @@ as final/ does, in lora/; a full fine-tune's, DeepSpeed's shards of the denoiser
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from stk.models.families import Family, detect_family, family_hint, spec_for
 from stk.train.checkpoint import SETTINGS as RUN_SETTINGS
 from stk.train.checkpoint import damage_of
 
-__all__ = ["Source", "read_source"]
+__all__ = ["Source", "check_whole", "read_source"]
 
 log = get_logger("export")
 
@@ -54,11 +55,13 @@ def _family_beside(final: Path) -> Family | None:
 def read_source(path: str, family: Family | None) -> Source:
     """The folder `path` as stk-export reads it; InputError (exit 3) for a folder that is neither a final/ nor a
     checkpoint, for an adapter whose family neither `family` nor its run's checkpoints tell, and for a `family` that
-    the folder's own record contradicts; CheckpointDamaged (exit 6) for a checkpoint that does not verify."""
+    the folder's own record contradicts; CheckpointDamaged (exit 6) for a checkpoint that does not verify and a
+    final/ pipeline's weights file that is not whole."""
     folder = Path(path)
     if not folder.is_dir():
         raise InputError(f"{path}: no such folder; give stk-train's OUTPUT/final or a checkpoint folder")
     if (folder / "model_index.json").is_file():
+        check_whole(sorted(folder.rglob("*.safetensors")))
         return Source(folder, _pipeline_family(folder, family), adapter=None, pipeline=folder)
     if (folder / RUN_SETTINGS).is_file():
         _verify(folder)
@@ -93,6 +96,19 @@ def _pipeline_family(folder: Path, given: Family | None) -> Family:
             f"{given.value}'s; leave --family out"
         )
     return detected
+
+
+def check_whole(files: Iterable[Path]) -> None:
+    """CheckpointDamaged naming the first of `files` that is not whole safetensors (truncated, its header overwritten):
+    safetensors reads the header and checks that the tensors cover the rest of the file, without reading them."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError as exc:
+            raise CheckpointDamaged(f"{file}: damaged, not a whole safetensors file ({exc})") from exc
 
 
 def _verify(checkpoint: Path) -> None:

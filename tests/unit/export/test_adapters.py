@@ -5,7 +5,6 @@ An adapter that cannot be exported as it is (a damaged file, another family's, a
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from support.bad_inputs import DAMAGED_SAFETENSORS
 from support.commands import one_error, stk_export
 from support.lora_files import saved_lora
 from support.tiny_batches import step_inputs
@@ -128,20 +128,7 @@ def sdxl_lora(sdxl: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return final
 
 
-def overwrite_header(file: Path) -> None:
-    with open(file, "r+b") as f:
-        f.seek(8)  # past the header's length: its JSON
-        f.write(b"\0" * 64)
-
-
-@pytest.mark.parametrize(
-    ("damage", "says"),
-    [
-        (lambda f: os.truncate(f, f.stat().st_size // 2), "file not fully covered"),
-        (overwrite_header, "invalid JSON in header"),
-    ],
-    ids=["truncated", "header-overwritten"],
-)
+@pytest.mark.parametrize(("damage", "says"), DAMAGED_SAFETENSORS)
 def test_a_damaged_adapter_file_is_exit_6_naming_it(
     sdxl_lora: Path, tmp_path: Path, damage: Callable[[Path], None], says: str
 ) -> None:

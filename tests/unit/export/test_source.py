@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.bad_inputs import DAMAGED_SAFETENSORS
 from support.checkpoints import MODEL, OPTIM, run_model, step_dir, without_digests
 
 from stk.errors import CheckpointDamaged, InputError
@@ -60,6 +63,18 @@ def test_a_checkpoint_without_digests_is_exported_with_a_warning(
         )
     assert (tmp_path / "m.safetensors").is_file()
     assert any("records no digests" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("damage", "says"), DAMAGED_SAFETENSORS)
+def test_a_damaged_weights_file_of_a_final_pipeline_is_exit_6_naming_it(
+    sdxl: Path, tmp_path: Path, damage: Callable[[Path], None], says: str
+) -> None:
+    final = Path(shutil.copytree(sdxl, tmp_path / "final"))
+    file = final / "unet" / "diffusion_pytorch_model.safetensors"
+    damage(file)
+    with pytest.raises(CheckpointDamaged, match=f"{file}: damaged, not a whole safetensors file .*{says}"):
+        export(ExportOptions(str(final), str(tmp_path / "m.safetensors"), Format.SINGLE_FILE))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
 def test_a_full_fine_tunes_final_given_another_family_is_refused(sdxl: Path, tmp_path: Path) -> None:
