@@ -33,7 +33,7 @@ Exit codes (nothing is written but on 0): 0 written; 2 bad option; 3 SOURCE is n
 checkpoint, the format cannot hold what it holds, a full fine-tune's checkpoint without --model or
 with one of another family, a --family that SOURCE's record or weights contradict, an adapter
 holding NaN, or OUT exists (nothing is overwritten); 6 SOURCE is damaged (a checkpoint's file not
-matching its sha256 in stk-run.json, an adapter file that is not whole safetensors); 69 the disk
+matching its sha256 in stk-run.json, a weights file that is not whole safetensors); 69 the disk
 failed (full, read-only, or the file over the file-size limit).
 """
 
