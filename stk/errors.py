@@ -32,8 +32,8 @@ class ExitCode(enum.IntEnum):
     INPUT = 3  # source, table, bucket or output unusable: nothing was produced
     TOO_MANY_ERRORS = 4  # outputs written, but more bad files than --max-errors allows
     BATCH_CHECK = 5  # outputs written, but some bucket cannot fill one effective batch
-    INCOMPLETE = 6  # damaged data: a scan table, manifest, shard or checkpoint that cannot be read or verified,
-    # or a cache missing samples
+    INCOMPLETE = 6  # damaged data: a scan table, manifest, shard, checkpoint or trained model's file that cannot be
+    # read or verified, or a cache missing samples
     PREFLIGHT = 7  # stk-train: the job cannot run as set up (output not shared, uneven nodes); nothing trained
     DIVERGED = 8  # stk-train: steps kept coming out non-finite (nan/inf): stopped, nothing saved from them
     INFRA = 69  # storage, network or a peer failed (S3 down past the retry budget, disk full): retry, maybe elsewhere
@@ -93,7 +93,8 @@ class CacheIncomplete(StkError):
 
 
 class CheckpointDamaged(StkError):
-    """No checkpoint to resume from matches the digests it was saved with."""
+    """No checkpoint to resume from (or to export) matches the digests it was saved with, or a trained model's file
+    cannot be read as the format it claims (stk-export of a truncated adapter)."""
 
     exit_code = ExitCode.INCOMPLETE
 

@@ -29,9 +29,12 @@ denoiser alone, as DeepSpeed's shards: --model names the pipeline for the rest).
 Adapters and formats: {"; ".join(f"{kind}: {', '.join(f.value for f in fits)}" for kind, fits in FORMATS.items())}.
 
 \b
-Exit codes: 0 written; 2 bad option; 3 SOURCE is not a final/ or checkpoint, the format cannot
-hold what it holds, a full fine-tune's checkpoint without --model, or OUT exists (nothing is
-overwritten); 69 the disk failed.
+Exit codes (nothing is written but on 0): 0 written; 2 bad option; 3 SOURCE is not a final/ or
+checkpoint, the format cannot hold what it holds, a full fine-tune's checkpoint without --model or
+with one of another family, a --family that SOURCE's record or weights contradict, an adapter
+holding NaN, or OUT exists (nothing is overwritten); 6 SOURCE is damaged (a checkpoint's file not
+matching its sha256 in stk-run.json, a weights file that is not whole safetensors); 69 the disk
+failed (full, read-only, or the file over the file-size limit).
 """
 
 

@@ -1,11 +1,13 @@
 """An adapter from its diffusers/peft file (what stk-train's final/ and a checkpoint's lora/ hold) to a format: the
-same file, or kohya/ComfyUI's keys through the family's layout (`FamilySpec.kohya_lora`, stk.models.layouts)."""
+same file, or kohya/ComfyUI's keys through the family's layout (`FamilySpec.kohya_lora`, stk.models.layouts). The
+file is read whole and checked first: a damaged file, another family's weights or a NaN is one line, not a file."""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +15,12 @@ import torch
 
 from stk.errors import InputError
 from stk.export.formats import Format
+from stk.export.source import check_whole
 from stk.models.families import all_specs, spec_for
+from stk.models.families.spec import FamilySpec
 from stk.models.layouts import LoraLayer
 
-__all__ = ["adapter_kind", "lora_layers", "write_adapter"]
+__all__ = ["Adapter", "lora_layers", "read_adapter", "write_adapter"]
 
 METADATA = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 # a tensor name's mark -> the adapter type (peft's names): LoHa and LoKr are added by naming their tensors here
@@ -24,24 +28,51 @@ METADATA = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_M
 KINDS = {".lora_magnitude_vector": "dora", ".lora_A.": "lora", ".hada_w1_a": "loha", ".lokr_w1": "lokr"}
 
 
-def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+@dataclass(frozen=True)
+class Adapter:
+    file: Path
+    kind: str  # "lora", "dora", "loha" or "lokr", from the tensor names peft gives each type
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+
+def read_adapter(file: Path) -> Adapter:
+    """The adapter in `file`; CheckpointDamaged (exit 6) for a file that is not whole safetensors (truncated, its
+    header overwritten), InputError (exit 3) for one that holds no adapter stk-export knows."""
     from safetensors import safe_open
 
+    check_whole([file])
     with safe_open(str(file), framework="pt") as f:
-        keys = f.keys()
-        return {key: f.get_tensor(key) for key in keys}, dict(f.metadata() or {})
+        keys = f.keys()  # a safe_open handle is not iterable
+        tensors, metadata = {key: f.get_tensor(key) for key in keys}, dict(f.metadata() or {})
+    kind = next((kind for mark, kind in KINDS.items() if any(mark in key for key in tensors)), None)
+    if kind is None:
+        raise InputError(f"{file}: holds no adapter stk-export knows (LoRA, DoRA, LoHa, LoKr tensors)")
+    return Adapter(file, kind, tensors, metadata)
 
 
-def adapter_kind(file: Path) -> str:
-    """ "lora", "loha" or "lokr", from the tensor names peft gives each type."""
-    from safetensors import safe_open
+def _check_finite(tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """InputError naming the first tensor holding a NaN or an infinity: the training diverged, and an exported file
+    would make black images in every tool that loads it."""
+    bad = [name for name, tensor in tensors.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+    if bad:
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise InputError(
+            f"{where}: {bad[0]} holds NaN or infinite values{more}: the training diverged there; export an earlier "
+            "checkpoint"
+        )
 
-    with safe_open(str(file), framework="pt") as f:
-        keys = list(f.keys())
-    for mark, kind in KINDS.items():
-        if any(mark in key for key in keys):
-            return kind
-    raise InputError(f"{file}: holds no adapter stk-export knows (LoRA, DoRA, LoHa, LoKr tensors)")
+
+def _check_family(adapter: Adapter, spec: FamilySpec) -> None:
+    """InputError where the adapter's weights are not on `spec`'s denoiser (an SDXL LoRA given --family flux: its
+    keys are the UNet's, `unet.`, not the transformer's)."""
+    prefix = f"{spec.denoiser_subfolder}."
+    other = next((key for key in adapter.tensors if not key.startswith(prefix)), None)
+    if other is not None:
+        raise InputError(
+            f"{adapter.file}: {other} is not a weight of {spec.title}'s {spec.denoiser_subfolder}: the adapter was "
+            f"trained on another family; give its --family (or leave --family out where its run records it)"
+        )
 
 
 def _scale(config: dict[str, Any], file: Path) -> float:
@@ -61,11 +92,10 @@ def _config(metadata: dict[str, str], prefix: str, file: Path) -> dict[str, Any]
     return own or packed
 
 
-def lora_layers(file: Path, subfolder: str) -> dict[str, LoraLayer]:
-    """The LoRA in `file` by the denoiser's layer names (`transformer.` or `unet.` taken off)."""
-    state, metadata = _read(file)
-    prefix = f"{subfolder}."
-    scale = _scale(_config(metadata, prefix, file), file)
+def lora_layers(adapter: Adapter, subfolder: str) -> dict[str, LoraLayer]:
+    """The LoRA by the denoiser's layer names (`transformer.` or `unet.` taken off)."""
+    state, prefix = adapter.tensors, f"{subfolder}."
+    scale = _scale(_config(adapter.metadata, prefix, adapter.file), adapter.file)
     layers = {}
     for key, down in state.items():
         if key.endswith(".lora_A.weight"):
@@ -75,16 +105,19 @@ def lora_layers(file: Path, subfolder: str) -> dict[str, LoraLayer]:
     return layers
 
 
-def write_adapter(file: Path, family: str, fmt: Format, out: Path) -> None:
-    """`out` (a new file) from the adapter `file`: the same bytes for diffusers, kohya's keys for kohya."""
-    if fmt is Format.DIFFUSERS:
-        shutil.copyfile(file, out)
-        return
+def write_adapter(adapter: Adapter, family: str, fmt: Format, out: Path) -> None:
+    """`out` (a new file) from `adapter`: the same bytes for diffusers, kohya's keys for kohya; refused where the
+    adapter is not `family`'s or holds a NaN."""
     spec = spec_for(family)
+    _check_family(adapter, spec)
+    _check_finite(adapter.tensors, adapter.file)
+    if fmt is Format.DIFFUSERS:
+        shutil.copyfile(adapter.file, out)
+        return
     if spec.kohya_lora is None:
         have = ", ".join(s.name.value for s in all_specs() if s.kohya_lora is not None)
         raise InputError(f"--format kohya: no kohya layout for {spec.title}; families that have one: {have}")
     from safetensors.torch import save_file
 
-    tensors = spec.kohya_lora(lora_layers(file, spec.denoiser_subfolder))
+    tensors = spec.kohya_lora(lora_layers(adapter, spec.denoiser_subfolder))
     save_file(tensors, str(out), metadata={"format": "pt"})

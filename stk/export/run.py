@@ -1,14 +1,17 @@
 """stk-export from options to the written file: what the source holds, whether the format can hold it, then the file,
-written beside its place and renamed into it, so `out` is the whole export or nothing."""
+built in a scratch folder beside its place and renamed into it, so `out` is the whole export or nothing.
+
+The scratch folder is named from `out` (`.NAME.stk-export`): a killed export leaves it (for a full fine-tune's
+checkpoint, a whole pipeline), and the next export to the same `out` removes it first; a failed one removes its own."""
 
 from __future__ import annotations
 
-import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from stk.errors import InputError
-from stk.export.adapters import adapter_kind, write_adapter
+from stk.export.adapters import read_adapter, write_adapter
 from stk.export.formats import Format, check_format
 from stk.export.single import write_single_file
 from stk.export.source import read_source
@@ -18,7 +21,7 @@ from stk.models.families import Family
 from stk.storage.failures import storage_errors
 from stk.storage.modes import honour_umask
 
-__all__ = ["ExportOptions", "export"]
+__all__ = ["ExportOptions", "export", "scratch_of"]
 
 log = get_logger("export")
 
@@ -32,28 +35,39 @@ class ExportOptions:
     model: str | None = None  # the pipeline a full fine-tune's checkpoint was trained from (its other components)
 
 
+def scratch_of(out: Path) -> Path:
+    """The folder an export to `out` builds in: beside it (one file system, so the rename is atomic), named from it."""
+    return out.with_name(f".{out.name}.stk-export")
+
+
 def export(opts: ExportOptions) -> str:
     """Write `opts.out`; returns its path. InputError (exit 3, one line) for a source that is not stk-train's, a
-    format that cannot hold what it holds, or an output that exists."""
+    format that cannot hold what it holds, or an output that exists; CheckpointDamaged (exit 6) for a source that does
+    not verify or cannot be read; InfraError (exit 69) for a disk that fails."""
     out = Path(opts.out)
-    if out.exists():
-        raise InputError(f"{opts.out}: already exists; give a new file name (nothing is overwritten)")
     if not out.parent.is_dir():
         raise InputError(f"{opts.out}: its folder {out.parent} does not exist")
+    scratch = scratch_of(out)
+    with storage_errors(str(scratch), saving=True):
+        if scratch.exists():
+            log.info("%s: removing what an export that did not finish left there", scratch)
+            shutil.rmtree(scratch)
+    if out.exists():
+        raise InputError(f"{opts.out}: already exists; give a new file name (nothing is overwritten)")
     source = read_source(opts.source, opts.family)
-    trained = adapter_kind(source.adapter) if source.adapter is not None else "full"
-    check_format(trained, opts.format, opts.source)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    adapter = read_adapter(source.adapter) if source.adapter is not None else None
+    check_format(adapter.kind if adapter is not None else "full", opts.format, opts.source)
     with storage_errors(opts.out, saving=True):
         try:
-            if source.adapter is not None:
-                write_adapter(source.adapter, source.family.value, opts.format, tmp)
+            scratch.mkdir()
+            tmp = scratch / out.name
+            if adapter is not None:
+                write_adapter(adapter, source.family.value, opts.format, tmp)
             else:
-                with pipeline_of(source, opts.model, out.parent) as pipeline:
-                    write_single_file(pipeline, source.family.value, tmp)
+                write_single_file(pipeline_of(source, opts.model, scratch), source.family.value, tmp)
             honour_umask(tmp)  # safetensors writes 0600: an export on shared storage is for the team
             tmp.rename(out)
         finally:
-            tmp.unlink(missing_ok=True)
+            shutil.rmtree(scratch, ignore_errors=True)
     log.info("%s (%s, %s): %s", opts.source, source.family.value, opts.format.value, opts.out)
     return opts.out

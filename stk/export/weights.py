@@ -1,40 +1,55 @@
 """The pipeline a full fine-tune's weights make: OUTPUT/final as it is, or, from a checkpoint (DeepSpeed's ZeRO shards
 of the denoiser alone), the fp32 weights DeepSpeed's own `zero_to_fp32` consolidates, put into `--model`'s pipeline
-as stk-train's final/ is made (`stk.train.export.export_pipeline`), in a folder that lasts as long as the export."""
+as stk-train's final/ is made (`stk.train.export.export_pipeline`), in the export's scratch folder."""
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+import pickle
 from pathlib import Path
 
-from stk.errors import InputError
+import torch
+
+from stk.errors import CheckpointDamaged, InputError
 from stk.export.source import Source
-from stk.models.families import spec_for
+from stk.models.families import detect_family, spec_for
 
 __all__ = ["pipeline_of"]
 
 
-@contextmanager
-def pipeline_of(source: Source, model: str | None, scratch: Path) -> Iterator[Path]:
-    """The diffusers pipeline folder of `source`'s full fine-tune; a checkpoint's is built under `scratch`."""
+def pipeline_of(source: Source, model: str | None, scratch: Path) -> Path:
+    """The diffusers pipeline folder of `source`'s full fine-tune; a checkpoint's is built in `scratch`."""
     if source.pipeline is not None:
-        yield source.pipeline
-        return
+        return source.pipeline
     if model is None:
         raise InputError(
             f"{source.path}: a full fine-tune's checkpoint holds the denoiser alone; give --model, the pipeline the "
             "run trained (its --model), for the other components"
         )
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     from stk.train.export import export_pipeline
 
     spec = spec_for(source.family)
-    state = get_fp32_state_dict_from_zero_checkpoint(str(source.path.parent), tag=source.path.name)
+    if (given := detect_family(model)) is not source.family:
+        raise InputError(
+            f"--model {model}: {spec_for(given).title}'s pipeline, but {source.path} trained {spec.title}'s "
+            f"{spec.denoiser_subfolder}; give the --model the run trained"
+        )
+    state = _consolidated(source.path)
     config = dict(spec.denoiser_class.load_config(model, subfolder=spec.denoiser_subfolder))
-    with tempfile.TemporaryDirectory(prefix=".stk-export-", dir=scratch) as tmp:
-        folder = Path(tmp) / "pipeline"
-        export_pipeline(model, spec.denoiser_subfolder, spec.denoiser_class, config, state, str(folder))
-        yield folder
+    folder = scratch / "pipeline"
+    export_pipeline(model, spec.denoiser_subfolder, spec.denoiser_class, config, state, str(folder))
+    return folder
+
+
+def _consolidated(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The denoiser's fp32 weights from the checkpoint's ZeRO shards; CheckpointDamaged where DeepSpeed cannot read
+    them (a checkpoint saved without digests, so not verified: a truncated or half-written file)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        state: dict[str, torch.Tensor] = get_fp32_state_dict_from_zero_checkpoint(
+            str(checkpoint.parent), tag=checkpoint.name
+        )
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointDamaged(f"{checkpoint}: DeepSpeed cannot read it ({line}); is the checkpoint whole?") from exc
+    return state

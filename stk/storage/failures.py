@@ -1,6 +1,7 @@
 """The one place where a failing disk becomes an error for people.
 
-A full disk, an exhausted quota, a file system remounted read-only or a failing device are the
+A full disk, an exhausted quota, a file over the size limit (EFBIG: the file system's, or the
+process's `ulimit -f`), a file system remounted read-only or a failing device are the
 infrastructure's fault (InfraError, exit 69: rerun, maybe elsewhere); permission denied is the
 user's to fix (InputError, exit 3), except in the middle of a save (`saving`): the output was
 writable when the run started, so a checkpoint that cannot be written is the infrastructure's
@@ -29,6 +30,8 @@ _INFRA = {
     errno.EDQUOT: "cannot write {}: disk quota exceeded; free space or raise the quota, " + _RERUN,
     errno.EROFS: "cannot write {}: the file system is read-only; remount it read-write (or write elsewhere), " + _RERUN,
     errno.EIO: "input/output error at {}: the disk or network file system failed; rerun, maybe on another node",
+    errno.EFBIG: "cannot write {}: the file is larger than its file system or the file-size limit (ulimit -f) allows; "
+    "write it elsewhere or raise the limit, " + _RERUN,
 }
 _INPUT = {
     errno.EACCES: "permission denied: {}; give the user running stk access to it, or use another location",

@@ -42,7 +42,7 @@ from stk.train.digests import FileRecord, damage, hash_files, listed_files
 from stk.train.worldsize import UNIVERSAL, effective_batch
 from stk.world import World, raised_everywhere
 
-__all__ = ["CheckpointDir", "Resume"]
+__all__ = ["CheckpointDir", "Resume", "damage_of"]
 
 log = get_logger("train.checkpoint")
 
@@ -372,6 +372,13 @@ def _damage(resume: Resume, world: World) -> list[str]:
     except ValueError as exc:
         return [f"{_where(resume)}/{exc}"] if world.is_root else []
     return damage(_where(resume), files or {}, world.rank, world.size)
+
+
+def damage_of(folder: str) -> list[str] | None:
+    """What is wrong with the checkpoint `folder`, every file checked in this process as a resume checks it (for
+    stk-export, which reads one); None where its record lists no digests (saved by an older stk)."""
+    resume = Resume(*os.path.split(os.path.abspath(folder)))
+    return _damage(resume, World()) if _has_digests(resume) else None
 
 
 def _where(resume: Resume) -> str:

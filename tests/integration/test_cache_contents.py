@@ -212,8 +212,9 @@ def test_info_reports_samples_buckets_bytes_and_compression(scanned: Scanned, bu
     shard_files = list((cache.path / "shards").glob("*.h5"))
     assert info["shards"] == len(shard_files)
     assert info["bytes"] == sum(p.stat().st_size for p in shard_files)
-    # float32: a (4, h/8, w/8) latent per image, a (77, 32) embedding per distinct caption
-    raw = sum(4 * 4 * (r["bucket_height"] // 8) * (r["bucket_width"] // 8) for r in good)
+    # float32: a (4, h/8, w/8) mean and log-variance per image (SD's example samples), a (77, 32) embedding per caption
+    assert info["settings"]["latents"]["store_logvar"] is True
+    raw = sum(2 * 4 * 4 * (r["bucket_height"] // 8) * (r["bucket_width"] // 8) for r in good)
     raw += len(scanned.texts) * 77 * 32 * 4
     assert info["raw_bytes"] == raw
     assert info["compression_ratio"] == round(raw / info["bytes"], 3)

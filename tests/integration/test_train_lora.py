@@ -5,6 +5,7 @@ refused because they would load other adapter weights (tests/unit/train/test_che
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
-from support.commands import FAST, clean_env, run_train, stk_export, summary_of
+from support.commands import FAST, clean_env, one_error, run_train, stk_export, summary_of
 from support.train_outputs import SAMPLING, metrics, sample_pngs, samples_match
 
 from stk.cli.train import main as train_main
@@ -67,6 +68,16 @@ def test_ten_lora_steps_equal_five_then_resume_five(setups, tmp_path):
         assert stk_export(source, out, "--format", "kohya").returncode == 0
         own, kohya = fused_unet(model, same_as, LORA_WEIGHTS), fused_unet(model, tmp_path, out.name)
         assert own.keys() == kohya.keys() and all(torch.allclose(kohya[k], own[k], atol=1e-6) for k in own), source
+    # the checkpoint's adapter changed in place (its size kept): its sha256 in stk-run.json tells, as a resume's would
+    adapter = last / "lora" / LORA_WEIGHTS
+    with open(adapter, "r+b") as f:
+        f.seek(-64, os.SEEK_END)
+        flipped = bytes(b ^ 0xFF for b in f.read())
+        f.seek(-64, os.SEEK_END)
+        f.write(flipped)
+    proc = stk_export(last, tmp_path / "damaged.safetensors", "--format", "kohya")
+    one_error(proc, ExitCode.INCOMPLETE, f"{last}: the checkpoint is damaged ({adapter}: sha256 ")
+    assert not (tmp_path / "damaged.safetensors").exists()
 
 
 def fused_unet(model: str, folder: Path, weight_name: str) -> dict[str, torch.Tensor]:

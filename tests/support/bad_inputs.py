@@ -1,4 +1,5 @@
-"""Inputs that fail: a prefix that makes root obey permissions, an image no decoder implements, a raising stand-in."""
+"""Inputs that fail: a prefix that makes root obey permissions, an image no decoder implements, a raising stand-in,
+safetensors files damaged as a disk or a copy damages them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,3 +41,20 @@ def raising(exc: BaseException) -> Callable[..., Any]:
         raise exc
 
     return raise_it
+
+
+def _overwrite_header(file: Path) -> None:
+    with open(file, "r+b") as f:
+        f.seek(8)  # past the header's length: its JSON
+        f.write(b"\0" * 64)
+
+
+def _truncate(file: Path) -> None:
+    os.truncate(file, file.stat().st_size // 2)
+
+
+# (damage done to a .safetensors file in place, what safetensors then says), as pytest.param with an id
+DAMAGED_SAFETENSORS = [
+    pytest.param(_truncate, "file not fully covered", id="truncated"),
+    pytest.param(_overwrite_header, "invalid JSON in header", id="header-overwritten"),
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -118,9 +119,27 @@ def run_train(
 TRAIN_IMAGES = 24  # one 64x64 bucket (sides 64-80 px at alignment 64)
 
 
-def stk_export(*args: object) -> subprocess.CompletedProcess[str]:
-    """stk-export as users run it (one process, never under MPI)."""
-    return subprocess.run([*EXPORT, *map(str, args)], capture_output=True, text=True, env=scan_env(), timeout=120)
+# stk-export that dies of SIGXFSZ at the file-size limit, as a process killed mid-write (Python ignores the signal)
+KILLED_AT_LIMIT = (
+    "import runpy, signal; signal.signal(signal.SIGXFSZ, signal.SIG_DFL); "
+    "runpy.run_module('stk.cli.export', run_name='__main__')"
+)
+
+
+def stk_export(*args: object, file_limit: int | None = None, killed: bool = False) -> subprocess.CompletedProcess[str]:
+    """stk-export as users run it (one process, never under MPI); under a file-size limit (`ulimit -f`) of
+    `file_limit` bytes where given: a write past it fails with EFBIG, or, `killed`, ends the process there."""
+    command = [sys.executable, "-c", KILLED_AT_LIMIT] if killed else EXPORT
+    limit = None if file_limit is None else (file_limit, file_limit)
+    env = {**scan_env(), "PYTHONDONTWRITEBYTECODE": "1"}  # no .pyc written to meet the limit
+    return subprocess.run(
+        [*command, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        preexec_fn=None if limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, limit),
+    )
 
 
 def one_error(proc: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:

@@ -1,17 +1,25 @@
 """stk-export's LoRA formats read back by readers stk did not write: diffusers' `load_lora_weights` loads the kohya/
 ComfyUI-key file through its own converters, and the denoiser then predicts what it predicts with the diffusers file.
-SD3.5 is the one family diffusers has no converter of these keys for: its file is checked by its names and shapes."""
+SD3.5 is the one family diffusers has no converter of these keys for: its file is checked by its names and shapes.
+An adapter that cannot be exported as it is (a damaged file, another family's, a NaN) is one line and no file."""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from support.bad_inputs import DAMAGED_SAFETENSORS
+from support.commands import one_error, stk_export
+from support.lora_files import saved_lora
 from support.tiny_batches import step_inputs
 
+from stk.errors import CheckpointDamaged, ExitCode, InputError
 from stk.export import ExportOptions, Format, export
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
@@ -107,3 +115,46 @@ def test_sd3_names_are_the_mmdit_ones(models: Any, tmp_path: Path) -> None:
     parts = [own[f"transformer.transformer_blocks.0.attn.to_{c}.lora_{ab}.weight"] for c in "qkv" for ab in "BA"]
     expected = torch.cat([b @ a * 2.0 for b, a in zip(parts[0::2], parts[1::2], strict=True)])  # alpha 8 / rank 4
     torch.testing.assert_close(up @ down * scale, expected)
+
+
+# --- adapters that cannot be exported as they are ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sdxl_lora(sdxl: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An SDXL LoRA's final/ as stk-train writes it; read-only: the tests damage copies of it."""
+    final = tmp_path_factory.mktemp("sdxl-lora") / "final"
+    saved_lora(Family.SDXL, str(sdxl), final)
+    return final
+
+
+@pytest.mark.parametrize(("damage", "says"), DAMAGED_SAFETENSORS)
+def test_a_damaged_adapter_file_is_exit_6_naming_it(
+    sdxl_lora: Path, tmp_path: Path, damage: Callable[[Path], None], says: str
+) -> None:
+    final = Path(shutil.copytree(sdxl_lora, tmp_path / "final"))
+    damage(final / LORA_WEIGHTS)
+    with pytest.raises(CheckpointDamaged, match=f"{LORA_WEIGHTS}: damaged, not a whole safetensors file .*{says}"):
+        export(ExportOptions(str(final), str(tmp_path / "out.safetensors"), Format.KOHYA, Family.SDXL))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_another_familys_adapter_is_one_line_exit_3(sdxl_lora: Path, tmp_path: Path) -> None:
+    """An SDXL LoRA given --family flux (a KeyError deep in the kohya layout before): its keys are a UNet's."""
+    proc = stk_export(sdxl_lora, tmp_path / "out.safetensors", "--family", "flux", "--format", "kohya")
+    one_error(proc, ExitCode.INPUT, "unet.", "is not a weight of Flux's transformer", "give its --family")
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_adapter_holding_a_nan_is_refused_naming_the_tensor(sdxl_lora: Path, tmp_path: Path) -> None:
+    final = Path(shutil.copytree(sdxl_lora, tmp_path / "final"))
+    with safe_open(str(final / LORA_WEIGHTS), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(final / LORA_WEIGHTS)
+    name = sorted(k for k in tensors if "lora_B" in k)[-1]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, final / LORA_WEIGHTS, metadata=metadata)
+    for fmt in (Format.DIFFUSERS, Format.KOHYA):
+        with pytest.raises(InputError, match=f"{name} holds NaN or infinite values: the training diverged"):
+            export(ExportOptions(str(final), str(tmp_path / "out.safetensors"), fmt, Family.SDXL))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]

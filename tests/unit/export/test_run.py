@@ -1,19 +1,25 @@
 """stk-export's refusals, each one line and exit 3 with nothing written: a folder that is not stk-train's final/ or
 checkpoint, a format that cannot hold what it holds (DoRA, LoHa and LoKr name the formats that can), an output that
-exists; and where it finds an adapter's family (a checkpoint's record, the run's latest checkpoint)."""
+exists; where it finds an adapter's family (a checkpoint's record, the run's latest checkpoint); and, on the session's
+real run (`trained`), a file-size limit met while writing (exit 69, nothing left) and the scratch a killed export
+leaves, which the rerun removes."""
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from support.checkpoints import run_model, step_dir
 from support.commands import one_error, stk_export
 
 from stk.errors import ExitCode, InputError
 from stk.export import ExportOptions, Format, export
+from stk.export.run import scratch_of
 from stk.export.source import read_source
 from stk.models import Family
 
@@ -96,3 +102,32 @@ def test_the_family_comes_from_the_checkpoint_or_the_runs_latest(tmp_path: Path)
     assert read_source(str(run / "final"), Family.SD).family is Family.SD  # --family wins
     with pytest.raises(InputError, match="family is not recorded beside it; pass --family"):
         read_source(str(adapter_file(tmp_path / "alone")), None)
+
+
+# --- the disk, and an export killed midway -------------------------------------------------------------------------
+
+FILE_LIMIT = 64 * 1024  # bytes (ulimit -f): above the tiny SD's tokenizer (13 KB), below its text encoder (150 KB)
+
+
+def test_a_file_over_the_size_limit_is_one_line_exit_69_and_nothing_is_left(
+    trained: tuple[list[Any], Path], tmp_path: Path
+) -> None:
+    """EFBIG (the process's ulimit -f, or a file system's largest file) while OUT is written: a traceback before."""
+    _, run = trained
+    file = tmp_path / "m.safetensors"
+    proc = stk_export(run / "final", file, "--format", "single-file", file_limit=FILE_LIMIT)
+    one_error(proc, ExitCode.INFRA, f"cannot write {file}: the file is larger than", "file-size limit (ulimit -f)")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_scratch_of_a_killed_export_goes_on_the_rerun(trained: tuple[list[Any], Path], tmp_path: Path) -> None:
+    """A full fine-tune's checkpoint is made a whole pipeline beside OUT first: killed while copying it (SIGXFSZ at
+    the limit, as a SIGKILL would), the export leaves it; the next export to OUT removes it and writes OUT."""
+    args, run = trained
+    model, file = run_model(args), tmp_path / "m.safetensors"
+    source = step_dir(run, 4)
+    proc = stk_export(source, file, "--format", "single-file", "--model", model, file_limit=FILE_LIMIT, killed=True)
+    assert proc.returncode == -signal.SIGXFSZ, proc.stderr
+    assert any(scratch_of(file).rglob("model_index.json")), "no pipeline left to remove"
+    export(ExportOptions(str(source), str(file), Format.SINGLE_FILE, model=model))
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]

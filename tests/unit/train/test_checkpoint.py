@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.checkpoints import MODEL, OPTIM, record, resolve, step_dir
+from support.checkpoints import MODEL, OPTIM, record, resolve, step_dir, without_digests
 
 from stk.errors import CheckpointDamaged, InfraError, InputError
 from stk.models import Family
@@ -115,8 +115,7 @@ def test_resume_from_picks_one_by_hand_and_refuses_it_damaged(copied):
 
 def test_a_checkpoint_saved_without_digests_resumes_with_one_warning(copied, caplog):
     _, out = copied
-    path = step_dir(out, 4) / SETTINGS
-    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "files"}))
+    without_digests(step_dir(out, 4))
     with caplog.at_level(logging.WARNING):
         assert resolve(out) == Resume(str(out / "checkpoints"), "step-00000004")
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
