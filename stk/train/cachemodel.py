@@ -22,12 +22,12 @@ import torch
 from stk.errors import InputError
 from stk.log import get_logger
 from stk.models.base import identity_differences
-from stk.models.families import spec_for
+from stk.models.families import Family, spec_for
 from stk.train.data import CacheData
 from stk.train.options import TrainOptions
 from stk.train.plan import TrainPlan
 
-__all__ = ["check_cache_model", "note_latents"]
+__all__ = ["check_cache_model", "latents_note", "note_latents"]
 
 log = get_logger("train")
 
@@ -66,16 +66,26 @@ def check_cache_model(opts: TrainOptions, plan: TrainPlan) -> None:
 
 
 def note_latents(opts: TrainOptions, plan: TrainPlan) -> None:
-    """One line when the cache holds the latents otherwise than the family's training example uses them (made with
-    `stk-cache --latents` given), so a user comparing a run with the example knows why it differs."""
-    if not isinstance(plan.data, CacheData):
-        return
-    example = spec_for(plan.family).example
-    stored = bool(plan.data.config.settings.store_logvar)
-    if stored != example.samples_latents:
-        script = example.script.rsplit("/", 1)[-1]
-        if stored:
-            what = "mean and log-variance: this run trains on samples, where {} trains on the mean (--latents mean)"
-        else:
-            what = "the latent mean only: this run trains on it, where {} trains on samples (--latents params)"
-        log.warning("%s was cached with %s", opts.cache, what.format(script))
+    """The one line of `latents_note` for a run on a cache."""
+    if isinstance(plan.data, CacheData):
+        note = latents_note(plan.family, bool(plan.data.config.settings.store_logvar), opts.cache or "the cache")
+        if note is not None:
+            log.warning(note)
+
+
+def latents_note(family: Family, stored_logvar: bool, cache: str) -> str | None:
+    """What to tell a user whose cache holds the latents otherwise than `family`'s training example uses them (made
+    with `stk-cache --latents` given), so that a run compared with the example says why it differs; None where not."""
+    example = spec_for(family).example
+    if stored_logvar == example.samples_latents:
+        return None
+    script = example.script.rsplit("/", 1)[-1]
+    if stored_logvar:
+        return (
+            f"{cache} was cached with mean and log-variance: this run trains on samples, where {script} trains on "
+            "the mean (stk-cache --latents mean)"
+        )
+    return (
+        f"{cache} was cached with the latent mean only: this run trains on it, where {script} trains on samples "
+        "(stk-cache --latents params)"
+    )
