@@ -12,17 +12,17 @@ from typing import Any, TextIO
 import click
 
 from stk.cli.common import CONTEXT, FiniteFloat, common_options, default_of, options_from, run_command, run_process
-from stk.errors import InputError
+from stk.cli.trainsettings import betas, flow_shift, resolution, settings_of
 from stk.models import Family
 from stk.models.families import family_names
 from stk.train.baseprecision import BASE_PRECISIONS
 from stk.train.dsconfig import PRECISIONS, PRESETS
 from stk.train.lora import ADAPTERS, LoraSettings
-from stk.train.losses import FLOW_SHIFTS, TIMESTEP_SAMPLINGS, LossSettings
+from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
 from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
 from stk.train.reporters import REPORTERS
-from stk.train.validation import ValidationSettings, parse_resolution
+from stk.train.validation import ValidationSettings
 from stk.world import World
 
 EPILOG = """\b
@@ -51,38 +51,6 @@ $STK_BUILD_WAIT_SECONDS (retry, maybe elsewhere); 75 checkpointed on SIGUSR2/SIG
 the first step: stopped at once), requeue the job to continue; 76 GPU fault (circuit breaker open);
 1 a bug (traceback in the log).
 """
-
-
-def _betas(ctx: click.Context, param: click.Parameter, value: str) -> tuple[float, float]:
-    try:
-        first, second = (float(v) for v in value.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: give two numbers, like 0.9,0.999") from None
-    beta = FiniteFloat(0, 1, max_open=True)
-    return beta.convert(first, param, ctx), beta.convert(second, param, ctx)
-
-
-def _flow_shift(ctx: click.Context, param: click.Parameter, value: str | float) -> str | float:
-    if value in FLOW_SHIFTS:
-        return value
-    usage = f"{value!r}: a positive number like 3.0, or one of {', '.join(FLOW_SHIFTS)}"
-    try:
-        number = float(value)
-    except ValueError:
-        raise click.BadParameter(usage) from None
-    shift = float(FiniteFloat().convert(number, param, ctx))
-    if shift <= 0:
-        raise click.BadParameter(usage)
-    return shift
-
-
-def _resolution(value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    try:
-        return parse_resolution(value)
-    except InputError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 def _default(name: str) -> Any:
@@ -137,7 +105,7 @@ def _default(name: str) -> Any:
 @click.option(
     "--betas",
     default=",".join(map(str, default_of(OptimizerSettings, "betas"))),
-    callback=_betas,
+    callback=betas,
     show_envvar=True,
     help="Optimizer betas.",
 )
@@ -211,7 +179,7 @@ def _default(name: str) -> Any:
 @click.option("--logit-std", default=default_of(LossSettings, "logit_std"), type=FiniteFloat(), show_envvar=True,
               help="Flow families, logit-normal and sigmoid: the spread.")  # fmt: skip
 @click.option("--flow-shift", default=default_of(LossSettings, "flow_shift"),
-              callback=_flow_shift, show_envvar=True,
+              callback=flow_shift, show_envvar=True,
               help="Flow families: example (the scheduler's training table, as the family's diffusers example "
                    "indexes it: shifted only by a static shift in the scheduler's config), "
                    "auto (shifted as the pipeline shifts its schedule for the image's size), or a number S "
@@ -241,7 +209,7 @@ def _default(name: str) -> Any:
 @click.option("--validation-guidance", default=None, type=FiniteFloat(0), show_envvar=True,
               help="Guidance scale of the samples [default: SD 7.5, SDXL 5, Flux 3.5].")  # fmt: skip
 @click.option("--validation-resolution", default=None, show_envvar=True,
-              callback=lambda _ctx, _param, value: _resolution(value),
+              callback=lambda _ctx, _param, value: resolution(value),
               help="WIDTHxHEIGHT of the samples [default: the run's most common bucket].")  # fmt: skip
 @click.option("--validation-seed", default=default_of(ValidationSettings, "seed"), type=int, show_envvar=True,
               help="Prompt k's noise is drawn from this + k: the same image on any number of ranks.")  # fmt: skip
@@ -325,7 +293,7 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
     Run it under mpiexec, srun --mpi=pmi2|pmix, or stk-launch: it finds its rank and rendezvous
     itself. Rerunning the same command continues from the latest checkpoint.
     """
-    settings = _settings(options)
+    settings = settings_of(options)
     resume_from = options.pop("resume_from")
     if resume_from:
         if options["resume"] not in ("auto", resume_from):
@@ -353,32 +321,6 @@ def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_second
         return int(code)
 
     run_command("stk-train", verbose, quiet, s3_endpoint_url, body, s3_retry_seconds=s3_retry_seconds)
-
-
-def _settings(options: dict[str, Any]) -> dict[str, Any]:
-    """The option groups that are settings objects of their own, taken out of `options`."""
-    pop = options.pop
-    targets = pop("lora_targets")
-    loss = ("snr_gamma", "noise_offset", "timestep_sampling", "logit_mean", "logit_std", "flow_shift",
-            "caption_dropout")  # fmt: skip
-    validation = ("prompts_file", "every", "steps", "guidance", "resolution", "seed")
-    return {
-        "optimizer": OptimizerSettings(pop("optimizer"), pop("lr"), pop("betas"), pop("weight_decay")),
-        "lora": LoraSettings(
-            pop("lora_rank"),
-            pop("lora_alpha"),
-            pop("lora_dropout"),
-            tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else (),
-            adapter=pop("adapter"),
-            dora=pop("dora"),
-        ),
-        "loss": LossSettings(**{name: pop(name) for name in loss}),
-        "validation": ValidationSettings(
-            prompts=tuple(pop("validation_prompts")),
-            **{name: pop(f"validation_{name}") for name in validation},
-            enabled=not pop("no_validation"),
-        ),
-    }
 
 
 def _keep_stdout_for_data() -> TextIO:

@@ -12,8 +12,8 @@ from pathlib import Path
 from stk.errors import CheckpointDamaged, InputError
 from stk.log import get_logger
 from stk.models.families import Family, detect_family, family_hint, spec_for
-from stk.train.checkpoint import SETTINGS as RUN_SETTINGS
-from stk.train.checkpoint import damage_of
+from stk.train.digests import SETTINGS as RUN_SETTINGS
+from stk.train.digests import damage_of
 
 __all__ = ["Source", "check_whole", "read_source"]
 

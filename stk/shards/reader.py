@@ -3,8 +3,8 @@
 On open, the reader reads every listed shard's `key` datasets (nothing else) and maps each key
 to its shard, group and row, as sorted columns (keyindex.py); a key written twice is served from the
 first shard in manifest order. A record's other metadata is read whole per group on first use, and
-kept. Payloads are read chunk by chunk (read_direct_chunk for latents, a byte range for text) under a lock, and
-decompressed outside it, so reader threads decompress in parallel.
+kept (shardmeta.py). Payloads are read chunk by chunk (read_direct_chunk for latents, a byte range for
+text) under a lock, and decompressed outside it, so reader threads decompress in parallel.
 
 Local caches are read in place. For an s3:// cache the keys are read with ranged GETs, and a
 whole shard is downloaded into `local_dir` the first time a record from it is read, or ahead of
@@ -30,9 +30,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-import h5py
 import numpy as np
 
 from stk import storage
@@ -43,75 +41,9 @@ from stk.shards.layout import TEXT, decompress, open_h5, shard_key_arrays, shard
 from stk.shards.localcopies import TRIES, LocalCopies
 from stk.shards.manifest import Manifest
 from stk.shards.records import LatentRecord, TextRecord
+from stk.shards.shardmeta import Group, LatentMeta, OpenShard, TextMeta
 
 __all__ = ["CacheReader"]
-
-
-@dataclass
-class _LatentMeta:
-    dtype: np.dtype
-    payloads: tuple[str, ...]  # ("mean",) or ("mean", "logvar")
-    text_key: np.ndarray
-    original_size: np.ndarray
-    crop_top_left: np.ndarray
-    path: np.ndarray
-
-    @staticmethod
-    def read(group: h5py.Group) -> _LatentMeta:
-        return _LatentMeta(
-            dtype=np.dtype(str(group.attrs["dtype"])),
-            payloads=("mean", "logvar") if "logvar" in group else ("mean",),
-            text_key=group["text_key"][()].astype(str),
-            original_size=group["original_size"][()],
-            crop_top_left=group["crop_top_left"][()],
-            path=group["path"].asstr()[()],
-        )
-
-
-@dataclass
-class _TextArray:
-    dtype: np.dtype
-    end: np.ndarray
-    shape: np.ndarray
-
-
-@dataclass
-class _TextMeta:
-    length: np.ndarray
-    arrays: dict[str, _TextArray]
-
-    @staticmethod
-    def read(group: h5py.Group) -> _TextMeta:
-        arrays = {}
-        for name in (str(n) for n in group.attrs["arrays"]):
-            sub = group[name]
-            arrays[name] = _TextArray(np.dtype(str(sub.attrs["dtype"])), sub["end"][()], sub["shape"][()])
-        return _TextMeta(group["length"][()], arrays)
-
-
-@dataclass
-class _Group:
-    """A latent shape of one shard (with its shape), or its /text group; metadata read on first use."""
-
-    shard: int
-    path: str  # "latents/4x64x64" or "text"
-    shape: tuple[int, ...] = ()
-    latent_meta: _LatentMeta | None = None
-    text_meta: _TextMeta | None = None
-
-
-class _Open:
-    """An open shard and the datasets looked up in it (a lookup by path costs more than a read)."""
-
-    def __init__(self, path: str) -> None:
-        self.file = open_h5(path, "r", rdcc_nbytes=0)  # chunks are read whole or by exact range: no cache
-        self._datasets: dict[str, h5py.Dataset] = {}
-
-    def dataset(self, path: str) -> h5py.Dataset:
-        found = self._datasets.get(path)
-        if found is None:
-            found = self._datasets[path] = self.file[path]
-        return found
 
 
 class CacheReader:
@@ -138,8 +70,8 @@ class CacheReader:
         self._damaged: dict[int, CacheIncomplete] = {}
         self._lock = threading.RLock()
         self._pid = os.getpid()
-        self._open: OrderedDict[int, _Open] = OrderedDict()
-        self._groups: list[_Group] = []
+        self._open: OrderedDict[int, OpenShard] = OrderedDict()
+        self._groups: list[Group] = []
         self._latents = KeyIndex()  # key -> (group, row)
         self._texts = KeyIndex()
         try:
@@ -188,7 +120,7 @@ class CacheReader:
             with self._locked():
                 opened = self._opened(group.shard)
                 if group.text_meta is None:
-                    group.text_meta = _TextMeta.read(opened.file[TEXT])
+                    group.text_meta = TextMeta.read(opened.file[TEXT])
                 meta = group.text_meta
                 frames = {}
                 for name, array in meta.arrays.items():
@@ -295,11 +227,11 @@ class CacheReader:
             raise damaged(location, f"unreadable: {exc}") from None
         for path, keys in latents.items():
             group_id = len(self._groups)
-            self._groups.append(_Group(shard, path, tuple(int(n) for n in path.rsplit("/", 1)[1].split("x"))))
+            self._groups.append(Group(shard, path, tuple(int(n) for n in path.rsplit("/", 1)[1].split("x"))))
             self._latents.add(keys, group_id)
         if len(texts):
             group_id = len(self._groups)
-            self._groups.append(_Group(shard, TEXT))
+            self._groups.append(Group(shard, TEXT))
             self._texts.add(texts, group_id)
 
     def _latent_at(self, key: str) -> tuple[int, int]:
@@ -367,18 +299,18 @@ class CacheReader:
             raise
 
     @staticmethod
-    def _latent_meta(group: _Group, opened: _Open) -> _LatentMeta:
+    def _latent_meta(group: Group, opened: OpenShard) -> LatentMeta:
         if group.latent_meta is None:
-            group.latent_meta = _LatentMeta.read(opened.file[group.path])
+            group.latent_meta = LatentMeta.read(opened.file[group.path])
         return group.latent_meta
 
-    def _opened(self, shard: int) -> _Open:
+    def _opened(self, shard: int) -> OpenShard:
         found = self._open.get(shard)
         if found is not None:
             self._open.move_to_end(shard)
             return found
         if self._copies is None:
-            opened = _Open(shard_location(self.cache, str(self.manifest.shards[shard]["name"])))
+            opened = OpenShard(shard_location(self.cache, str(self.manifest.shards[shard]["name"])))
         else:
             opened = self._open_copy(shard)
         self._open[shard] = opened
@@ -387,14 +319,14 @@ class CacheReader:
             oldest.file.close()
         return opened
 
-    def _open_copy(self, shard: int) -> _Open:
+    def _open_copy(self, shard: int) -> OpenShard:
         """The local copy of an S3 shard, opened. The copy this process holds is deleted by no other
         process, but another thread of this one may give it up between fetch and open (a limit
         below two shards): then it is fetched again."""
         for _ in range(TRIES - 1):
             with contextlib.suppress(FileNotFoundError):
-                return _Open(self._local_copy(shard))
-        return _Open(self._local_copy(shard))  # the last try raises
+                return OpenShard(self._local_copy(shard))
+        return OpenShard(self._local_copy(shard))  # the last try raises
 
     def _forget(self, path: str) -> None:
         """Close the shard whose local copy is about to be deleted (LocalCopies calls this without its

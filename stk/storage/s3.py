@@ -10,7 +10,8 @@ or the endpoint, stopped answering; then it raises InfraError. Each waiting peri
 starts and when it ends, whatever the number of threads waiting in it. Errors that a retry cannot fix (no bucket, access
 denied, no such key) are raised at once, and so are two that look like an outage but are a wrong --s3-endpoint-url: a
 host name that has never resolved in this process (one that resolved before and fails now is an outage: a DNS server can
-go down), and a server that answers HTTP without S3's error documents (a web server, a proxy's own page).
+go down), and a server that answers HTTP without S3's error documents (a web server, a proxy's own page). Which
+error is which: s3errors.py.
 """
 
 from __future__ import annotations
@@ -18,14 +19,12 @@ from __future__ import annotations
 import io
 import os
 import random
-import re
 import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from types import SimpleNamespace
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
@@ -34,6 +33,7 @@ from stk.log import get_logger
 from stk.storage.base import FileInfo
 from stk.storage.modes import honour_umask
 from stk.storage.ranged import RangedReader
+from stk.storage.s3errors import cause_of, reason, transient, translate
 
 __all__ = ["DEFAULT_RETRY_SECONDS", "S3Backend", "configure_s3", "list_entries", "split_url"]
 
@@ -47,10 +47,6 @@ _lock = threading.Lock()
 _client: Any = None
 
 _READ_BLOCK = 64 * 1024
-_MISSING = {"NoSuchKey", "404", "NotFound"}
-_NO_BUCKET = {"NoSuchBucket"}
-_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"}
-_BODYLESS = {"HeadObject", "HeadBucket"}  # S3 answers these without an error document: their codes are numbers
 _BACKOFF = (0.5, 8.0)  # seconds: first wait between retries, longest wait
 _SETTLE_S = 10.0  # failures this soon after the endpoint answered again are the tail of the same outage
 
@@ -113,53 +109,6 @@ def _endpoint() -> str:
     return str(client().meta.endpoint_url)
 
 
-def _cause(exc: Exception) -> Exception:
-    """The botocore error under boto3's transfer wrappers (RetriesExceededError, S3UploadFailedError)."""
-    last = getattr(exc, "last_exception", None)
-    if isinstance(last, Exception):
-        return last
-    if type(exc).__name__ == "S3UploadFailedError" and isinstance(exc.__context__, Exception):
-        return exc.__context__
-    return exc
-
-
-def _transient(exc: Exception) -> bool:
-    """Whether a retry may fix it, by botocore's standard-mode rules: no connection, a timeout, a
-    cut stream, HTTP 5xx or 429, a throttling or request-timeout code."""
-    from botocore.exceptions import ClientError, IncompleteReadError
-    from botocore.retries import standard
-
-    if getattr(exc, "last_exception", None) is not None:
-        return True  # s3transfer ran out of its attempts at socket errors it retries itself
-    exc = _cause(exc)
-    if isinstance(exc, ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        response = SimpleNamespace(status_code=status)
-        context = standard.RetryContext(1, parsed_response=exc.response, http_response=response)
-    elif isinstance(exc, (IncompleteReadError, ConnectionError, TimeoutError)):
-        return True  # a body cut short, or a socket error below botocore
-    else:
-        context = standard.RetryContext(1, caught_exception=exc)
-    checkers = [
-        standard.TransientRetryableChecker(),
-        standard.ThrottledRetryableChecker(),
-        standard.ThrottlingStatusCodeChecker(),  # type: ignore[attr-defined]  # missing from the stubs
-    ]
-    return any(checker.is_retryable(context) for checker in checkers)
-
-
-def _reason(exc: Exception) -> str:
-    from botocore.exceptions import ClientError
-
-    exc = _cause(exc)
-    if isinstance(exc, ClientError):
-        error = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return f"HTTP {status} {error.get('Code', '')}".strip()
-    # botocore ends its messages with the URL; the endpoint is named beside the reason already
-    return re.sub(r' (on|to|from) (the )?endpoint URL: ".*"$', "", str(exc)) or type(exc).__name__
-
-
 class _Outage:
     """The waiting period the endpoint is in, shared by every thread of the process, so that it is
     logged once when it starts and once when it ends, not once per thread or per attempt.
@@ -216,18 +165,18 @@ def _call(fn: Callable[[], T], bucket: str, key: str) -> T:
         try:
             result = fn()
         except Exception as exc:
-            if not _transient(exc):
-                raise _translate(exc, bucket, key) from exc
+            if not transient(exc):
+                raise translate(exc, _endpoint, bucket, key) from exc
             unresolved = _unresolved(exc)
             if unresolved is not None:
                 raise unresolved from None
             now = time.monotonic()
             first_failure = first_failure or now
             budget = _settings["retry_seconds"]
-            left = min(first_failure, _outage.failed(_reason(exc))) + budget - now
+            left = min(first_failure, _outage.failed(reason(exc))) + budget - now
             if left <= 0:
                 raise InfraError(
-                    f"S3 endpoint {_endpoint()} did not answer for {budget:g} s (s3://{bucket}/{key}: {_reason(exc)}): "
+                    f"S3 endpoint {_endpoint()} did not answer for {budget:g} s (s3://{bucket}/{key}: {reason(exc)}): "
                     "rerun when it is back, or raise --s3-retry-seconds"
                 ) from exc
             time.sleep(min(left, delay * random.uniform(0.5, 1.0)))
@@ -243,7 +192,7 @@ def _unresolved(exc: Exception) -> InputError | None:
     one, forever); None when it resolves, or did before."""
     from botocore.exceptions import ClientError
 
-    if _outage.resolved or isinstance(_cause(exc), ClientError):  # an HTTP answer: the name resolved
+    if _outage.resolved or isinstance(cause_of(exc), ClientError):  # an HTTP answer: the name resolved
         return None
     endpoint = _endpoint()
     host = urlsplit(endpoint).hostname
@@ -256,50 +205,6 @@ def _unresolved(exc: Exception) -> InputError | None:
         )
     _outage.resolved = True
     return None
-
-
-def _not_s3(cause: Exception) -> InputError | None:
-    """An InputError when an answer carries no S3 error document (its code is the bare HTTP status)
-    to a request S3 always answers with one: the endpoint is some other HTTP server."""
-    from botocore.exceptions import ClientError
-
-    if not isinstance(cause, ClientError) or cause.operation_name in _BODYLESS:
-        return None
-    code = str(cause.response.get("Error", {}).get("Code", ""))
-    if not code.isdigit():
-        return None
-    return InputError(
-        f"S3 endpoint {_endpoint()} does not answer as S3 (HTTP {code} to {cause.operation_name}, without an S3 "
-        "error document): check --s3-endpoint-url (or AWS_ENDPOINT_URL)"
-    )
-
-
-def _translate(exc: Exception, bucket: str, key: str = "") -> Exception:
-    """A botocore error that a retry cannot fix -> a FileNotFoundError/OSError for one object, or an
-    InputError for the bucket as a whole (one clear line naming the bucket and the endpoint)."""
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-    cause = _cause(exc)
-    not_s3 = _not_s3(cause)
-    if not_s3 is not None:
-        return not_s3
-    if isinstance(cause, ClientError):
-        code = str(cause.response.get("Error", {}).get("Code", ""))
-        if code in _NO_BUCKET:
-            return InputError(f"S3 bucket '{bucket}' does not exist at {_endpoint()}")
-        if code in _DENIED:
-            return InputError(
-                f"access denied to s3://{bucket}/{key} at {_endpoint()} ({code}): check the credentials "
-                "boto3 finds (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance role)"
-            )
-        if code in _MISSING:
-            return FileNotFoundError(f"s3://{bucket}/{key}: no such object")
-        return OSError(f"s3://{bucket}/{key}: S3 error {code}")
-    if isinstance(cause, NoCredentialsError):
-        return InputError(f"no S3 credentials found for bucket '{bucket}' at {_endpoint()}")
-    if isinstance(cause, BotoCoreError) or cause is not exc:
-        return OSError(f"s3://{bucket}/{key}: {exc}")
-    return exc
 
 
 def list_entries(

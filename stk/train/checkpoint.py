@@ -38,17 +38,25 @@ from stk.log import get_logger
 from stk.storage import write_atomic
 from stk.storage.failures import disk_error
 from stk.train.datasets import DATASETS, setting_changes
-from stk.train.digests import FileRecord, damage, hash_files, listed_files
+from stk.train.digests import (
+    FILES,
+    SETTINGS,
+    FileRecord,
+    checkpoint_damage,
+    has_digests,
+    hash_files,
+    listed_files,
+    read_record,
+    recorded_files,
+)
 from stk.train.worldsize import UNIVERSAL, effective_batch
 from stk.world import World, raised_everywhere
 
-__all__ = ["CheckpointDir", "Resume", "damage_of"]
+__all__ = ["CheckpointDir", "Resume"]
 
 log = get_logger("train.checkpoint")
 
 LATEST = "latest"
-SETTINGS = "stk-run.json"
-FILES = "files"  # the key of stk-run.json that lists the checkpoint's files with their digests
 # Weights of another family, or another adapter (or none), cannot be loaded, whatever the user says.
 FIXED_SETTINGS = ("family", "adapter", "dora", "lora_rank", "lora_targets")
 # What a record written before the adapter had a kind held: a plain LoRA (compared only when the run trains one).
@@ -98,7 +106,11 @@ class CheckpointDir:
         candidates = world.root_call(lambda: self._candidates(resume))
         damaged: list[tuple[Resume, list[str]]] = []
         for candidate in candidates:
-            found = [line for lines in world.allgather(_damage(candidate, world)) for line in lines]
+            found = [
+                line
+                for lines in world.allgather(checkpoint_damage(_where(candidate), world.rank, world.size))
+                for line in lines
+            ]
             if not found:
                 world.root_call(partial(_log_taken, candidate, damaged))
                 return candidate
@@ -123,7 +135,7 @@ class CheckpointDir:
             return [Resume(self.path, name) for s, name in tags if s <= step]
         # `latest` names a folder that is gone: any checkpoint whose record lists its files was complete
         where = f"{self.path}/{LATEST} names {tag!r}, which is not there"
-        recorded = [Resume(self.path, name) for _, name in tags if _has_digests(Resume(self.path, name))]
+        recorded = [Resume(self.path, name) for _, name in tags if has_digests(os.path.join(self.path, name))]
         if not recorded:
             raise CheckpointDamaged(
                 f"{where}, and no other checkpoint lists its files to verify it by: pick one with --resume-from "
@@ -241,7 +253,7 @@ class CheckpointDir:
 
     def saved_settings(self, resume: Resume) -> dict[str, Any]:
         """The run settings the checkpoint was trained with (empty for checkpoints without the record)."""
-        return {k: v for k, v in (_record(resume) or {}).items() if k != FILES}
+        return {k: v for k, v in (read_record(_where(resume)) or {}).items() if k != FILES}
 
     def check_settings(self, resume: Resume, current: dict[str, Any], override: bool) -> list[str]:
         """The settings that differ from the checkpoint's ("seed 0 -> 1"); raise InputError unless
@@ -336,51 +348,6 @@ def _portable(exc: Exception | None) -> Exception | None:
     return RuntimeError(f"{type(exc).__name__}: {lines[0] if lines else ''}")
 
 
-def _record(resume: Resume) -> dict[str, Any] | None:
-    """A checkpoint's stk-run.json, or None where it has none. A record that cannot be read raises ValueError."""
-    try:
-        with open(os.path.join(resume.directory, resume.tag, SETTINGS), encoding="utf-8") as f:
-            record = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{SETTINGS} cannot be read ({exc})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{SETTINGS} holds no settings")
-    return record
-
-
-def _files(resume: Resume) -> dict[str, FileRecord] | None:
-    """The files a checkpoint's record lists, or None for a checkpoint saved without digests (or without
-    stk-run.json). A record that cannot be read raises ValueError."""
-    files = (_record(resume) or {}).get(FILES)
-    return files if isinstance(files, dict) else None
-
-
-def _has_digests(resume: Resume) -> bool:
-    """Whether the checkpoint's record lists its files (one that cannot be read is found damaged later)."""
-    try:
-        return _files(resume) is not None
-    except ValueError:
-        return True
-
-
-def _damage(resume: Resume, world: World) -> list[str]:
-    """What is wrong with this rank's share of the checkpoint's files (all of them on a world of one)."""
-    try:
-        files = _files(resume)
-    except ValueError as exc:
-        return [f"{_where(resume)}/{exc}"] if world.is_root else []
-    return damage(_where(resume), files or {}, world.rank, world.size)
-
-
-def damage_of(folder: str) -> list[str] | None:
-    """What is wrong with the checkpoint `folder`, every file checked in this process as a resume checks it (for
-    stk-export, which reads one); None where its record lists no digests (saved by an older stk)."""
-    resume = Resume(*os.path.split(os.path.abspath(folder)))
-    return _damage(resume, World()) if _has_digests(resume) else None
-
-
 def _where(resume: Resume) -> str:
     return os.path.join(resume.directory, resume.tag)
 
@@ -391,7 +358,7 @@ def _log_taken(taken: Resume, damaged: list[tuple[Resume, list[str]]]) -> None:
         log.warning("checkpoint %s is damaged, skipped: %s%s", _where(resume), found[0], more)
     if damaged:
         log.warning("resuming from %s, the newest checkpoint that verifies", _where(taken))
-    if _files(taken) is None:
+    if recorded_files(_where(taken)) is None:
         log.warning("checkpoint %s records no digests (saved by an older stk): resumed without verifying it",
                     _where(taken))  # fmt: skip
 

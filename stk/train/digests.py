@@ -4,18 +4,33 @@ A checkpoint's `stk-run.json` lists its files (`files`: path inside the checkpoi
 that wrote it). Each rank hashes the files it has just written, from the page cache, and a resume verifies
 each rank's share of the files before any model loads: a flipped byte, a truncated or an empty file, or a
 missing EMA part is found in seconds and named, instead of being trained on or ending in a traceback deep
-inside DeepSpeed's load.
+inside DeepSpeed's load. The same check reads a checkpoint for stk-export (`damage_of`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["FileRecord", "damage", "hash_files", "listed_files"]
+__all__ = [
+    "FILES",
+    "SETTINGS",
+    "FileRecord",
+    "checkpoint_damage",
+    "damage",
+    "damage_of",
+    "has_digests",
+    "hash_files",
+    "listed_files",
+    "read_record",
+    "recorded_files",
+]
 
+SETTINGS = "stk-run.json"  # a checkpoint's record: the run settings it was trained with, and its files
+FILES = "files"  # the key of stk-run.json that lists the checkpoint's files with their digests
 FileRecord = dict[str, Any]  # {"size": bytes, "sha256": hex digest, "rank": the rank that wrote the file}
 
 
@@ -66,3 +81,50 @@ def damage(folder: str, files: Mapping[str, FileRecord], rank: int, world_size: 
         except OSError as exc:
             found.append(f"{path}: cannot read ({exc.strerror or exc})")
     return found
+
+
+def read_record(folder: str) -> dict[str, Any] | None:
+    """The checkpoint `folder`'s stk-run.json, or None where it has none. A record that cannot be read raises
+    ValueError."""
+    try:
+        with open(os.path.join(folder, SETTINGS), encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{SETTINGS} cannot be read ({exc})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{SETTINGS} holds no settings")
+    return record
+
+
+def recorded_files(folder: str) -> dict[str, FileRecord] | None:
+    """The files a checkpoint's record lists, or None for a checkpoint saved without digests (or without
+    stk-run.json). A record that cannot be read raises ValueError."""
+    files = (read_record(folder) or {}).get(FILES)
+    return files if isinstance(files, dict) else None
+
+
+def has_digests(folder: str) -> bool:
+    """Whether the checkpoint's record lists its files (one that cannot be read is found damaged later)."""
+    try:
+        return recorded_files(folder) is not None
+    except ValueError:
+        return True
+
+
+def checkpoint_damage(folder: str, rank: int, world_size: int) -> list[str]:
+    """What is wrong with this rank's share of the checkpoint `folder`'s files (all of them on a world of one);
+    a record that cannot be read is named by rank 0."""
+    try:
+        files = recorded_files(folder)
+    except ValueError as exc:
+        return [f"{folder}/{exc}"] if rank == 0 else []
+    return damage(folder, files or {}, rank, world_size)
+
+
+def damage_of(folder: str) -> list[str] | None:
+    """What is wrong with the checkpoint `folder`, every file checked in this process as a resume checks it (for
+    stk-export, which reads one); None where its record lists no digests (saved by an older stk)."""
+    folder = os.path.abspath(folder)
+    return checkpoint_damage(folder, 0, 1) if has_digests(folder) else None

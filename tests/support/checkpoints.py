@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stk.train.checkpoint import FILES, SETTINGS, CheckpointDir, Resume
+from stk.train.checkpoint import CheckpointDir, Resume
+from stk.train.digests import FILES, SETTINGS
 from stk.world import World
 
 OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"

@@ -26,7 +26,8 @@ from support.checkpoints import MODEL, OPTIM, record, resolve, step_dir, without
 
 from stk.errors import CheckpointDamaged, InfraError, InputError
 from stk.models import Family
-from stk.train.checkpoint import LATEST, SETTINGS, CheckpointDir, Resume, tag_for
+from stk.train.checkpoint import LATEST, CheckpointDir, Resume, tag_for
+from stk.train.digests import SETTINGS
 from stk.train.lora import LoraSettings
 from stk.train.options import TrainOptions
 from stk.world import World
