@@ -261,6 +261,8 @@ class CheckpointDir:
         change. Checkpoints without the record are not checked."""
         saved = self.saved_settings(resume)
         saved = {**_BEFORE_ADAPTER_KINDS, DATASETS: [], **saved} if saved else saved
+        if saved.get("flow_shift", "") is None:  # recorded when the default was the pipeline's own shift
+            saved["flow_shift"] = "auto"
         current = {DATASETS: [], **current}  # a run of one source: no datasets
         changes = {k: setting_changes(k, saved[k], current[k]) for k in current if k in saved}
         changed = [k for k, lines in changes.items() if lines]

@@ -29,6 +29,7 @@ from stk.models import Family
 from stk.train.checkpoint import LATEST, CheckpointDir, Resume, tag_for
 from stk.train.digests import SETTINGS
 from stk.train.lora import LoraSettings
+from stk.train.losses import LossSettings
 from stk.train.options import TrainOptions
 from stk.world import World
 
@@ -284,6 +285,22 @@ def test_another_base_precision_is_refused_unless_overridden(saved):
     with pytest.raises(InputError, match=r"\(base-precision bf16 -> int8\).*--override-resume"):
         checkpoints.check_settings(resume, settings(base_precision="int8"), override=False)
     assert checkpoints.check_settings(resume, settings(base_precision="int8"), override=True) == ["base_precision"]
+
+
+def test_a_record_from_before_the_examples_defaults_names_the_sampling_that_changed(tmp_path: Path) -> None:
+    """A FLUX.1 checkpoint of the old defaults (logit-normal, flow_shift null: the pipeline's shift) resumes with those
+    given, and is refused by the new defaults naming what changed."""
+    checkpoints = CheckpointDir(str(tmp_path), keep=1, rank=0)
+    folder = tmp_path / "checkpoints" / "step-00000005"
+    folder.mkdir(parents=True)
+    flux = TrainOptions(model="m", output_dir="o")
+    old = {**flux.run_settings(Family.FLUX, 2), "timestep_sampling": "logit-normal", "flow_shift": None}
+    (folder / "stk-run.json").write_text(json.dumps(old))
+    resume = Resume(checkpoints.path, "step-00000005")
+    as_before = replace(flux, loss=LossSettings(timestep_sampling="logit-normal", flow_shift="auto"))
+    assert checkpoints.check_settings(resume, as_before.run_settings(Family.FLUX, 2), override=False) == []
+    with pytest.raises(InputError, match=r"timestep-sampling logit-normal -> uniform, flow-shift auto -> example"):
+        checkpoints.check_settings(resume, flux.run_settings(Family.FLUX, 2), override=False)
 
 
 def test_a_full_checkpoint_resumed_as_a_lora_is_refused_even_with_override(saved):
