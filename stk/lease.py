@@ -163,12 +163,7 @@ class Lease:
         if age > STALE_SECONDS:
             return False
         if current.host == mine.host and current.pid != mine.pid:
-            try:
-                os.kill(current.pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
+            return _running(current.pid)
         return True
 
     def _take_over(self, dead: Holder) -> None:
@@ -217,3 +212,21 @@ def leased(lease: Lease | None, world: World | None = None) -> Iterator[None]:
     finally:
         if root:
             lease.release()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` of this host still runs. A process killed with its job (an MPI abort) can stay a zombie
+    until its new parent reaps it: it answers signal 0, but it holds nothing."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
+    except (OSError, IndexError):  # no /proc (or it vanished): signal 0's answer stands
+        return True
+    return state not in ("Z", "X")
+

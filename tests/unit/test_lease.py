@@ -74,6 +74,22 @@ def test_a_dead_process_on_this_host_loses_its_lease(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [LEASE_NAME]
 
 
+def test_a_zombie_on_this_host_loses_its_lease(tmp_path):
+    """A rank killed by its job's MPI abort can stay a zombie until reaped: it answers signal 0 but holds nothing."""
+    mine = Holder.this_process()
+    zombie = subprocess.Popen(["true"])
+    try:
+        while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        os.kill(zombie.pid, 0)  # still there for signal 0
+        write_lease(tmp_path, other(host=mine.host, pid=zombie.pid))
+        lease = Lease(str(tmp_path), "stk-train", "--output-dir")
+        lease.acquire()
+        assert json.loads((tmp_path / LEASE_NAME).read_text())["run"] == lease.holder.run
+    finally:
+        zombie.wait()
+
+
 def test_a_lease_not_renewed_for_the_stale_time_is_taken_over(tmp_path):
     write_lease(tmp_path, other(), age=STALE_SECONDS + 5)
     lease = Lease(str(tmp_path), "stk-train", "--output-dir")
