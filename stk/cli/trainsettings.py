@@ -56,8 +56,15 @@ def settings_of(options: dict[str, Any]) -> dict[str, Any]:
     """The option groups that are settings objects of their own, taken out of `options`."""
     pop = options.pop
     targets = pop("lora_targets")
-    loss = ("snr_gamma", "noise_offset", "timestep_sampling", "logit_mean", "logit_std", "flow_shift",
-            "caption_dropout")  # fmt: skip
+    loss = (
+        "snr_gamma",
+        "noise_offset",
+        "timestep_sampling",
+        "logit_mean",
+        "logit_std",
+        "flow_shift",
+        "caption_dropout",
+    )
     validation = ("prompts_file", "every", "steps", "guidance", "resolution", "seed")
     return {
         "optimizer": OptimizerSettings(pop("optimizer"), pop("lr"), pop("betas"), pop("weight_decay")),

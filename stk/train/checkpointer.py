@@ -74,8 +74,15 @@ class Checkpointer:
     def save(self, model: StepModel, step: int, position: dict[str, Any], nonfinite_steps: int) -> None:
         """Checkpoint optimizer step `step`, with the sampler's trained `position` and the run's count of
         non-finite steps so far."""
-        client_state = {"stk": {"step": step, "sampler": position, "seed": self.seed, "family": self.family.value,
-                                NONFINITE: nonfinite_steps}}  # fmt: skip
+        client_state = {
+            "stk": {
+                "step": step,
+                "sampler": position,
+                "seed": self.seed,
+                "family": self.family.value,
+                NONFINITE: nonfinite_steps,
+            }
+        }
         self.last = self.checkpoints.save(
             model.engine, step, client_state, self.settings, also=lambda folder: self._beside(model, folder)
         )

@@ -46,8 +46,10 @@ class NonFiniteSteps:
         if self.rank == 0:
             log.warning(
                 "%s; not checkpointed; %d such step(s) in a row, more than --max-nonfinite-steps %d stop the run",
-                seen, self.in_a_row, self.limit,
-            )  # fmt: skip
+                seen,
+                self.in_a_row,
+                self.limit,
+            )
 
     @property
     def exceeded(self) -> bool:

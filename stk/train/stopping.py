@@ -154,9 +154,14 @@ def agree(
             dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
         first = int(lowest.item())
     return Agreement(
-        stop=stop_sum > 0, fault=fault_sum > 0, loss=loss_sum / size, digest=int(digest_sum) % 2**32,
-        nonfinite_ranks=int(bad_losses), first_nonfinite=first, grad_norm_nonfinite=bad_norms > 0,
-    )  # fmt: skip
+        stop=stop_sum > 0,
+        fault=fault_sum > 0,
+        loss=loss_sum / size,
+        digest=int(digest_sum) % 2**32,
+        nonfinite_ranks=int(bad_losses),
+        first_nonfinite=first,
+        grad_norm_nonfinite=bad_norms > 0,
+    )
 
 
 def is_peer_failure(exc: BaseException) -> bool:
