@@ -46,7 +46,9 @@ def _train(*args: str, **env: str) -> Result:
     ],
 )
 def test_a_float_option_that_is_not_finite_is_a_usage_error(args: list[str], option: str, value: str) -> None:
-    _usage_error(_train(*args), option, value)
+    result = _train(*args)
+    assert result.exit_code == ExitCode.USAGE and option in result.stderr, result.output
+    _usage_error(result, option, value)
 
 
 def test_the_environment_and_a_config_file_are_checked_like_the_command_line(tmp_path: Path) -> None:
