@@ -229,4 +229,3 @@ def _running(pid: int) -> bool:
     except (OSError, IndexError):  # no /proc (or it vanished): signal 0's answer stands
         return True
     return state not in ("Z", "X")
-

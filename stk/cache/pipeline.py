@@ -271,8 +271,8 @@ def _load(opts: CacheOptions, world: World) -> tuple[Encoders, CacheConfig]:
             raise load_failure(opts.model, device, need, opts.two_pass) from exc
         raise
     buckets = CacheConfig.scan_buckets(read_buckets(opts.scan_dir))
-    settings = opts.settings.for_family(encoders.family)
-    return encoders, CacheConfig(encoders.family.value, encoders.config(), settings, buckets, encoders.norm)
+    # CacheConfig records the latents as the family's example stores them where --latents is not given
+    return encoders, CacheConfig(encoders.family.value, encoders.config(), opts.settings, buckets, encoders.norm)
 
 
 def _encode_share(

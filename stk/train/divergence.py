@@ -87,10 +87,9 @@ def weights_finite(module: torch.nn.Module, device: torch.device) -> bool:
     module, or under ZeRO-3 its partition of each weight (`ds_tensor`); the frozen ones cannot have changed."""
     import torch.distributed as dist
 
-    bad = any(
-        not bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in module.parameters() if p.requires_grad
-    )
-    flag = torch.tensor([float(bad)], dtype=torch.float64, device=device)
+    checks = [torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in module.parameters() if p.requires_grad]
+    finite = torch.stack(checks).all() if checks else torch.tensor(True)  # one device sync, not one per weight
+    flag = (~finite).to(device, torch.float64).reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
     return not flag.item()
