@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,11 +34,28 @@ def pipeline_of(source: Source, model: str | None, scratch: Path) -> Path:
             f"--model {model}: {spec_for(given).title}'s pipeline, but {source.path} trained {spec.title}'s "
             f"{spec.denoiser_subfolder}; give the --model the run trained"
         )
-    state = _consolidated(source.path)
     config = dict(spec.denoiser_class.load_config(model, subfolder=spec.denoiser_subfolder))
+    state = _weights_of(_consolidated(source.path), spec.denoiser_class, config, source.path)
     folder = scratch / "pipeline"
     export_pipeline(model, spec.denoiser_subfolder, spec.denoiser_class, config, state, str(folder))
     return folder
+
+
+def _weights_of(
+    state: dict[str, torch.Tensor], denoiser_class: Any, config: dict[str, Any], checkpoint: Path
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights one per weight: a run's flat parameters (stk.train.flatweights) cut back into the
+    weights of the denoiser `config` makes (built on the meta device: names and shapes only)."""
+    from stk.train.flatweights import unflattened
+
+    with torch.device("meta"):
+        denoiser = denoiser_class.from_config(config)
+    try:
+        return unflattened(state, denoiser)
+    except ValueError as exc:
+        raise InputError(
+            f"{checkpoint}: its weights do not fit --model's denoiser ({exc}); give the run's --model"
+        ) from exc
 
 
 def _consolidated(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from stk.log import get_logger
 from stk.train.dsconfig import builds_own_optimizer, training_config, zero_stage
+from stk.train.flatweights import FLAT, FlatWeights
 from stk.train.optim import client_optimizer, lr_schedule, optimizer_section
 from stk.train.options import TrainOptions
 
@@ -32,31 +34,41 @@ def engine_config(
 
 
 def build_engine(
-    denoiser: torch.nn.Module, opts: TrainOptions, config: dict[str, Any], precision: str, total_steps: int
+    denoiser: torch.nn.Module,
+    opts: TrainOptions,
+    config: dict[str, Any],
+    precision: str,
+    total_steps: int,
+    layout: str = FLAT,
 ) -> Any:
     """deepspeed.initialize with `config` (engine_config) and the run's optimizer and LR schedule (and
-    torch.compile)."""
+    torch.compile), the trainable weights in `layout` (stk.train.flatweights.layout_for)."""
     import deepspeed
 
     if opts.gradient_checkpointing:  # before DeepSpeed wraps the module and compile traces it
         denoiser.enable_gradient_checkpointing()  # type: ignore[operator]  # every diffusers denoiser has it
     own = builds_own_optimizer(config)
     trainable = [p for p in denoiser.parameters() if p.requires_grad]
-    optimizer = None if own else client_optimizer(trainable, opts.optimizer)
-    engine, _, _, _ = deepspeed.initialize(
-        model=denoiser,
-        optimizer=optimizer,
-        model_parameters=trainable if own else None,
-        lr_scheduler=lr_schedule(opts.lr_schedule, opts.warmup_steps, total_steps),
-        config=config,
-    )
+    flat = FlatWeights(denoiser) if layout == FLAT and zero_stage(config) < 3 else None
+    with flat.registered() if flat is not None else nullcontext(trainable) as owned:
+        optimizer = None if own else client_optimizer(owned, opts.optimizer)
+        engine, _, _, _ = deepspeed.initialize(
+            model=denoiser,
+            optimizer=optimizer,
+            model_parameters=owned if own else None,
+            lr_scheduler=lr_schedule(opts.lr_schedule, opts.warmup_steps, total_steps),
+            config=config,
+        )
+    if flat is not None:
+        flat.bind()
     log.info(
-        "DeepSpeed ZeRO stage %d, %s, %s optimizer%s, %d trainable parameters, gradient checkpointing %s",
+        "DeepSpeed ZeRO stage %d, %s, %s optimizer%s, %d trainable parameters (%s), gradient checkpointing %s",
         zero_stage(config),
         precision,
         opts.optimizer.name,
         " (DeepSpeed's, offloaded)" if own else "",
         sum(getattr(p, "ds_numel", p.numel()) for p in trainable),  # ZeRO-3 leaves p.numel() == 0
+        f"{len(flat.flats)} flat, one per block" if flat is not None else "one DeepSpeed parameter per weight",
         "on" if opts.gradient_checkpointing else "off",
     )
     if opts.compile_mode:

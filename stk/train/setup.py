@@ -27,6 +27,7 @@ from stk.train.divergence import NonFiniteSteps
 from stk.train.dsconfig import zero_stage
 from stk.train.embeddings import Embeddings, embed_captions
 from stk.train.engine import build_engine, engine_config
+from stk.train.flatweights import LAYOUT, PER_WEIGHT, layout_for
 from stk.train.hooks import TrainHook, hooks_for
 from stk.train.metrics import MetricsLog
 from stk.train.objectives import objective_for
@@ -91,11 +92,12 @@ def setup(setting: Setting, world: World, signals: StopSignals) -> Trainer:
     env, device, precision = _start_distributed(opts, world)
     sampler, total_steps = _sampler(opts, plan, env)
     embeddings = _embeddings(opts, world, plan, setting.validation, device, precision)  # before the denoiser
-    model = _load_model(setting, world, device, precision, total_steps, embeddings)
+    layout = _layout(setting, world, env.rank)
+    model = _load_model(setting, world, device, precision, total_steps, embeddings, layout)
+    settings = {**plan.run_settings(opts, sampler.world_size), LAYOUT: layout}  # recorded in each checkpoint
     checkpointer = Checkpointer(
-        setting.checkpoints, opts.checkpoint_every, plan.run_settings(opts, sampler.world_size), opts.seed,
-        plan.family, setting.trainable,
-    )  # fmt: skip
+        setting.checkpoints, opts.checkpoint_every, settings, opts.seed, plan.family, setting.trainable
+    )
     step, nonfinite = checkpointer.resume(model.engine, sampler, resume, opts, setting.overridden) if resume else (0, 0)
     checkpointer.hooks = hooks = hooks_for(opts, model.engine.module, env.rank, env.world_size, resume)
     watch = GpuWatch(
@@ -153,8 +155,27 @@ def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketS
     return sampler, total_steps
 
 
+def _layout(setting: Setting, world: World, rank: int) -> str:
+    """How the trainable weights are held (stk.train.flatweights): as the checkpoint resumed holds them."""
+    resume = setting.resume
+    resumed = world.root_call(lambda: setting.checkpoints.saved_settings(resume)) if resume is not None else None
+    layout = layout_for(zero_stage(setting.deepspeed_config), resumed)
+    if rank == 0 and resumed is not None and layout == PER_WEIGHT and zero_stage(setting.deepspeed_config) < 3:
+        log.info(
+            "the checkpoint resumed holds one DeepSpeed parameter per weight: this run keeps that layout "
+            "(a new run holds them flat, one per block, for a faster step)"
+        )
+    return layout
+
+
 def _load_model(
-    setting: Setting, world: World, device: torch.device, precision: str, total_steps: int, embeddings: Embeddings
+    setting: Setting,
+    world: World,
+    device: torch.device,
+    precision: str,
+    total_steps: int,
+    embeddings: Embeddings,
+    layout: str,
 ) -> StepModel:
     """The denoiser with its trainable in its DeepSpeed engine (and the encoders, with --vae-on-the-fly); from a
     universal checkpoint where the one resumed was saved on another number of ranks."""
@@ -174,7 +195,7 @@ def _load_model(
         encoders = world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
         norm = encoders.norm  # the VAE's own
     assert norm is not None
-    engine = build_engine(denoiser, opts, config, precision, total_steps)
+    engine = build_engine(denoiser, opts, config, precision, total_steps, layout)
     dropouts = caption_dropouts(plan.datasets, opts.loss.caption_dropout)
     empty = embeddings.get(EMPTY_CAPTION) if _drops_captions(opts, plan) else None
     return StepModel(

@@ -23,6 +23,7 @@ from support.train_checks import check_final, denoiser_folder, denoiser_weights,
 from support.train_outputs import SAMPLING, board_images, metrics, sample_pngs, wandb_history
 
 from stk.models import Family
+from stk.train.flatweights import unflattened
 from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora
 from stk.train.objectives import objective_for
 
@@ -68,12 +69,13 @@ def prediction(denoiser: torch.nn.Module, family: Family, model: str) -> torch.T
 
 def trained_module(model: str, family: Family, settings: LoraSettings, checkpoint: Path) -> torch.nn.Module:
     """The denoiser as training left it, rebuilt without stk's export: the base weights, the same adapter, and the
-    adapter's fp32 weights from the DeepSpeed checkpoint (DeepSpeed's own zero_to_fp32 reader)."""
+    adapter's fp32 weights from the DeepSpeed checkpoint (DeepSpeed's own zero_to_fp32 reader; under ZeRO-1/2 the run's
+    flat parameters, cut back into the adapter's weights by stk.train.flatweights)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     denoiser = objective_for(family, model).load_denoiser(torch.float32)
     add_lora(denoiser, settings, family, seed=0)
-    saved = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    saved = unflattened(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name), denoiser)
     buffers = dict(denoiser.named_buffers())  # DeepSpeed keeps the module's buffers (SD3's position table)
     adapter = {name for name, p in denoiser.named_parameters() if p.requires_grad}
     assert saved and all(k in adapter or k in buffers for k in saved), "frozen weights saved"
