@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from stk.log import get_logger
+from stk.train.compiled import compile_blocks
 from stk.train.dsconfig import builds_own_optimizer, training_config, zero_stage
 from stk.train.flatweights import FLAT, FlatWeights
 from stk.train.optim import client_optimizer, lr_schedule, optimizer_section
@@ -42,7 +43,7 @@ def build_engine(
     layout: str = FLAT,
 ) -> Any:
     """deepspeed.initialize with `config` (engine_config) and the run's optimizer and LR schedule (and
-    torch.compile), the trainable weights in `layout` (stk.train.flatweights.layout_for)."""
+    its blocks compiled, stk.train.compiled), the trainable weights in `layout` (stk.train.flatweights.layout_for)."""
     import deepspeed
 
     if opts.gradient_checkpointing:  # before DeepSpeed wraps the module and compile traces it
@@ -72,7 +73,7 @@ def build_engine(
         "on" if opts.gradient_checkpointing else "off",
     )
     if opts.compile_mode:
-        engine.compile(compile_kwargs={"mode": opts.compile_mode})
+        compile_blocks(engine.module, opts.compile_mode, opts.output_dir)
     return engine
 
 

@@ -3,7 +3,7 @@
 ZeRO-1/2 do work per parameter that they own: a gradient hook and a copy into the reduction bucket as each gradient
 arrives, a finiteness check (about ten ops) and a norm (two) in the step. Over the 1,120 LoRA tensors of an SDXL UNet
 that is most of the ops a step dispatches (bench/overhead.py). Here, as FSDP's flat parameter does, the trainable
-weights of each repeated block (diffusers' `_repeated_blocks`: a transformer block) and of each other top-level part
+weights of each repeated block (`repeated_blocks`: a transformer block) and of each other top-level part
 are one flat parameter that DeepSpeed owns; the module's weights become views into it, used by the forward as
 before, so their gradients arrive in the flat parameter's, one per block. A block's gradient is whole when that block's
 backward ends: ZeRO-2 still reduces while the backward goes on.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLAT", "LAYOUT", "PER_WEIGHT", "FlatWeights", "flat_groups", "layout_for", "unflattened"]
+__all__ = ["FLAT", "LAYOUT", "PER_WEIGHT", "FlatWeights", "flat_groups", "layout_for", "repeated_blocks", "unflattened"]
 
 FLAT_NAME = "stk_flat_weights_{}"  # as DeepSpeed's checkpoints name them (registered while it is initialised)
 LAYOUT = "weights_layout"  # the key of a checkpoint's record (stk-run.json) that names its layout
@@ -138,10 +138,23 @@ def _views(flat: torch.Tensor, group: Group) -> list[torch.Tensor]:
     return [piece.view(param.shape) for piece, (param, _) in zip(pieces, group, strict=True)]
 
 
-def _blocks(module: torch.nn.Module) -> tuple[str, ...]:
-    """The names of the module's repeated blocks (diffusers' `_repeated_blocks` classes), with their dot."""
+def repeated_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The module's repeated blocks, named: those of diffusers' `_repeated_blocks` classes, else (a denoiser that
+    names none, SD3's) the items of its own top-level block lists (`transformer_blocks.0`)."""
     kinds = set(getattr(module, "_repeated_blocks", None) or ())
-    return tuple(f"{name}." for name, layer in module.named_modules() if type(layer).__name__ in kinds)
+    if kinds:
+        return [(name, layer) for name, layer in module.named_modules() if type(layer).__name__ in kinds]
+    return [
+        (f"{name}.{i}", block)
+        for name, layers in module.named_children()
+        if isinstance(layers, torch.nn.ModuleList)
+        for i, block in enumerate(layers)
+    ]
+
+
+def _blocks(module: torch.nn.Module) -> tuple[str, ...]:
+    """The names of the module's repeated blocks, with their dot."""
+    return tuple(f"{name}." for name, _ in repeated_blocks(module))
 
 
 def _block_of(name: str, blocks: tuple[str, ...]) -> str:

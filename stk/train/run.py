@@ -2,9 +2,9 @@
 (stk.train.loop) and the finish (stk.train.finish).
 
 Nothing heavy happens before the guards pass: the shared output directory and its lease, the GPU layout, the
-trainable's settings, the DeepSpeed config, the base precision (stk.train.baseprecision), the checkpoint to resume
-(verified, fitted to this number of ranks, its settings compared), the data plan, the loss, reporter and validation
-options, the LoRA targets and the cache's model, each refused in seconds with one line.
+trainable's settings, the DeepSpeed config, the base precision (stk.train.baseprecision), the compiler --compile
+needs, the checkpoint to resume (verified, fitted to this number of ranks, its settings compared), the data plan, the
+loss, reporter and validation options, the LoRA targets and the cache's model, each refused in seconds with one line.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from stk.train.baseprecision import check as check_base
 from stk.train.cachemodel import check_cache_model, note_latents
 from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.checkpointer import fit_world_size, loadable
+from stk.train.compiled import check_compiler
 from stk.train.dsconfig import load_deepspeed_config, zero_stage
 from stk.train.finish import TrainSummary, export_final, summary
 from stk.train.loop import Outcome, train
@@ -73,6 +74,7 @@ def _leased_run(
     trainable = trainable_for(opts)
     deepspeed_config = load_deepspeed_config(opts.deepspeed)
     world.run_everywhere(lambda: check_base(opts.base_precision, trainable.frozen_base, zero_stage(deepspeed_config)))
+    world.run_everywhere(lambda: check_compiler(opts.compile_mode))
     checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank, trainable.frozen_base)
     resume = checkpoints.resolve(opts.resume, world)  # the newest checkpoint that verifies
     saved_world = None

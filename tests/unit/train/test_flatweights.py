@@ -13,7 +13,7 @@ from stk.models import Family, build_tiny_model
 from stk.models.latents import LatentNorm
 from stk.train.dsconfig import load_deepspeed_config
 from stk.train.engine import build_engine, engine_config
-from stk.train.flatweights import FLAT, LAYOUT, PER_WEIGHT, FlatWeights, layout_for
+from stk.train.flatweights import FLAT, LAYOUT, PER_WEIGHT, FlatWeights, layout_for, repeated_blocks
 from stk.train.lora import LoraSettings, add_lora
 from stk.train.objectives import objective_for
 from stk.train.optim import OptimizerSettings
@@ -134,3 +134,20 @@ def test_a_checkpoint_resumes_bitwise_in_the_layout_it_was_written_in(
 
     ended = dict(first.engine.module.named_parameters())
     assert all(torch.equal(p, ended[name]) for name, p in resumed.engine.module.named_parameters())
+
+
+BLOCK_KINDS = [
+    (Family.FLUX, {"FluxTransformerBlock", "FluxSingleTransformerBlock"}),
+    (Family.SD3, {"JointTransformerBlock"}),
+]
+
+
+@pytest.mark.parametrize(("family", "kinds"), BLOCK_KINDS)
+def test_repeated_blocks_are_diffusers_or_the_top_level_block_lists(family, kinds, tmp_path: Path) -> None:
+    """FLUX.1 names its blocks (`_repeated_blocks`); SD3 names none, and its `transformer_blocks` are its blocks."""
+    denoiser = objective_for(family, build_tiny_model(family, str(tmp_path / "model"))).load_denoiser(torch.float32)
+    blocks = repeated_blocks(denoiser)
+    assert {type(block).__name__ for _, block in blocks} == kinds
+    assert all(dict(denoiser.named_modules())[name] is block for name, block in blocks)
+    if family is Family.SD3:
+        assert [name for name, _ in blocks] == [f"transformer_blocks.{i}" for i in range(len(blocks))]
