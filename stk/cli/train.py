@@ -219,11 +219,16 @@ def _default(name: str) -> Any:
                    "tensorboard writes OUTPUT/tensorboard/ (tensorboard --logdir OUTPUT/tensorboard); wandb needs "
                    "pip install 'stk[wandb]' (WANDB_PROJECT names the project; WANDB_MODE=offline writes "
                    "OUTPUT/wandb/ for wandb sync).")  # fmt: skip
-@click.option("--compile", "compile_mode", default=None, show_envvar=True,
-              type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
-              help="torch.compile each of the denoiser's repeated blocks in this mode, the code kept in "
-                   "OUTPUT/compile-cache for a resumed run; a block that fails to compile trains eager [default: "
-                   "eager].")  # fmt: skip
+@click.option(
+    "--compile",
+    "compile_mode",
+    default=None,
+    show_envvar=True,
+    type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
+    help="torch.compile each of the denoiser's repeated blocks in this mode, the code kept in "
+    "OUTPUT/compile-cache for a resumed run; a block that fails to compile trains eager [default: "
+    "eager].",
+)
 @click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=_default("gradient_checkpointing"),
               show_envvar=True,
               help="Recompute the denoiser's activations in the backward pass instead of keeping them: far less "

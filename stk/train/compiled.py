@@ -57,19 +57,14 @@ def check_compiler(mode: str | None) -> None:
 def compile_blocks(denoiser: torch.nn.Module, mode: str, output_dir: str) -> int:
     """Compile each of the denoiser's repeated blocks' forward with `mode`, the generated code cached in
     OUTPUT/compile-cache; the number of blocks compiled."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(output_dir, CACHE_DIR)  # read at each compile
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(output_dir, CACHE_DIR)  # read at each compile
     blocks = repeated_blocks(denoiser)
     regions = _Regions(mode)
     for _, block in blocks:
         regions.add(block)
     kinds = sorted({type(block).__name__ for _, block in blocks})
-    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     log.info("--compile %s: %d blocks (%s), code cached in %s", mode, len(blocks), ", ".join(kinds), cache)
     return len(blocks)
-
-
-# what torch.compile raises where it cannot compile a graph; an error of the model's own math reaches eager too
-COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,)
 
 
 class _Regions:
@@ -89,10 +84,10 @@ class _Regions:
             if not self.eager:
                 try:
                     return compiled(*args, **kwargs)
-                except COMPILE_ERRORS as exc:
+                except torch._dynamo.exc.TorchDynamoException as exc:  # an error of the model's own math reaches eager
                     self.eager = True
-                    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    log.warning("--compile: %s failed to compile (%s); the run goes on eager", kind, reason[:300])
+                    reason = (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
+                    log.warning("--compile: %s failed to compile (%s); the run goes on eager", kind, reason)
             return eager(*args, **kwargs)
 
         return forward
