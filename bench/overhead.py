@@ -12,7 +12,7 @@ widths (32 to 64 channels), so a step takes a second on a CPU core. Per config, 
          (train_text_to_image_sdxl.py and the dreambooth scripts), for LoRA the frozen base in bf16 and the adapter's
          parameters in fp32 (cast_training_params), both with fused AdamW and a foreach clip_grad_norm_.
 
-and prints, per step after one warm-up step: kernel ops, views, allocations and host syncs of each, the ratio
+and prints, per steady step (after two warm-up steps): kernel ops, views, allocations and host syncs of each, the ratio
 stk / plain of the ops (targets: <= 1.05x LoRA, <= 1.10x full under ZeRO-1/2, <= 1.3x under ZeRO-3) and of the CPU
 seconds, and the ops stk dispatches most beyond the plain loop. `--record` puts the table into bench/RESULTS.md.
 """
@@ -175,17 +175,22 @@ def plain_step(config: str, model: str, variant: str, batch: Any) -> Callable[[i
     return step
 
 
+WARM_UP_STEPS = 2  # the optimizer's state is made in the first; ZeRO-3 records its parameter trace in the first and
+# checks it against every rank's in the second (a host sync per parameter, once a run): the third is the steady step
+
+
 def count_step(step: Callable[[int], None]) -> OpCount:
-    """The ops of one step after a warm-up step (the optimizer's state made)."""
-    step(0)
-    return count_ops(lambda: step(1))
+    """The ops of one steady step: after the warm-up steps."""
+    for n in range(WARM_UP_STEPS):
+        step(n)
+    return count_ops(lambda: step(WARM_UP_STEPS))
 
 
 def measure(step: Callable[[int], None], steps: int) -> tuple[OpCount, float]:
-    """The ops of one step after a warm-up step, and the median CPU seconds a step."""
+    """The ops of one steady step, and the median CPU seconds a step."""
     counted = count_step(step)
     seconds = []
-    for n in range(2, 2 + steps):
+    for n in range(WARM_UP_STEPS + 1, WARM_UP_STEPS + 1 + steps):
         start = time.process_time()
         step(n)
         seconds.append(time.process_time() - start)
@@ -245,7 +250,7 @@ def record(text: str) -> None:
 
 def measure_variant(config: str, variant: str, presets: list[str], steps: int, resolution: int) -> None:
     """One config and variant, each row printed as JSON: in a process of its own, since ZeRO-3's initialisation
-    leaves torch's linear patched for the rest of the process."""
+    leaves its state behind (with DeepSpeed's default config, torch's linear replaced) for the rest of the process."""
     torch.set_num_threads(1)
     world = one_rank_world()
     next(world)

@@ -21,7 +21,7 @@ import torch
 
 from stk.errors import InputError
 
-__all__ = ["BASE_PRECISIONS", "FP8_CAPABILITY", "check", "quantize_layer", "quantizer"]
+__all__ = ["BASE_PRECISIONS", "FP8_CAPABILITY", "check", "check_fp8_gpu", "quantize_layer", "quantizer"]
 
 BASE_PRECISIONS = ("bf16", "int8", "fp8")  # bf16: not quantised, the training dtype (fp32 with --precision fp32)
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 units
@@ -48,11 +48,17 @@ def _check_fp8_device() -> None:
     if not torch.cuda.is_available():
         raise InputError("--base-precision fp8 needs a GPU of compute capability 8.9 or later (H100, L40S, "
                          "RTX 4090); this machine has none (cpu): use int8")  # fmt: skip
+    check_fp8_gpu("--base-precision fp8", "use int8")
+
+
+def check_fp8_gpu(flag: str, instead: str) -> None:
+    """InputError, naming the device, where this machine's GPU predates float8 units (compute capability below
+    8.9)."""
     capability = torch.cuda.get_device_capability(0)
     if capability < FP8_CAPABILITY:
         name = torch.cuda.get_device_name(0)
-        raise InputError(f"--base-precision fp8 needs a GPU of compute capability 8.9 or later (H100, L40S, "
-                         f"RTX 4090); {name} has {capability[0]}.{capability[1]}: use int8")  # fmt: skip
+        raise InputError(f"{flag} needs a GPU of compute capability 8.9 or later (H100, L40S, RTX 4090); {name} "
+                         f"has {capability[0]}.{capability[1]}: {instead}")  # fmt: skip
 
 
 def _config(base_precision: str) -> Any:

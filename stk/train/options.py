@@ -44,6 +44,7 @@ class TrainOptions:
     gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: train every weight
     base_precision: str = "bf16"  # an adapter's frozen base: bf16 (the training dtype) | int8 | fp8 (baseprecision)
+    fp8_matmuls: bool = False  # the repeated blocks' linear layers multiply in float8 (stk.train.fp8)
     loss: LossSettings = field(default_factory=LossSettings)  # min-SNR, noise offset, Flux timestep sampling
     validation: ValidationSettings = field(default_factory=ValidationSettings)  # the --validation-* options
     ema_decay: float = 0.0  # 0: no EMA; else the decay of a sharded EMA of the trained weights (stk.train.ema)
@@ -82,6 +83,7 @@ class TrainOptions:
             "world_size": world_size,
             **self.lora.run_settings(family),
             "base_precision": self.base_precision,
+            "fp8_matmuls": self.fp8_matmuls,
             **self.loss.run_settings(family),
             "ema_decay": self.ema_decay,
             "ema_every": self.ema_every,

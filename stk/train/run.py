@@ -22,6 +22,7 @@ from stk.train.checkpointer import fit_world_size, loadable
 from stk.train.compiled import check_compiler
 from stk.train.dsconfig import load_deepspeed_config, zero_stage
 from stk.train.finish import TrainSummary, export_final, summary
+from stk.train.fp8 import check as check_fp8
 from stk.train.loop import Outcome, train
 from stk.train.objectives import objective_for
 from stk.train.options import TrainOptions
@@ -74,6 +75,7 @@ def _leased_run(
     trainable = trainable_for(opts)
     deepspeed_config = load_deepspeed_config(opts.deepspeed)
     world.run_everywhere(lambda: check_base(opts.base_precision, trainable.frozen_base, zero_stage(deepspeed_config)))
+    world.run_everywhere(lambda: check_fp8(opts.fp8_matmuls, opts.base_precision))
     world.run_everywhere(lambda: check_compiler(opts.compile_mode))
     checkpoints = CheckpointDir(opts.output_dir, opts.keep_checkpoints, world.rank, trainable.frozen_base)
     resume = checkpoints.resolve(opts.resume, world)  # the newest checkpoint that verifies

@@ -19,6 +19,7 @@ from stk.health.breaker import GpuWatch
 from stk.log import get_logger
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION
+from stk.train import fp8
 from stk.train.checkpoint import CheckpointDir, Resume
 from stk.train.checkpointer import Checkpointer
 from stk.train.datasets import caption_dropouts
@@ -186,6 +187,8 @@ def _load_model(
     config = engine_config(opts, setting.deepspeed_config, precision, universal)
     zero3 = config if zero_stage(config) == 3 else None  # built partitioned: no rank ever holds the whole model
     denoiser = world.run_everywhere(lambda: objective.load_denoiser(dtype, world, zero3, opts.base_precision))
+    if opts.fp8_matmuls:
+        fp8.convert(denoiser)  # before the adapters, which then wrap the float8 layers
     setting.trainable.add(denoiser, objective, opts.seed)
     denoiser = denoiser.to(device)
     encoders, norm = None, plan.norm  # a cache's recorded normalisation

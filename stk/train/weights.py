@@ -139,8 +139,10 @@ def load_weights_partitioned(
     import deepspeed
 
     # The dtype follows the config's bf16 section (DeepSpeed 0.19 ignores its dtype argument where the accelerator
-    # lacks fp16, as the CPU does); torch's linear is left as it is for the rest of the process.
-    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config, mem_efficient_linear=False):
+    # lacks fp16, as the CPU does). The config's memory_efficient_linear (DeepSpeed's default: true) decides whether
+    # torch's linear is replaced for the rest of the process, whatever the argument says: the zero3 preset sets it
+    # false, since the replacement splits each linear into a matmul and an add, two ops for one.
+    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config):
         module = denoiser_class.from_config(config)
     _release_freed_memory()  # each layer was made whole, then partitioned
     reader: _Reader | None = None

@@ -64,3 +64,23 @@ def test_compile_without_a_compiler_is_one_line_before_any_weight_loads(setups, 
     proc = run_train(args, mpi=1, env={"CXX": str(tmp_path / "no-such-g++")})
     one_error(proc, 3, "--compile default", "C++ compiler", "no-such-g++")
     assert "DeepSpeed ZeRO" not in proc.stderr and not (out / "checkpoints").exists()
+
+
+def test_a_block_that_fails_to_compile_turns_the_run_eager_with_one_warning(setups, eager, tmp_path):
+    """A C++ compiler that answers `--version` (so the check before the weights passes) but fails on inductor's code,
+    as one without OpenMP's headers does: one warning line, and the run trains on eager, as the eager run does."""
+    model, cache = setups(Family.SD)
+    cxx = tmp_path / "g++-without-openmp"
+    cxx.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *compile-cache*) echo "fatal error: omp.h: No such file or directory" >&2; exit 1;; esac\n'
+        'exec g++ "$@"\n'
+    )
+    cxx.chmod(0o755)
+    out = tmp_path / "run"
+    args = ["--cache", cache, "--model", model, "--output-dir", out, "--compile", "default", "--max-steps", 2, *LOUD]
+    proc = run_train(args, mpi=1, env={"CXX": str(cxx)})
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "failed to compile" in line]
+    assert len(warnings) == 1 and "the run goes on eager" in warnings[0], proc.stderr
+    assert [r["loss"] for r in metrics(out)] == pytest.approx(eager[:2], rel=1e-6)

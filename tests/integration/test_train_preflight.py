@@ -82,6 +82,8 @@ BAD_SETUPS = {
                                    ExitCode.INPUT, ["ZeRO-3 cannot partition torchao's quantised weights"]),
     "fp8-without-gpu": (["--lora-rank", "4", "--base-precision", "fp8"], ExitCode.INPUT,
                         ["--base-precision fp8 needs a GPU of compute capability 8.9", "has none (cpu)"]),
+    "fp8-matmuls-on-a-quantised-base": (["--lora-rank", "4", "--base-precision", "int8", "--fp8-matmuls"],
+                                        ExitCode.INPUT, ["--fp8-matmuls multiplies", "--base-precision int8 holds"]),
     "prompt-file-empty": (["--validation-prompts", "EMPTY"], ExitCode.INPUT, ["no prompts in it (one per line)"]),
     "sample-size-unaligned": (["--validation-prompt", "a", "--validation-resolution", "100x64"], ExitCode.INPUT,
                               ["--validation-resolution 100x64: SD needs sides that are multiples of 8",
