@@ -7,6 +7,8 @@ users run today, with random weights from the published configs (no hub access).
 
 Parts (in the order `make gpu-check` runs them):
 
+  speed    per --speed-configs (sdxl, flux-dev), batch size and variant: the examples' plain loop, stk-train eager,
+           compiled and with --fp8-matmuls, and the ratios against issue 37's targets (bench/gpu_speed.py).
   health   stk-health check against the real NVML: its findings, and its wall time over the interpreter's
            (target < 1 s), with `nvidia-smi -q` timed beside it.
   cache    stk-cache in bf16 with the SDXL VAE on generated images at 1024 px: images/s, against the same images
@@ -36,7 +38,8 @@ Parts (in the order `make gpu-check` runs them):
            one-line refusal (--cpu runs fp8 only); a run that fails is a row with its exit code and its log's end.
   profile  stk-train (SDXL, LoRA rank 16, checkpointing, first batch size) with its step split into train_step and
            the step boundary, torch.profiler's operator tables and timeline, and cProfile's functions, written to
-           --profile-dir (bench/gpu_profile.py).
+           --profile-dir, and the share of the profiled steps' time the GPU was busy (bench/gpu_profile.py; with
+           --compile, compiled: target 90%).
 
 Every part prints one JSON object per measurement with at least `part`, `samples_per_s`, `peak_memory`, `mfu` and
 `baseline_ratio` (null where they do not apply). `--record` appends them to bench/RESULTS.md as a table headed by
@@ -72,8 +75,9 @@ from gpu_parts import (
 )
 from gpu_profile import part_profile
 from gpu_setup import KEYS, Scale, peak_tflops
+from gpu_speed import SPEED_CONFIGS, part_speed
 
-PARTS = ("health", "cache", "train", "flux", "families", "breaker", "oom", "quant", "profile")
+PARTS = ("speed", "profile", "health", "cache", "train", "flux", "families", "breaker", "oom", "quant")
 VARIANTS = ("full-ckpt", "full", "lora-ckpt", "lora")  # full or LoRA rank 16, gradient checkpointing on or off
 
 
@@ -96,7 +100,7 @@ CPU = Scale("cpu", 64, 8, 3, (2,), ("lora",), (1, 1), 2, 16, TINY_SDXL, TINY_VAE
 
 PART_RUNNERS: dict[str, Callable[[Scale, Path, argparse.Namespace], Iterator[dict[str, Any]]]] = {
     "health": part_health, "cache": part_cache, "train": part_train, "flux": part_flux, "families": part_families,
-    "breaker": part_breaker, "oom": part_oom, "quant": part_quant, "profile": part_profile,
+    "breaker": part_breaker, "oom": part_oom, "quant": part_quant, "profile": part_profile, "speed": part_speed,
 }  # fmt: skip
 
 
@@ -149,7 +153,9 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="append the results to --results")
     parser.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
     parser.add_argument("--workdir", default=None, help="keep models, images, scans and caches here between runs")
-    parser.add_argument("--compile", action="store_true", help="train: stk-train --compile default")
+    parser.add_argument("--compile", action="store_true", help="train, profile: stk-train --compile default")
+    parser.add_argument("--speed-configs", default=None, help=f"speed: comma list of {', '.join(SPEED_CONFIGS)} "
+                        "[all; --cpu: sdxl]")  # fmt: skip
     parser.add_argument("--batch-sizes", type=parse_ints, default=None, help="train: per-GPU batch sizes [4,8]")
     parser.add_argument("--variants", default=None, help=f"train: comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--flux-blocks", type=parse_ints, default=None, help="flux: double,single blocks [4,8]")
@@ -186,13 +192,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     env = environment()
     print(json.dumps({"environment": env, "workdir": str(work)}), flush=True)
-    results = []
-    for part in parts:
+    command = " ".join(["python bench/gpu.py", *sys.argv[1:]])
+    for part in parts:  # each part recorded as it ends: a later part cut short by the slot's end loses only itself
+        results = []
         for row in PART_RUNNERS[part](scale, work, args):
             print(json.dumps(row), flush=True)
             results.append(row)
-    if args.record:
-        record(Path(args.results), " ".join(["python bench/gpu.py", *sys.argv[1:]]), env, results)
+        if args.record:
+            record(Path(args.results), command, env, results)
 
 
 if __name__ == "__main__":

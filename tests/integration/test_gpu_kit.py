@@ -33,7 +33,7 @@ def load_kit_module(name: str) -> Any:
 
 # Two kit processes at once (the parts are independent; this halves the wait on two cores), each its own workdir
 # and results file, as two calls on a lent machine would be.
-HALVES = ("health,cache,train,breaker,profile", "flux,families,oom,quant")
+HALVES = ("health,cache,train,breaker,profile", "speed,flux,families,oom,quant")
 
 
 @dataclass
@@ -193,3 +193,34 @@ def test_profile_splits_the_step_and_writes_the_tables(kit):
     with gzip.open(folder / "trace.json.gz", "rt") as f:
         events = json.load(f)["traceEvents"]
     assert any(e.get("name") == "stk.train_step" for e in events)
+
+
+def test_speed_runs_the_plain_loop_stk_and_fp8_on_one_batch(kit):
+    """--cpu: the plain loop, stk-train eager and with --fp8-matmuls (torch._scaled_mm runs on the CPU), each a
+    process, their samples/s and the ratios the targets are set on; the compiled run is the GPU's alone."""
+    (speed,) = kit.rows["speed"]
+    runs = speed["runs"]
+    assert set(runs) == {"plain", "eager", "fp8"} and speed["compiled"] is False
+    assert all(run["samples_per_s"] > 0 for run in runs.values()), runs
+    assert speed["eager_vs_plain"] == round(runs["eager"]["samples_per_s"] / runs["plain"]["samples_per_s"], 3)
+    assert speed["fp8_vs_bf16"] == round(runs["fp8"]["samples_per_s"] / runs["eager"]["samples_per_s"], 3)
+    assert speed["compiled_vs_eager"] is None and speed["targets"]["compiled_vs_eager"] == 1.25
+    assert speed["ok"] == (speed["eager_vs_plain"] >= 1.0 and speed["fp8_vs_bf16"] >= 1.2)
+
+
+def test_the_gpu_busy_share_counts_each_instant_once():
+    """Kernels on two streams at once count once; time outside the profiled steps is not counted. Events as
+    torch.profiler gives them (name, time_range, device_type): no GPU here to profile."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name: str, start: int, end: int, device: DeviceType) -> SimpleNamespace:
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+    events = [event("ProfilerStep#7", 100, 200, DeviceType.CPU), event("ProfilerStep#8", 200, 300, DeviceType.CPU),
+              event("gemm", 90, 150, DeviceType.CUDA), event("gemm", 120, 160, DeviceType.CUDA),
+              event("copy", 250, 260, DeviceType.CUDA), event("late", 290, 400, DeviceType.CUDA)]  # fmt: skip
+    # covered: 100-160 (60), 250-260 (10), 290-300 (10) of 200
+    assert load_kit_module("gpu_profile").busy_share(events) == 0.4
+    assert load_kit_module("gpu_profile").busy_share(events[:2]) is None  # no GPU kernels: no share
