@@ -32,6 +32,9 @@ from gpu_setup import (
     stk,
     train_args,
 )
+from projection import Fabric, zero_comm
+
+from stk.train.dsconfig import load_deepspeed_config
 
 TARGETS = {"health_s": 1.0, "baseline_ratio": 1.0, "baseline_ratio_compiled": 1.2, "breaker_pct": 0.1,
            "flux_s_per_step": 7.5, "oom_s": 120.0, "fp8_ratio": 1.2, "compiled_ratio": 1.25}  # fmt: skip
@@ -261,19 +264,20 @@ def project(
     scale: Scale, work: Path, name: str, variant: str, step_s: float, args: argparse.Namespace
 ) -> tuple[int, dict[str, Any]]:
     """The measured step's FLOPs, and the full published model on 32 GPUs at batch 8: the FLOP rate this GPU reached
-    over the full model's FLOPs on the same shapes (only depth differs), plus a ring all-reduce of the bf16 gradients
-    of what trains (the model, or its LoRA) at --bus-gbps."""
+    over the full model's FLOPs on the same shapes (only depth differs), plus the communication a step waits on under
+    the zero2 preset (bench/projection.zero_comm: what trains, the model or its LoRA, at --bus-gbps)."""
     peak, _ = peak_tflops(args.peak_tflops)
     model_dir, cache = model(scale, work, name), cached(scale, work, name)
     flops = step_flops(model_dir, cache, scale.flux_batch)
     rate = flops / step_s  # FLOP/s this GPU reached
     full = step_flops(model_dir, cache, scale.flux_batch, full_depth(name)) * (FLUX_BATCH / scale.flux_batch)
-    ring = 2 * (FLUX_GPUS - 1) / FLUX_GPUS * trainable_params(name, variant) * 2  # bytes each GPU sends
-    allreduce_s = ring / (args.bus_gbps * 1e9)
-    projected = full / rate + allreduce_s
+    zero2 = load_deepspeed_config("zero2")["zero_optimization"]
+    comm = zero_comm(trainable_params(name, variant), FLUX_GPUS, zero2["reduce_bucket_size"], zero2["overlap_comm"],
+                     Fabric(bus_gbps=args.bus_gbps))  # fmt: skip
+    projected = full / rate + comm["exposed_s"]
     return flops, {
         "gpus": FLUX_GPUS, "batch_per_gpu": FLUX_BATCH, "compute_s": round(full / rate, 3),
-        "allreduce_s": round(allreduce_s, 3), "bus_gbps": args.bus_gbps, "s_per_step": round(projected, 3),
+        "comm_s": round(comm["exposed_s"], 3), "bus_gbps": args.bus_gbps, "s_per_step": round(projected, 3),
         "mfu": mfu(int(full), projected, peak),
     }  # fmt: skip
 

@@ -160,8 +160,14 @@ def zero_states(m: Model, lora: bool, ds: dict[str, Any]) -> dict[str, float]:
         weights = 2 * params
     grads = 0 if offload else 2 * trainable / (GPUS if stage >= 2 else 1)
     optimizer = 0 if offload else 12 * trainable / GPUS
-    buffers = 2 * zero["reduce_bucket_size"] * (2 if zero.get("overlap_comm") and stage < 3 else 1)
-    return {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers}
+    return {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": bucket_bytes(zero)}
+
+
+def bucket_bytes(zero: dict[str, Any]) -> float:
+    """The gradient buckets DeepSpeed 0.19 allocates under a zero_optimization section, bf16: reduce_bucket_size
+    elements once, twice with overlap_comm below stage 3 (its stage_1_and_2 optimizer)."""
+    overlapped = zero.get("overlap_comm") and zero["stage"] < 3
+    return 2 * zero["reduce_bucket_size"] * (2 if overlapped else 1)
 
 
 def sdpa_backward() -> str:

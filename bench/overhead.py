@@ -112,8 +112,11 @@ def one_rank_world() -> Iterator[None]:
             torch.distributed.destroy_process_group()
 
 
-def stk_step(config: str, model: str, variant: str, preset: str, batch: Any) -> Callable[[int], None]:
-    """stk-train's optimizer step `step` (train_step on its engine), as stk.train.setup builds it."""
+def stk_step(
+    config: str, model: str, variant: str, preset: str, batch: Any, zero: dict[str, Any] | None = None
+) -> Callable[[int], None]:
+    """stk-train's optimizer step `step` (train_step on its engine), as stk.train.setup builds it; `zero` overrides
+    keys of the preset's zero_optimization."""
     from stk.models.latents import LatentNorm
     from stk.train.dsconfig import load_deepspeed_config, zero_stage
     from stk.train.engine import build_engine, engine_config
@@ -127,7 +130,9 @@ def stk_step(config: str, model: str, variant: str, preset: str, batch: Any) -> 
     lora = LoraSettings(rank=LORA_RANK if variant == "lora" else 0)
     opts = TrainOptions(model=model, output_dir=tempfile.mkdtemp(), batch_size=1, lora=lora)
     objective = objective_for(PUBLISHED[config], model)
-    engine_settings = engine_config(opts, load_deepspeed_config(preset), "bf16")
+    deepspeed_config = load_deepspeed_config(preset)
+    deepspeed_config["zero_optimization"].update(zero or {})
+    engine_settings = engine_config(opts, deepspeed_config, "bf16")
     zero3 = engine_settings if zero_stage(engine_settings) == 3 else None
     denoiser = objective.load_denoiser(torch.bfloat16, World() if zero3 else None, zero3)
     trainable_for(opts).add(denoiser, objective, 0)
