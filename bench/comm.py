@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import WARM_UP_STEPS, cached_batch, narrow_model, record, stk_step
 
 RUNS = (("zero1", False), ("zero1", True), ("zero2", False), ("zero2", True))  # (preset, overlap_comm)
-COLLECTIVES = ("reduce_scatter", "all_reduce", "allreduce", "all_gather", "allgather", "broadcast", "reduce")
+COLLECTIVES = ("reduce", "gather", "broadcast")  # within gloo's range names: all_reduce, reduce_scatter, all_gather
 
 
 def child(model: str, preset: str, overlap: bool, bucket: int) -> dict[str, Any] | None:
@@ -55,8 +56,8 @@ def child(model: str, preset: str, overlap: bool, bucket: int) -> dict[str, Any]
     torch.distributed.destroy_process_group()
     if world.rank != 0:
         return None
-    return {"preset": preset, "overlap_comm": overlap, "bucket": bucket, "ranks": world.size, "step_s": seconds,
-            **where_comm_falls(traced.events())}  # fmt: skip
+    run = {"preset": preset, "overlap_comm": overlap, "bucket": bucket, "ranks": world.size, "step_s": seconds}
+    return run | where_comm_falls(traced.events())
 
 
 def where_comm_falls(events: Any) -> dict[str, Any]:
@@ -66,20 +67,26 @@ def where_comm_falls(events: Any) -> dict[str, Any]:
     start, end = min(r.start for r in backward), max(r.end for r in backward)
     total = sum(e.time_range.elapsed_us() for e in comm)
     inside = sum(max(0, min(e.time_range.end, end) - max(e.time_range.start, start)) for e in comm)
-    kinds: dict[str, int] = {}
-    for e in comm:
-        kinds[e.name] = kinds.get(e.name, 0) + 1
-    return {"collectives": kinds, "comm_s": round(total / 1e6, 4),
-            "in_backward": round(inside / total, 3) if total else None}  # fmt: skip
+    share = round(inside / total, 3) if total else None
+    return {"collectives": dict(Counter(e.name for e in comm)), "comm_s": round(total / 1e6, 4), "in_backward": share}
 
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
-    lines = [f"`{command}`", "", "| ranks | preset | overlap_comm | bucket | step s | comm s | comm in the backward | "
-             "collectives |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    header = "| ranks | preset | overlap_comm | bucket | step s | comm s | comm in the backward | collectives |"
+    lines = [f"`{command}`", "", header, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kinds = ", ".join(f"{name} x{n}" for name, n in r["collectives"].items())
-        lines.append(f"| {r['ranks']} | {r['preset']} | {r['overlap_comm']} | {r['bucket']:,} | {r['step_s']:.3f} | "
-                     f"{r['comm_s']:.3f} | {r['in_backward']:.0%} | {kinds} |")  # fmt: skip
+        cells = [
+            r["ranks"],
+            r["preset"],
+            r["overlap_comm"],
+            f"{r['bucket']:,}",
+            f"{r['step_s']:.3f}",
+            f"{r['comm_s']:.3f}",
+            f"{r['in_backward']:.0%}",
+            kinds,
+        ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines) + "\n"
 
 

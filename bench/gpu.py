@@ -154,8 +154,8 @@ def main() -> None:
     parser.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
     parser.add_argument("--workdir", default=None, help="keep models, images, scans and caches here between runs")
     parser.add_argument("--compile", action="store_true", help="train, profile: stk-train --compile default")
-    parser.add_argument("--speed-configs", default=None, help=f"speed: comma list of {', '.join(SPEED_CONFIGS)} "
-                        "[all; --cpu: sdxl]")  # fmt: skip
+    speed_help = f"speed: comma list of {', '.join(SPEED_CONFIGS)} [all; --cpu: sdxl]"
+    parser.add_argument("--speed-configs", default=None, help=speed_help)
     parser.add_argument("--batch-sizes", type=parse_ints, default=None, help="train: per-GPU batch sizes [4,8]")
     parser.add_argument("--variants", default=None, help=f"train: comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--flux-blocks", type=parse_ints, default=None, help="flux: double,single blocks [4,8]")

@@ -272,8 +272,10 @@ def project(
     rate = flops / step_s  # FLOP/s this GPU reached
     full = step_flops(model_dir, cache, scale.flux_batch, full_depth(name)) * (FLUX_BATCH / scale.flux_batch)
     zero2 = load_deepspeed_config("zero2")["zero_optimization"]
-    comm = zero_comm(trainable_params(name, variant), FLUX_GPUS, zero2["reduce_bucket_size"], zero2["overlap_comm"],
-                     Fabric(bus_gbps=args.bus_gbps))  # fmt: skip
+    fabric = Fabric(bus_gbps=args.bus_gbps)
+    comm = zero_comm(
+        trainable_params(name, variant), FLUX_GPUS, zero2["reduce_bucket_size"], zero2["overlap_comm"], fabric
+    )
     projected = full / rate + comm["exposed_s"]
     return flops, {
         "gpus": FLUX_GPUS, "batch_per_gpu": FLUX_BATCH, "compute_s": round(full / rate, 3),

@@ -261,11 +261,15 @@ def _default(name: str) -> Any:
                    "(torchao), about half the memory of the base on every rank; int8 on any device (slower steps "
                    "on a CPU), fp8 on GPUs of compute capability 8.9+ (H100). bf16: not quantised, the training "
                    "dtype. Not with full fine-tuning or ZeRO-3; resume keeps it.")  # fmt: skip
-@click.option("--fp8-matmuls", is_flag=True, show_envvar=True,
-              help="The linear layers of the denoiser's repeated blocks multiply in float8, forward and backward "
-                   "(torchao's float8 training; the weights trained in the training dtype): full fine-tuning or "
-                   "the frozen base of an adapter, on GPUs of compute capability 8.9+ (H100); best with "
-                   "--compile. Not with --base-precision int8/fp8; resume keeps it.")  # fmt: skip
+@click.option(
+    "--fp8-matmuls",
+    is_flag=True,
+    show_envvar=True,
+    help="The linear layers of the denoiser's repeated blocks multiply in float8, forward and backward (torchao's "
+    "float8 training; the weights trained in the training dtype): full fine-tuning or the frozen base of an adapter, "
+    "on GPUs of compute capability 8.9+ (H100); best with --compile. Not with --base-precision int8/fp8; resume "
+    "keeps it.",
+)
 @click.option("--local-cache-dir", default=None, show_envvar=True,
               help="Node-local directory for whole S3 shards, may be shared by the node's ranks "
                    "[default: a temp dir per rank].")  # fmt: skip

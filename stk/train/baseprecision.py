@@ -57,8 +57,10 @@ def check_fp8_gpu(flag: str, instead: str) -> None:
     capability = torch.cuda.get_device_capability(0)
     if capability < FP8_CAPABILITY:
         name = torch.cuda.get_device_name(0)
-        raise InputError(f"{flag} needs a GPU of compute capability 8.9 or later (H100, L40S, RTX 4090); {name} "
-                         f"has {capability[0]}.{capability[1]}: {instead}")  # fmt: skip
+        raise InputError(
+            f"{flag} needs a GPU of compute capability 8.9 or later (H100, L40S, RTX 4090); {name} has "
+            f"{capability[0]}.{capability[1]}: {instead}"
+        )
 
 
 def _config(base_precision: str) -> Any:

@@ -23,7 +23,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLAT", "LAYOUT", "PER_WEIGHT", "FlatWeights", "flat_groups", "layout_for", "repeated_blocks", "unflattened"]
+__all__ = [
+    "FLAT",
+    "LAYOUT",
+    "PER_WEIGHT",
+    "FlatWeights",
+    "block_prefixes",
+    "flat_groups",
+    "layout_for",
+    "repeated_blocks",
+    "unflattened",
+]
 
 FLAT_NAME = "stk_flat_weights_{}"  # as DeepSpeed's checkpoints name them (registered while it is initialised)
 LAYOUT = "weights_layout"  # the key of a checkpoint's record (stk-run.json) that names its layout
@@ -46,7 +56,7 @@ def flat_groups(module: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parame
     repeated block's, then each other top-level part's, in the module's order. A pure function of the module, so
     stk-export finds in a checkpoint's flat parameters the weights a run put there (`unflattened`)."""
     groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
-    blocks = _blocks(module)
+    blocks = block_prefixes(module)
     for name, param in module.named_parameters():
         if param.requires_grad and param.numel():
             groups.setdefault(_block_of(name, blocks), []).append((name, param))
@@ -152,8 +162,8 @@ def repeated_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     ]
 
 
-def _blocks(module: torch.nn.Module) -> tuple[str, ...]:
-    """The names of the module's repeated blocks, with their dot."""
+def block_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
+    """The names of the module's repeated blocks, with their dot: what each of their weights' names starts with."""
     return tuple(f"{name}." for name, _ in repeated_blocks(module))
 
 

@@ -22,7 +22,7 @@ import torch
 from stk.errors import InputError
 from stk.log import get_logger
 from stk.train.baseprecision import check_fp8_gpu
-from stk.train.flatweights import repeated_blocks
+from stk.train.flatweights import block_prefixes
 
 __all__ = ["check", "convert"]
 
@@ -50,7 +50,7 @@ def convert(denoiser: torch.nn.Module) -> int:
     parameters); the number swapped."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    blocks = tuple(f"{name}." for name, _ in repeated_blocks(denoiser))
+    blocks = block_prefixes(denoiser)
     swapped: list[str] = []
 
     def chosen(layer: torch.nn.Module, name: str) -> bool:

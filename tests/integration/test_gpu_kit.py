@@ -223,9 +223,10 @@ def test_the_gpu_busy_share_counts_each_instant_once():
     def event(name: str, start: int, end: int, device: DeviceType) -> SimpleNamespace:
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device)
 
-    events = [event("ProfilerStep#7", 100, 200, DeviceType.CPU), event("ProfilerStep#8", 200, 300, DeviceType.CPU),
-              event("gemm", 90, 150, DeviceType.CUDA), event("gemm", 120, 160, DeviceType.CUDA),
-              event("copy", 250, 260, DeviceType.CUDA), event("late", 290, 400, DeviceType.CUDA)]  # fmt: skip
+    steps = [event("ProfilerStep#7", 100, 200, DeviceType.CPU), event("ProfilerStep#8", 200, 300, DeviceType.CPU)]
+    kernels = [event("gemm", 90, 150, DeviceType.CUDA), event("gemm", 120, 160, DeviceType.CUDA)]
+    kernels += [event("copy", 250, 260, DeviceType.CUDA), event("late", 290, 400, DeviceType.CUDA)]
+    events = steps + kernels
     # covered: 100-160 (60), 250-260 (10), 290-300 (10) of 200
     assert load_kit_module("gpu_profile").busy_share(events) == 0.4
     assert load_kit_module("gpu_profile").busy_share(events[:2]) is None  # no GPU kernels: no share
