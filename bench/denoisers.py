@@ -1,86 +1,53 @@
-"""What the benchmarks need to know of each family's published denoiser, in one place: which config keys count its
-blocks (so a model can be built at full width and reduced depth, and a measurement on it scaled back to full depth)
-and the text it is conditioned on at 1024 px (so a training step can be fed without the text encoders).
-
-bench/memory.py (--table) and bench/gpu.py (flux, families) read these; everything else about a family comes from
-its spec (stk.models.families): how the denoiser is called, how its target is packed, its latent channels."""
+"""A family's published denoiser as the benchmarks build and feed it, from its spec (stk.models.families): which config
+keys count its blocks (so a model can be built at full width and reduced depth, and a measurement on it scaled back to
+full depth), the text it is conditioned on at 1024 px (so a training step can be fed without the text encoders), and
+its training forward. bench/memory.py (--table), bench/projection.py and bench/gpu.py read these."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stk.models.components import latent_channels
-from stk.models.families import flux, flux2, sd3, spec_for
+from stk.models.families import all_specs, spec_for
+from stk.models.interface import StepInputs
 from stk.models.model_json import scale_factor_of
 from stk.models.published import PUBLISHED, published_config
 from stk.models.textmask import TEXT_MASK
-from stk.train.batch import StepInputs
 
-__all__ = ["DENOISERS", "TITLES", "Denoiser", "denoiser_of", "flow_configs", "full_depth", "reduced_depth"]
+__all__ = ["TITLES", "Denoiser", "denoiser_of", "flow_configs", "full_depth", "reduced_depth"]
 
 REFERENCE_RESOLUTION = 1024
 
 
 @dataclass(frozen=True)
 class Denoiser:
-    """One family's denoiser as the benchmarks see it."""
+    """One family's denoiser as the benchmarks see it, from its spec (`FamilySpec.denoiser` and `.text`)."""
 
-    # config key of a block count -> the denoiser's attribute (a ModuleList) holding those blocks; blocks of other
-    # lists (Z-Image's refiners) keep their published count
-    blocks: dict[str, str]
+    blocks: Mapping[str, str]  # config key of a block count -> the denoiser's ModuleList of those blocks
     text_tokens: int  # text tokens per sample at 1024 px
-    sequences: dict[str, str | int]  # each (tokens, width) text output -> its width: a config key or a number
-    pooled: dict[str, str | int] = field(default_factory=dict)  # each (width,) text output -> its width
-    # the fewest blocks per key that hold one block of each kind: SD3's last block differs from the others
-    # (context_pre_only: no LoRA target to_add_out, say), so two
-    measured_blocks: int = 1
+    sequences: Mapping[str, str | int]  # each (tokens, width) text output -> its width: a config key or a number
+    pooled: Mapping[str, str | int]  # each (width,) text output -> its width
+    measured_blocks: int  # the fewest blocks per key that hold one block of each kind
 
 
-FLUX_BLOCKS = {"num_layers": "transformer_blocks", "num_single_layers": "single_transformer_blocks"}
-# FLUX.2 (dev and klein) keeps all 512 positions, padding included
-FLUX2 = Denoiser(FLUX_BLOCKS, flux2.MAX_SEQUENCE_LENGTH, {"prompt_embeds": "joint_attention_dim"})
-DENOISERS: dict[str, Denoiser] = {
-    "sdxl": Denoiser({}, 77, {"prompt_embeds": "cross_attention_dim"}, {"pooled_prompt_embeds": 1280}),
-    "flux": Denoiser(
-        FLUX_BLOCKS, flux.T5_MAX_LENGTH, {"prompt_embeds": "joint_attention_dim"},
-        {"pooled_prompt_embeds": "pooled_projection_dim"},
-    ),
-    # CLIP's 77 tokens joined with T5's; the last block is measured apart (SD3.5 Medium's two measured blocks both
-    # have its dual attention, which 11 of its 24 blocks lack: its figures err high)
-    "sd3": Denoiser(
-        {"num_layers": "transformer_blocks"}, 77 + sd3.T5_MAX_LENGTH, {"prompt_embeds": "joint_attention_dim"},
-        {"pooled_prompt_embeds": "pooled_projection_dim"}, measured_blocks=2,
-    ),
-    "chroma": Denoiser(FLUX_BLOCKS, flux.T5_MAX_LENGTH, {"prompt_embeds": "joint_attention_dim", TEXT_MASK: 1}),
-    # Z-Image stores each caption's real tokens (up to 512): 128 is a caption of ~90 words in Qwen3's chat template
-    "zimage": Denoiser({"n_layers": "layers"}, 128, {"prompt_embeds": "cap_feat_dim", TEXT_MASK: 1}),
-    "flux2": FLUX2,
-    "flux2-klein": FLUX2,
-    # Qwen-Image stores each caption's real tokens (up to 1024), Z-Image's 128 likewise
-    "qwenimage": Denoiser(
-        {"num_layers": "transformer_blocks"}, 128, {"prompt_embeds": "joint_attention_dim", TEXT_MASK: 1}
-    ),
-}  # fmt: skip
-
-# config -> how tables name it
-TITLES = {"sdxl": "SDXL UNet", "flux-dev": "Flux.1-dev", "sd35-large": "SD3.5 Large", "sd35-medium": "SD3.5 Medium",
-          "chroma1": "Chroma1", "zimage": "Z-Image", "flux2-dev": "FLUX.2-dev", "flux2-klein-4b": "FLUX.2-klein 4B",
-          "flux2-klein-9b": "FLUX.2-klein 9B", "qwen-image": "Qwen-Image"}  # fmt: skip
+# config -> how tables name it (`FamilySpec.published`)
+TITLES = {name: title for spec in all_specs() for name, title in spec.published.items()}
 
 
 def denoiser_of(config: str) -> Denoiser:
-    family = PUBLISHED[config].value
-    if family not in DENOISERS:
-        raise SystemExit(f"bench/denoisers.py: no entry for family {family} (config {config}): add its block keys")
-    return DENOISERS[family]
+    spec = spec_for(PUBLISHED[config])
+    return Denoiser(
+        spec.denoiser.blocks, spec.text.tokens, spec.text.sequences, spec.text.pooled, spec.denoiser.measured_blocks
+    )
 
 
 def flow_configs() -> list[str]:
     """The published configs of the flow families, FLUX.1-dev first, new ones joining as they are published."""
-    flows = [name for name, family in PUBLISHED.items() if spec_for(family).flow]
+    flows = [name for name, family in PUBLISHED.items() if spec_for(family).denoiser.flow]
     return sorted(flows, key=lambda name: name != "flux-dev")
 
 
@@ -146,7 +113,7 @@ def training_forward(config: str, model: torch.nn.Module, inputs: StepInputs) ->
     latents = inputs.latents
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2)).to(latents)  # its device too
     b = len(latents)
-    if spec.flow:
+    if spec.denoiser.flow:
         levels, noisy, target = (
             torch.full((b,), 0.5, dtype=latents.dtype, device=latents.device),
             (latents + noise) / 2,
@@ -155,4 +122,4 @@ def training_forward(config: str, model: torch.nn.Module, inputs: StepInputs) ->
     else:
         levels, noisy, target = torch.full((b,), 500, device=latents.device), latents + noise, noise
     settings = Settings(vae_scale_factor(config))
-    return spec.denoise(settings, model, noisy, levels, inputs), spec.pack(target)
+    return spec.denoiser.denoise(settings, model, noisy, levels, inputs), spec.latents.pack(target)

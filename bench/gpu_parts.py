@@ -172,7 +172,7 @@ def baseline_child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["variant"].startswith("lora"):
         denoiser.requires_grad_(False)
         denoiser.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian",
-                                        target_modules=list(objective.spec.lora_targets)))  # fmt: skip
+                                        target_modules=list(objective.spec.denoiser.lora_targets)))  # fmt: skip
     denoiser.train()
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-2, fused=device.type == "cuda")

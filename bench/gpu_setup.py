@@ -169,11 +169,11 @@ def tiny_widths(name: str) -> dict[str, Any]:
 
     from stk.models.families import spec_for
     from stk.models.published import PUBLISHED
+    from stk.models.tiny import tiny_builder
 
+    spec = spec_for(PUBLISHED[name])
     with tempfile.TemporaryDirectory() as scratch:
-        denoiser = spec_for(PUBLISHED[name]).tiny(Path(scratch), None, None)[
-            spec_for(PUBLISHED[name]).denoiser_subfolder
-        ]
+        denoiser = tiny_builder(spec.name)(Path(scratch), None, None)[spec.denoiser.subfolder]
     return {key: value for key, value in denoiser.config.items() if not key.startswith("_")}
 
 
@@ -199,7 +199,7 @@ def peak_tflops(override: float | None) -> tuple[float | None, str]:
 
 def step_inputs(batch: Any, norm: Any, device: Any, dtype: torch.dtype):
     """A cached batch as the objective takes it: the latent mean normalised (stk-train draws a sample)."""
-    from stk.train.batch import StepInputs
+    from stk.models.interface import StepInputs
 
     return StepInputs(
         latents=norm.normalize(batch.mean).to(device, dtype),

@@ -75,7 +75,7 @@ if how == "zero3":
         pass
 before = status()["VmRSS"]
 if how == "diffusers":
-    model = spec_for(Family(family)).denoiser_class.from_pretrained(
+    model = spec_for(Family(family)).denoiser.model_class.from_pretrained(
         root, subfolder="transformer", torch_dtype=torch.bfloat16
     )
 else:

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from denoisers import denoiser_of, reduced_depth, step_inputs, training_forward
 from memory_common import LORA_RANK, SDXL_UNET
 
+from stk.models.interface import StepInputs
 from stk.models.published import PUBLISHED, build_published, published_config
-from stk.train.batch import StepInputs
 
 # the full AdamW step of part 2 on a UNet that fits in RAM: same widths, one transformer layer per attention block
 REDUCED_SDXL_UNET = {**SDXL_UNET, "transformer_layers_per_block": [1, 1, 1]}

@@ -34,7 +34,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from denoisers import DENOISERS, full_depth, text_inputs
+from denoisers import denoiser_of, full_depth, text_inputs
 from opcount import OpCount, count_ops
 
 from stk.models import build_tiny_model
@@ -69,7 +69,7 @@ def narrow_model(config: str, folder: Path) -> str:
 
     family = PUBLISHED[config]
     model = build_tiny_model(family, str(folder))
-    subfolder = folder / spec_for(family).denoiser_subfolder
+    subfolder = folder / spec_for(family).denoiser.subfolder
     tiny = json.loads((subfolder / "config.json").read_text())
     channels = {key: tiny[key] for key in ("in_channels", "out_channels") if key in tiny}
     overrides = {**NARROW[config], **full_depth(config), **channels}
@@ -89,7 +89,7 @@ def cached_batch(config: str, model: str, resolution: int) -> Any:
     g = torch.Generator().manual_seed(1)
     vae = json.loads((Path(model) / "vae" / "config.json").read_text())
     side = resolution // scale_factor_of(vae)
-    text = text_inputs(config, objective.denoiser_config(), DENOISERS[family.value].text_tokens, 1, g)
+    text = text_inputs(config, objective.denoiser_config(), denoiser_of(config).text_tokens, 1, g)
     return Batch(
         keys=["0"],
         original_size=torch.tensor([[resolution, resolution]]),

@@ -62,7 +62,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     config = json.loads((folder / "config.json").read_text())
     before = status_bytes("VmRSS")
     started = time.perf_counter()
-    denoiser = load_weights(spec_for(Family.FLUX).denoiser_class, config, weight_files(folder), torch.bfloat16,
+    denoiser = load_weights(spec_for(Family.FLUX).denoiser.model_class, config, weight_files(folder), torch.bfloat16,
                             quantizer(spec["precision"]))  # fmt: skip
     load_s, load_peak = time.perf_counter() - started, status_bytes("VmHWM") - before
     base_bytes = get_model_size_in_bytes(denoiser)

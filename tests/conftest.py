@@ -27,4 +27,5 @@ from support.s3_outages import weed  # noqa: F401  (a test's own S3 server, to s
 from support.scan_outputs import corpus  # noqa: F401  (a tree with every kind of bad file, for stk-scan)
 from support.slurm_cluster import slurm_cluster  # noqa: F401  (the real one-node Slurm)
 from support.slurm_nodes import slurm_nodes  # noqa: F401  (the real four-node Slurm)
+from support.tiny_models import tiny_encoders, tiny_model  # noqa: F401  (each family's tiny pipeline and encoders)
 from support.train_caches import train_data_built  # noqa: F401  (the cache stk.train.data is tested on)

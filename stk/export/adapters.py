@@ -1,5 +1,5 @@
 """An adapter from its diffusers/peft file (what stk-train's final/ and a checkpoint's lora/ hold) to a format: the
-same file, or kohya/ComfyUI's keys through the family's layout (`FamilySpec.kohya_lora`, stk.models.layouts). The
+same file, or kohya/ComfyUI's keys through the family's layout (`FamilySpec.export.kohya_lora`, stk.models.layouts). The
 file is read whole and checked first: a damaged file, another family's weights or a NaN is one line, not a file."""
 
 from __future__ import annotations
@@ -66,11 +66,11 @@ def _check_finite(tensors: dict[str, torch.Tensor], where: Path) -> None:
 def _check_family(adapter: Adapter, spec: FamilySpec) -> None:
     """InputError where the adapter's weights are not on `spec`'s denoiser (an SDXL LoRA given --family flux: its
     keys are the UNet's, `unet.`, not the transformer's)."""
-    prefix = f"{spec.denoiser_subfolder}."
+    prefix = f"{spec.denoiser.subfolder}."
     other = next((key for key in adapter.tensors if not key.startswith(prefix)), None)
     if other is not None:
         raise InputError(
-            f"{adapter.file}: {other} is not a weight of {spec.title}'s {spec.denoiser_subfolder}: the adapter was "
+            f"{adapter.file}: {other} is not a weight of {spec.title}'s {spec.denoiser.subfolder}: the adapter was "
             f"trained on another family; give its --family (or leave --family out where its run records it)"
         )
 
@@ -114,10 +114,10 @@ def write_adapter(adapter: Adapter, family: str, fmt: Format, out: Path) -> None
     if fmt is Format.DIFFUSERS:
         shutil.copyfile(adapter.file, out)
         return
-    if spec.kohya_lora is None:
-        have = ", ".join(s.name.value for s in all_specs() if s.kohya_lora is not None)
+    if spec.export.kohya_lora is None:
+        have = ", ".join(s.name.value for s in all_specs() if s.export.kohya_lora is not None)
         raise InputError(f"--format kohya: no kohya layout for {spec.title}; families that have one: {have}")
     from safetensors.torch import save_file
 
-    tensors = spec.kohya_lora(lora_layers(adapter, spec.denoiser_subfolder))
+    tensors = spec.export.kohya_lora(lora_layers(adapter, spec.denoiser.subfolder))
     save_file(tensors, str(out), metadata={"format": "pt"})

@@ -32,12 +32,12 @@ def pipeline_of(source: Source, model: str | None, scratch: Path) -> Path:
     if (given := detect_family(model)) is not source.family:
         raise InputError(
             f"--model {model}: {spec_for(given).title}'s pipeline, but {source.path} trained {spec.title}'s "
-            f"{spec.denoiser_subfolder}; give the --model the run trained"
+            f"{spec.denoiser.subfolder}; give the --model the run trained"
         )
-    config = dict(spec.denoiser_class.load_config(model, subfolder=spec.denoiser_subfolder))
-    state = _weights_of(_consolidated(source.path), spec.denoiser_class, config, source.path)
+    config = dict(spec.denoiser.model_class.load_config(model, subfolder=spec.denoiser.subfolder))
+    state = _weights_of(_consolidated(source.path), spec.denoiser.model_class, config, source.path)
     folder = scratch / "pipeline"
-    export_pipeline(model, spec.denoiser_subfolder, spec.denoiser_class, config, state, str(folder))
+    export_pipeline(model, spec.denoiser.subfolder, spec.denoiser.model_class, config, state, str(folder))
     return folder
 
 

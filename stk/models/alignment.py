@@ -18,12 +18,12 @@ __all__ = ["check_aligned", "family_alignment", "model_alignment", "scan_alignme
 def family_alignment(family: Family) -> int:
     """The alignment of `family`'s published models (their VAE's scale factor), when no model is given."""
     spec = spec_for(family)
-    return spec.alignment(scale_factor_of(published_config(spec.published[0], "vae")))
+    return spec.latents.alignment(scale_factor_of(published_config(next(iter(spec.published)), "vae")))
 
 
 def model_alignment(model: str, family: Family) -> int:
     """The alignment of `model`, read from its VAE config (no weights)."""
-    return spec_for(family).alignment(vae_scale_factor(model))
+    return spec_for(family).latents.alignment(vae_scale_factor(model))
 
 
 def check_aligned(sizes: Iterable[tuple[int, int]], alignment: int, family: Family, what: str, fix: str) -> None:

@@ -48,7 +48,7 @@ class Encoders(abc.ABC):
     vae_frames: ClassVar[bool] = False
 
     model: str  # local directory or hub id
-    vae: Any = field(repr=False)  # the family's VAE (FamilySpec.vae_class), a diffusers AutoencoderKL or alike
+    vae: Any = field(repr=False)  # the family's VAE (FamilySpec.latents.vae_class), a diffusers AutoencoderKL or alike
     text: tuple[TextEncoder, ...] = field(repr=False)
     device: torch.device = field(init=False)
     dtype: torch.dtype = field(init=False)

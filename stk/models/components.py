@@ -70,7 +70,7 @@ def _frozen(module: M, device: torch.device) -> M:
 
 
 def load_vae(model: str, device: torch.device, dtype: torch.dtype, vae_class: type[Any] = AutoencoderKL) -> Any:
-    """The pipeline's `vae/`, frozen, as `vae_class` (the family's `FamilySpec.vae_class`)."""
+    """The pipeline's `vae/`, frozen, as `vae_class` (the family's `FamilySpec.latents.vae_class`)."""
     vae = load_component(vae_class.from_pretrained, model, "vae", dtype=dtype)
     return _frozen(vae, device)
 

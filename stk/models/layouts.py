@@ -1,7 +1,6 @@
 """Key layouts other tools read: what every family's conversions to them share. A family's own names live in its
-module (stk/models/families/<name>.py, `FamilySpec.kohya_lora`, `FamilySpec.single_file`); here are the pieces:
-one adapted layer as kohya stores it, several adapted layers fused into the one layer an original checkpoint has,
-and renames by prefix."""
+folder (stk/models/families/<name>/, `FamilySpec.export`); here are the pieces: one adapted layer as kohya stores it,
+several adapted layers fused into the one layer an original checkpoint has, and renames by prefix."""
 
 from __future__ import annotations
 

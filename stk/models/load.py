@@ -33,7 +33,7 @@ def load_encoders(
     device = torch.device(device)
     if dtype is None:
         dtype = compute_dtype(device)
-    return spec_for(family).encoders.load(model, device, dtype)
+    return spec_for(family).text.encoders.load(model, device, dtype)
 
 
 def quiet_model_libraries() -> None:

@@ -1,6 +1,7 @@
-"""The published architectures stk trains: SD 1.5, SDXL base and FLUX.1-dev, each one's denoiser and VAE as the
-config.json of its hub repository (stk/models/configs/NAME/{denoiser,vae}.json). With them the benchmarks, the GPU
-kit and the memory tables build the real architectures with random weights, offline."""
+"""The published architectures stk trains, each one's denoiser and VAE as the config.json of its hub repository, in its
+family's folder (stk/models/families/<family>/configs/NAME/{denoiser,vae}.json; `FamilySpec.published` names them).
+With them the benchmarks, the GPU kit and the memory tables build the real architectures with random weights,
+offline."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from stk.models.families import Family, all_specs
+from stk.models.families.registry import module_name
 
 __all__ = ["PUBLISHED", "build_published", "published_config"]
 
@@ -24,7 +26,8 @@ def published_config(name: str, component: str, **overrides: Any) -> dict[str, A
     GPU that holds fewer). Keys starting with '_' are the file's own (the class name)."""
     if name not in PUBLISHED or component not in COMPONENTS:
         raise ValueError(f"no published config {name}/{component}: choose one of {sorted(PUBLISHED)} / {COMPONENTS}")
-    text = resources.files("stk.models").joinpath("configs", name, f"{component}.json").read_text(encoding="utf-8")
+    folder = resources.files("stk.models.families").joinpath(module_name(PUBLISHED[name]), "configs", name)
+    text = folder.joinpath(f"{component}.json").read_text(encoding="utf-8")
     return {**json.loads(text), **overrides}
 
 

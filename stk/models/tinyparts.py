@@ -83,8 +83,19 @@ MISTRAL3_CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
 )
 # Mistral-Small-3.1's special tokens that its chat template and PixtralProcessor name, in the real vocabulary's order
-MISTRAL3_SPECIAL = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
-                    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")  # fmt: skip
+MISTRAL3_SPECIAL = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+)
 
 
 def checked(tokenizer: PreTrainedTokenizerBase, expected: int) -> PreTrainedTokenizerBase:
@@ -172,8 +183,14 @@ def mistral_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
     backend.decoder = ByteLevelDecoder()
     backend.add_special_tokens([AddedToken(token, special=True) for token in MISTRAL3_SPECIAL])
-    built = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                    pad_token="<pad>", model_max_length=131072)  # fmt: skip
+    built = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=131072,
+    )
     built.chat_template = MISTRAL3_CHAT_TEMPLATE
     built.save_pretrained(folder)
     return checked(PreTrainedTokenizerFast.from_pretrained(folder), len(vocab))

@@ -40,7 +40,7 @@ class EncodeSettings:
         log-variance where it trains on a sample of the latent distribution, the mean (its mode) where it does not."""
         if self.store_logvar is not None:
             return self
-        return replace(self, store_logvar=spec_for(family).example.samples_latents)
+        return replace(self, store_logvar=spec_for(family).denoiser.example.samples_latents)
 
 
 @dataclass(frozen=True)

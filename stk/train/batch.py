@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["Batch", "StepInputs", "collate_text", "stack_float32"]
+__all__ = ["Batch", "collate_text", "stack_float32"]
 
 
 @dataclass
@@ -39,18 +39,6 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.keys)
-
-
-@dataclass
-class StepInputs:
-    """What an objective trains on: latents already sampled and normalised for the denoiser
-    (stk.models.latents.LatentNorm), text embeddings by name, SDXL's size conditioning;
-    all on the training device, latents and text in the training dtype."""
-
-    latents: torch.Tensor  # (B, C, h, w)
-    text: dict[str, torch.Tensor]
-    original_size: torch.Tensor  # (B, 2) (height, width) of the image before resize
-    crop_top_left: torch.Tensor  # (B, 2) (top, left)
 
 
 def stack_float32(arrays: list[np.ndarray]) -> torch.Tensor:

@@ -76,7 +76,7 @@ def note_latents(opts: TrainOptions, plan: TrainPlan) -> None:
 def latents_note(family: Family, stored_logvar: bool, cache: str) -> str | None:
     """What to tell a user whose cache holds the latents otherwise than `family`'s training example uses them (made
     with `stk-cache --latents` given), so that a run compared with the example says why it differs; None where not."""
-    example = spec_for(family).example
+    example = spec_for(family).denoiser.example
     if stored_logvar == example.samples_latents:
         return None
     script = example.script.rsplit("/", 1)[-1]

@@ -1,5 +1,5 @@
 """LoRA through peft, as diffusers' own training examples add it: the denoiser's weights frozen, low-rank adapters
-on the layers the family's spec names (`FamilySpec.lora_targets`: the attention projections, and Flux's double
+on the layers the family's spec names (`FamilySpec.denoiser.lora_targets`: the attention projections, and Flux's double
 blocks' feed-forward layers) trained, and the adapters saved in the format `pipe.load_lora_weights` reads. The
 LyCORIS adapters, LoHa and LoKr, and DoRA come from peft too (LoHaConfig, LoKrConfig, LoraConfig(use_dora=True)) on
 the same targets; LoHa and LoKr are saved in peft's own format (`save_peft`), which load_lora_weights does not read.
@@ -91,7 +91,7 @@ class LoraSettings:
         return self.alpha or self.rank
 
     def targets_for(self, family: Family) -> tuple[str, ...]:
-        return self.targets or spec_for(family).lora_targets
+        return self.targets or spec_for(family).denoiser.lora_targets
 
     def run_settings(self, family: Family) -> dict[str, Any]:
         """What a checkpoint records of the adapter: its kind, rank and targets decide which weights exist."""

@@ -1,5 +1,5 @@
 """The loss options people tune, each from its published formula; with none given, a family trains as its
-diffusers training example does by default (FamilySpec.example).
+diffusers training example does by default (FamilySpec.denoiser.example).
 
 - min-SNR-gamma weighting (Hang et al. 2023, as diffusers' train_text_to_image.py applies it): a sample at
   timestep t weighs min(SNR(t), gamma) / SNR(t) for epsilon prediction, min(SNR(t), gamma) / (SNR(t) + 1) for
@@ -15,8 +15,8 @@ diffusers training example does by default (FamilySpec.example).
   table, so sigma is about 1 - u (a --logit-mean above 0 favours less noise, as in the scripts). The table is
   shifted by the scheduler's static shift where it has one (SD3, Z-Image) and unshifted where it shifts dynamically,
   at inference only (FLUX.1, Chroma, FLUX.2, Qwen-Image). Each family's default sampling is its example's
-  (FamilySpec.example). --flow-shift S shifts the unshifted table by S instead, and `auto` as the pipeline shifts
-  its schedule for the image's size.
+  (FamilySpec.denoiser.example). --flow-shift S shifts the unshifted table by S instead, and `auto` as the pipeline
+  shifts its schedule for the image's size.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ FLOW_SHIFTS = ("example", "auto")  # besides a number: the example's training ta
 class LossSettings:
     snr_gamma: float | None = None  # min-SNR-gamma weighting; None: every timestep weighs 1
     noise_offset: float = 0.0
-    timestep_sampling: str | None = None  # flow families (FamilySpec.flow); None: the family's example's
+    timestep_sampling: str | None = None  # flow families (FamilySpec.denoiser.flow); None: the family's example's
     logit_mean: float = 0.0  # flow, logit-normal
     logit_std: float = 1.0  # flow, logit-normal and sigmoid
     flow_shift: float | str = "example"  # flow: a number, or one of FLOW_SHIFTS
@@ -77,16 +77,16 @@ class LossSettings:
             problems.append(f"--flow-shift {self.flow_shift:g} must be a positive number, or one of {FLOW_SHIFTS}")
         if sampling == "sigmoid" and self.logit_mean != 0:
             problems.append("--timestep-sampling sigmoid is centred at 0: use logit-normal for --logit-mean")
-        if spec.flow and sampling == "uniform" and (self.logit_mean or self.logit_std != 1.0):
+        if spec.denoiser.flow and sampling == "uniform" and (self.logit_mean or self.logit_std != 1.0):
             problems.append(
                 f"--logit-mean and --logit-std shape logit-normal sampling; {spec.title} draws uniformly by default "
                 "(as its diffusers example): add --timestep-sampling logit-normal"
             )
-        if spec.flow and (self.snr_gamma is not None or self.noise_offset):
+        if spec.denoiser.flow and (self.snr_gamma is not None or self.noise_offset):
             ddpm = _titles(flow=False)
             problems.append(f"--snr-gamma and --noise-offset are for {ddpm} (DDPM noise); {spec.title} is a flow model")
         flow_only = self.timestep_sampling is not None or self.logit_mean or self.logit_std != 1.0
-        if not spec.flow and (flow_only or self.flow_shift != "example"):
+        if not spec.denoiser.flow and (flow_only or self.flow_shift != "example"):
             problems.append(
                 f"--timestep-sampling, --logit-mean, --logit-std and --flow-shift are for {_titles(flow=True)}"
             )
@@ -95,7 +95,7 @@ class LossSettings:
 
     def sampling(self, family: Family) -> str:
         """The --timestep-sampling a run uses: the one given, else the family's example's."""
-        return self.timestep_sampling or spec_for(family).example.timestep_sampling
+        return self.timestep_sampling or spec_for(family).denoiser.example.timestep_sampling
 
     def run_settings(self, family: Family) -> dict[str, Any]:
         """Part of a run's math: a checkpoint records them (stk.train.options), the sampling as used."""
@@ -104,7 +104,7 @@ class LossSettings:
 
 def _titles(flow: bool) -> str:
     """The families of one kind, as messages name them: "SD and SDXL"."""
-    titles = [spec.title for spec in all_specs() if spec.flow is flow]
+    titles = [spec.title for spec in all_specs() if spec.denoiser.flow is flow]
     return " and ".join([", ".join(titles[:-1]), titles[-1]] if len(titles) > 2 else titles)
 
 

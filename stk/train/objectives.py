@@ -24,10 +24,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from stk.errors import InputError
 from stk.models.components import load_component
 from stk.models.families import Family, spec_for
+from stk.models.interface import StepInputs
 from stk.models.model_json import vae_scale_factor
 from stk.models.weightfiles import component_folder, weight_files
 from stk.train.baseprecision import quantizer
-from stk.train.batch import StepInputs
 from stk.train.losses import LossSettings, flow_shift, min_snr_weights, offset_noise, sample_u
 from stk.train.weights import load_weights, load_weights_partitioned
 from stk.world import World
@@ -46,8 +46,8 @@ class Objective(abc.ABC):
     ) -> None:
         self.spec = spec_for(family)
         self.family = self.spec.name
-        self.denoiser_subfolder: str = self.spec.denoiser_subfolder
-        self.denoiser_class: type[Any] = self.spec.denoiser_class
+        self.denoiser_subfolder: str = self.spec.denoiser.subfolder
+        self.denoiser_class: type[Any] = self.spec.denoiser.model_class
         self.pipeline_class: type[Any] = self.spec.pipeline_class  # its save_lora_weights writes the LoRA format
         self.model = model  # local diffusers pipeline directory or hub id
         self.guidance_scale = guidance_scale  # only guidance-distilled models (Flux dev) use it
@@ -133,7 +133,7 @@ class DDPMObjective(Objective):
         timesteps = torch.randint(0, steps, (len(latents),), generator=generator).to(latents.device)
         noisy = self.scheduler.add_noise(latents, noise, timesteps)
         target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
-        prediction = self.spec.denoise(self, denoiser, noisy, timesteps, inputs)
+        prediction = self.spec.denoiser.denoise(self, denoiser, noisy, timesteps, inputs)
         gamma = self.settings.snr_gamma
         if gamma is None:
             return F.mse_loss(prediction.float(), target.float())
@@ -171,7 +171,7 @@ class FlowObjective(Objective):
             return flow_shift(unshifted, float(shift))
         if config["use_dynamic_shifting"]:
             shifted: torch.Tensor = self.scheduler.time_shift(
-                self.spec.inference_mu(config, image_seq_len), 1.0, unshifted
+                self.spec.denoiser.inference_mu(config, image_seq_len), 1.0, unshifted
             )
             return shifted
         return flow_shift(unshifted, float(config["shift"]))
@@ -179,7 +179,7 @@ class FlowObjective(Objective):
     def loss(self, denoiser: torch.nn.Module, inputs: StepInputs, generator: torch.Generator) -> torch.Tensor:
         latents = inputs.latents
         b, _, h, w = latents.shape
-        patch = self.spec.patch_size
+        patch = self.spec.latents.patch_size
         if h % patch or w % patch:
             raise ValueError(
                 f"{self.spec.title} packs {patch}x{patch} latent patches: latent height and width must be multiples "
@@ -190,10 +190,10 @@ class FlowObjective(Objective):
         sigmas = self.sigmas(b, (h // patch) * (w // patch), generator).to(device, dtype)
         sigma = sigmas.view(b, 1, 1, 1)
         noisy = (1 - sigma) * latents + sigma * noise
-        prediction = self.spec.denoise(self, denoiser, noisy, sigmas, inputs)
-        if self.spec.precondition_outputs:  # the clean latents, predicted from the velocity, as their target
+        prediction = self.spec.denoiser.denoise(self, denoiser, noisy, sigmas, inputs)
+        if self.spec.denoiser.precondition_outputs:  # the clean latents, predicted from the velocity, as their target
             return F.mse_loss((prediction * (-sigma) + noisy).float(), latents.float())
-        target = self.spec.pack(noise - latents)
+        target = self.spec.latents.pack(noise - latents)
         return F.mse_loss(prediction.float(), target.float())
 
 
@@ -201,5 +201,5 @@ def objective_for(
     family: Family, model: str, guidance_scale: float = 3.5, settings: LossSettings = PLAIN_LOSS
 ) -> Objective:
     """The objective of `family` for the pipeline `model` (a local directory or a hub id)."""
-    kind = FlowObjective if spec_for(family).flow else DDPMObjective
+    kind = FlowObjective if spec_for(family).denoiser.flow else DDPMObjective
     return kind(family, model, guidance_scale, settings)

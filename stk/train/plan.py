@@ -75,7 +75,9 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
         if not any(len(keys) for keys in groups.values()):
             raise InputError("nothing to train on: the cache (or scan) holds no samples")
         sizes = ((w * factor, h * factor) for (_, h, w), keys in groups.items() if len(keys))
-        check_aligned(sizes, spec_for(family).alignment(factor), family, "bucket", _RESCAN.format(family=family.value))
+        check_aligned(
+            sizes, spec_for(family).latents.alignment(factor), family, "bucket", _RESCAN.format(family=family.value)
+        )
         ids, repeats = _repeats(opts, document, groups, factor)
         effective = effective_batch_size(opts.batch_size, world_size, opts.grad_accum)
         repeats = check_buckets(groups, repeats, effective, factor, opts.allow_oversubscription, ids)
@@ -88,7 +90,7 @@ def plan_training(opts: TrainOptions, world_size: int) -> TrainPlan:
 def check_text_encoders_in_train(family: Family, why: str) -> None:
     """InputError where the family's text encoders are loaded by stk-cache only (`text_encoders_in_train`)."""
     spec = spec_for(family)
-    if not spec.text_encoders_in_train:
+    if not spec.text.in_train:
         raise InputError(
             f"{why}, but stk-train does not load {spec.title}'s text encoder (an LLM of billions of parameters): "
             "encode the captions and prompts with stk-cache (--validation-prompts FILE adds prompts to a cache)"

@@ -63,9 +63,9 @@ class ValidationRenderer:
         self.device, self.dtype = device, dtype
         self.pipeline = _pipeline(objective, module, device, dtype)
         spec = objective.spec
-        self.guidance_argument = spec.guidance_argument
+        self.guidance_argument = spec.sampling.guidance_argument
         self.inputs = [
-            spec.sample_inputs(self._conditioning(spec.sampling.negative_prompt, embeddings, prompt))
+            spec.sampling.inputs(self._conditioning(spec.sampling.negative_prompt, embeddings, prompt))
             for prompt in plan.prompts
         ]
         zero3 = any(hasattr(p, "ds_tensor") for p in module.parameters())

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from stk.models.interface import StepInputs
 from stk.models.latents import LatentNorm
-from stk.train.batch import Batch, StepInputs, collate_text
+from stk.train.batch import Batch, collate_text
 from stk.train.losses import drop_captions
 from stk.train.objectives import Objective
 
@@ -95,7 +96,7 @@ def step_inputs(batch: Batch, model: StepModel, generator: torch.Generator, data
     if batch.pixels is not None:
         assert model.encoders is not None and batch.captions is not None
         mean, logvar = model.encoders.encode_images(batch.pixels)
-        if not model.objective.spec.example.samples_latents:  # the example trains on the mode
+        if not model.objective.spec.denoiser.example.samples_latents:  # the example trains on the mode
             logvar = None
         embeds = model.encoders.encode_text(batch.captions)
         text = collate_text([e.arrays for e in embeds])

@@ -67,7 +67,7 @@ def plan_validation(
     vae_scale_factor: int,
 ) -> ValidationPlan | None:
     """The images to make, or None for none; refuses an empty prompt file and a resolution the family's pipeline
-    cannot make (its sides are multiples of the VAE's factor times the denoiser's patch: `FamilySpec.alignment`)."""
+    cannot make (its sides are multiples of the VAE's factor times the denoiser's patch: `LatentSpec.alignment`)."""
     prompts = list(settings.prompts)
     if settings.prompts_file:
         prompts += read_prompts(settings.prompts_file)
@@ -82,7 +82,7 @@ def plan_validation(
     else:
         latent_h, latent_w = max(buckets, key=lambda hw: (buckets[hw], hw))
         width, height = latent_w * vae_scale_factor, latent_h * vae_scale_factor
-    alignment = spec.alignment(vae_scale_factor)
+    alignment = spec.latents.alignment(vae_scale_factor)
     check_aligned([(width, height)], alignment, family, "--validation-resolution", "give one of those")
     return ValidationPlan(
         prompts=tuple(prompts),

@@ -38,12 +38,12 @@ from stk.shards.keys import text_key
 pytestmark = pytest.mark.integration
 
 
-LATENT_CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.ZIMAGE: 16}
+FAMILIES = [Family.SD, Family.SDXL, Family.FLUX, Family.ZIMAGE]
 # One family per kind of cache: a 4-channel VAE with CLIP (SD, SDXL with its pooled vector and size conditioning), the
 # 16-channel VAE with T5 (FLUX.1; SD3.5 and Chroma store the same kinds of arrays), and real tokens with a text mask
 # (Z-Image; Chroma's too). Every family's encoders are checked against its pipeline's encode_prompt in
 # tests/unit/models, and every family's cache is built by stk-cache and trained on in the ZeRO matrix.
-families = pytest.mark.parametrize("family", list(LATENT_CHANNELS), ids=lambda f: f.value)
+families = pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.value)
 
 
 def jobs_of(cache: Path | str, scan: Path) -> list[ImageJob]:
@@ -90,10 +90,14 @@ def test_cache_holds_what_the_vae_and_text_encoders_give(
             expected = dist.mean[0].numpy()
             assert sample.mean.dtype == np.float32
             # the log-variance where the family's example trains on a sample (every family here: SD, SDXL, FLUX.1)
-            assert (sample.logvar is not None) is spec_for(family).example.samples_latents
+            assert (sample.logvar is not None) is spec_for(family).denoiser.example.samples_latents
             if sample.logvar is not None:
                 np.testing.assert_allclose(sample.logvar, dist.logvar[0].numpy(), rtol=1e-4, atol=1e-4)
-            assert sample.mean.shape == (LATENT_CHANNELS[family], job.bucket_height // 8, job.bucket_width // 8)
+            assert sample.mean.shape == (
+                spec_for(family).tiny.latent_channels,
+                job.bucket_height // 8,
+                job.bucket_width // 8,
+            )
             # unscaled and unshifted; batched vs alone on the CPU differs in the last bits only
             np.testing.assert_allclose(sample.mean, expected, rtol=1e-4, atol=1e-5, err_msg=job.path)
             # the size and crop SDXL conditions on: as preprocess gives them; the size is the scan's (EXIF-oriented)

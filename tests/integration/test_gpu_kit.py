@@ -121,7 +121,7 @@ def families_expected() -> list[str]:
     from stk.models.families import spec_for
     from stk.models.published import PUBLISHED
 
-    return [name for name, family in PUBLISHED.items() if spec_for(family).flow and name != "flux-dev"][-1:]
+    return [name for name, family in PUBLISHED.items() if spec_for(family).denoiser.flow and name != "flux-dev"][-1:]
 
 
 def test_families_train_each_published_config_and_project_it(kit):

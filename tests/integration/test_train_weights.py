@@ -83,7 +83,7 @@ def test_under_zero3_each_rank_holds_half_and_the_gathered_weights_are_the_files
     assert all(r["held"] <= total / 2 + 64 * 1024 for r in ranks), ranks  # half, plus each tensor's padding
     gathered = torch.load(tmp_path / "gathered.pt")
     spec = spec_for(family)
-    expected = spec.denoiser_class.from_pretrained(model, subfolder=spec.denoiser_subfolder, torch_dtype=dtype)
+    expected = spec.denoiser.model_class.from_pretrained(model, subfolder=spec.denoiser.subfolder, torch_dtype=dtype)
     expected = expected.state_dict()
     assert gathered.keys() == expected.keys()
     assert all(torch.equal(gathered[k], expected[k]) for k in expected)

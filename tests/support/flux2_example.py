@@ -11,7 +11,7 @@ from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 
 from stk.models import Family
-from stk.train.batch import StepInputs
+from stk.models.interface import StepInputs
 from stk.train.lora import LoraSettings, add_lora
 from stk.train.objectives import objective_for
 from support.reference_steps import Reference, example_flow_loss

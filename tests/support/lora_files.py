@@ -13,6 +13,7 @@ from stk.models import Family
 from stk.models.families import spec_for
 from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
 from stk.train.objectives import objective_for
+from support.tiny_batches import step_inputs
 
 
 def saved_lora(family: Family, model: str, out: Path, base_precision: str = "bf16") -> torch.nn.Module:
@@ -28,7 +29,7 @@ def saved_lora(family: Family, model: str, out: Path, base_precision: str = "bf1
             if "lora_B" in name:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     state = get_peft_model_state_dict(denoiser)
-    save_lora(spec.pipeline_class, spec.denoiser_subfolder, settings.config(family), state, str(out))
+    save_lora(spec.pipeline_class, spec.denoiser.subfolder, settings.config(family), state, str(out))
     assert (out / LORA_WEIGHTS).is_file()
     return denoiser.eval()
 
@@ -38,6 +39,16 @@ def _output(module: torch.nn.Module, call: dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
         out = module(**call, return_dict=False)[0]
     return torch.cat([t.flatten() for t in out]) if isinstance(out, list) else out.flatten()
+
+
+def training_prediction(family: Family, model: str, denoiser: torch.nn.Module) -> torch.Tensor:
+    """The denoiser's prediction as stk-train calls it (the spec's `denoise`) on a tiny batch of two, at two noise
+    levels: any family's denoiser, called the one way every family shares."""
+    objective = objective_for(family, model)
+    inputs = step_inputs(family, size=(8, 6))
+    levels = torch.tensor([0.3, 0.6]) if objective.spec.denoiser.flow else torch.tensor([500, 250])
+    with torch.no_grad():
+        return objective.spec.denoiser.denoise(objective, denoiser, inputs.latents, levels, inputs).flatten()
 
 
 def assert_pipeline_loads_it(
@@ -50,13 +61,17 @@ def assert_pipeline_loads_it(
     **call: Any,
 ) -> None:
     """The family's pipeline, given the saved adapter with load_lora_weights, predicts what the trained module does
-    on `call` (the denoiser's arguments) within rtol and atol (a module trained on a quantised base differs by the
-    base's rounding), and not what the base does."""
+    on `call` (the denoiser's arguments; without them, as stk-train calls it) within rtol and atol (a module trained
+    on a quantised base differs by the base's rounding), and not what the base does."""
     spec = spec_for(family)
     pipeline = spec.pipeline_class.from_pretrained(model)
-    denoiser = getattr(pipeline, spec.denoiser_subfolder)
-    base = _output(denoiser, call)
+    denoiser = getattr(pipeline, spec.denoiser.subfolder)
+
+    def predict(module: torch.nn.Module) -> torch.Tensor:
+        return _output(module, call) if call else training_prediction(family, model, module)
+
+    base = predict(denoiser)
     pipeline.load_lora_weights(lora)
-    loaded = _output(denoiser, call)
-    torch.testing.assert_close(loaded, _output(trained, call), rtol=rtol, atol=atol)
+    loaded = predict(denoiser)
+    torch.testing.assert_close(loaded, predict(trained), rtol=rtol, atol=atol)
     assert not torch.allclose(loaded, base, rtol=1e-4, atol=1e-6), "the LoRA changed nothing"

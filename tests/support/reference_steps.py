@@ -12,7 +12,7 @@ from diffusers.training_utils import compute_loss_weighting_for_sd3
 from diffusers.utils.torch_utils import randn_tensor
 
 from stk.models import Family, build_tiny_model
-from stk.train.batch import StepInputs
+from stk.models.interface import StepInputs
 from stk.train.objectives import FlowObjective, Objective, objective_for
 from support.tiny_batches import step_inputs, unused_parameters
 
@@ -49,7 +49,7 @@ def drawn(objective: Objective, inputs: StepInputs) -> tuple[torch.Tensor, torch
     noise = randn_tensor(latents.shape, generator=g, dtype=latents.dtype)
     if isinstance(objective, FlowObjective):
         b, _, h, w = latents.shape
-        patch = objective.spec.patch_size
+        patch = objective.spec.latents.patch_size
         return noise, objective.sigmas(b, (h // patch) * (w // patch), g)
     steps = objective.scheduler.config["num_train_timesteps"]
     return noise, torch.randint(0, steps, (len(latents),), generator=g)

@@ -22,7 +22,7 @@ from stk.train.validation import ValidationPlan
 def rendered_sample(family: Family, model: str, plan: ValidationPlan) -> np.ndarray:
     """The renderer's image of `plan`'s one prompt, fp32 on the CPU: the prompt's and the empty caption's embeddings
     as the cache stores them (real tokens only where the family masks padding), then `sample_inputs`. int16 RGB."""
-    encoders = spec_for(family).encoders.load(model, torch.device("cpu"), torch.float32)
+    encoders = spec_for(family).text.encoders.load(model, torch.device("cpu"), torch.float32)
     embeddings = embed_captions([*plan.prompts, EMPTY_CAPTION], lambda caption: None, lambda: encoders)
     objective = objective_for(family, model)
     denoiser = objective.load_denoiser(torch.float32)

@@ -7,37 +7,24 @@ from typing import Any
 import torch
 
 from stk.models import Family
+from stk.models.families import spec_for
+from stk.models.interface import StepInputs
 from stk.models.textmask import TEXT_MASK
-from stk.train.batch import Batch, StepInputs
-
-# The tiny models' text embedding shapes per sample (stk.models.tiny) and latent channels. A TEXT_MASK of ones
-# (a family that masks padding) masks nothing.
-TEXT: dict[Family, dict[str, tuple[int, ...]]] = {
-    Family.SD: {"prompt_embeds": (77, 32)},
-    Family.SDXL: {"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
-    Family.FLUX: {"prompt_embeds": (16, 48), "pooled_prompt_embeds": (32,)},
-    Family.SD3: {"prompt_embeds": (77 + 16, 160), "pooled_prompt_embeds": (128,)},
-    Family.CHROMA: {"prompt_embeds": (16, 48), TEXT_MASK: (16, 1)},
-    Family.ZIMAGE: {"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)},
-    Family.FLUX2: {"prompt_embeds": (16, 48)},  # three layers of Mistral3's 16
-    Family.FLUX2_KLEIN: {"prompt_embeds": (16, 48)},  # three layers of Qwen3's 16
-    Family.QWENIMAGE: {"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)},
-}
-CHANNELS = {Family.SD: 4, Family.SDXL: 4, Family.FLUX: 16, Family.SD3: 16, Family.CHROMA: 16, Family.ZIMAGE: 16,
-            Family.FLUX2: 8, Family.FLUX2_KLEIN: 8, Family.QWENIMAGE: 16}  # fmt: skip
+from stk.train.batch import Batch
 
 
 def cached_batch(keys: list[str], seed: int) -> Batch:
     """A cached micro-batch of the tiny SD model: a latent distribution (mean, logvar) and text embeddings."""
     g = torch.Generator().manual_seed(seed)
-    size = (len(keys), CHANNELS[Family.SD], 8, 8)
+    tiny = spec_for(Family.SD).tiny
+    size = (len(keys), tiny.latent_channels, 8, 8)
     return Batch(
         keys=keys,
         original_size=torch.tensor([[64, 64]] * len(keys)),
         crop_top_left=torch.zeros(len(keys), 2, dtype=torch.int64),
         mean=torch.randn(size, generator=g),
         logvar=torch.randn(size, generator=g) - 3,
-        text={name: torch.randn(len(keys), *shape, generator=g) for name, shape in TEXT[Family.SD].items()},
+        text={name: torch.randn(len(keys), *shape, generator=g) for name, shape in tiny.text.items()},
     )
 
 
@@ -51,13 +38,14 @@ def unused_parameters(family: Family, denoiser: torch.nn.Module) -> set[str]:
 
 
 def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, seed: int = 0) -> StepInputs:
-    """A random training micro-batch shaped for the tiny model of `family`."""
+    """A random training micro-batch shaped for the tiny model of `family` (its spec's `tiny`)."""
     g = torch.Generator().manual_seed(seed)
+    tiny = spec_for(family).tiny
     return StepInputs(
-        latents=torch.randn(batch, CHANNELS[family], *size, generator=g),
+        latents=torch.randn(batch, tiny.latent_channels, *size, generator=g),
         text={
             name: torch.ones(batch, *shape) if name == TEXT_MASK else torch.randn(batch, *shape, generator=g)
-            for name, shape in TEXT[family].items()
+            for name, shape in tiny.text.items()
         },
         original_size=torch.tensor([[100, 120], [64, 80]])[:batch],
         crop_top_left=torch.tensor([[3, 5], [0, 7]])[:batch],

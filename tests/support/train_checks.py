@@ -16,7 +16,7 @@ from support.tiny_batches import step_inputs
 
 def denoiser_folder(family: Family) -> str:
     """The pipeline's attribute and subfolder of the family's denoiser ("unet", "transformer")."""
-    return spec_for(family).denoiser_subfolder
+    return spec_for(family).denoiser.subfolder
 
 
 def latest(out: Path) -> str:

@@ -1,34 +1,54 @@
-"""The registry: one line per model family stk trains. The value is the family's name on the command line and, with
-`_` for `-`, its module's in this package;
-listing the names imports nothing heavy (the command-line choices, `import stk.models`)."""
+"""The registry: the folders of this package. Each folder `stk/models/families/<name>/` that holds an `__init__.py` is a
+family, named on the command line by the folder's name with `-` for `_`; a folder whose name starts with `_` (the
+template) is not. Adding a family is adding its folder: nothing here changes. Listing the names reads the directory
+and imports nothing heavy (the command-line choices, `import stk.models`)."""
 
 from __future__ import annotations
 
 import enum
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["DEMO_FAMILY", "Family", "family_hint", "family_names", "module_name"]
+__all__ = ["DEMO_FAMILY", "Family", "family_hint", "family_names", "family_of", "module_name"]
 
-
-class Family(str, enum.Enum):
-    """A family's name; the value, `-` read as `_`, is its module's (`module_name`)."""
-
-    SD = "sd"  # Stable Diffusion 1.x and 2.x
-    SDXL = "sdxl"
-    FLUX = "flux"  # FLUX.1
-    SD3 = "sd3"  # Stable Diffusion 3.5 Large and Medium
-    CHROMA = "chroma"  # Chroma1 (lodestones)
-    ZIMAGE = "zimage"  # Z-Image
-    FLUX2 = "flux2"  # FLUX.2-dev (with what it shares with FLUX.2-klein: flux2.py)
-    FLUX2_KLEIN = "flux2-klein"  # FLUX.2-klein 4B and 9B (what it shares with FLUX.2-dev: flux2.py)
-    QWENIMAGE = "qwenimage"  # Qwen-Image
+FOLDER = Path(__file__).parent
 
 
-DEMO_FAMILY = Family.SDXL  # the one the demo trains unless told otherwise
+def _folders() -> list[str]:
+    """The family folders' names, sorted: the order of the command line's choices and of the docs."""
+    return sorted(
+        entry.name
+        for entry in FOLDER.iterdir()
+        if (entry / "__init__.py").is_file() and not entry.name.startswith(("_", "."))
+    )
+
+
+if TYPE_CHECKING:
+
+    class Family(str, enum.Enum):
+        """A family's name; its members are made from the folders, so a type checker sees none by name."""
+
+else:
+    Family = enum.Enum(
+        "Family",
+        {folder.upper(): folder.replace("_", "-") for folder in _folders()},
+        type=str,
+        module=__name__,
+    )
+    Family.__doc__ = "A family's name: its folder's, `_` read as `-` (`module_name` is the reverse)."
+
+DEMO_FAMILY = Family("sdxl")  # the one the demo trains unless told otherwise
 
 
 def module_name(family: Family) -> str:
-    """The family's module in stk.models.families: a module name cannot hold the `-` a family's name may."""
+    """The family's package in stk.models.families: a package name cannot hold the `-` a family's name may."""
     return family.value.replace("-", "_")
+
+
+def family_of(module: str) -> Family:
+    """The family whose folder holds `module` (a module's `__name__`): a family's code names itself by where it is."""
+    folder = module.removeprefix(__package__ + ".").split(".")[0]
+    return Family(folder.replace("_", "-"))
 
 
 def family_names() -> list[str]:

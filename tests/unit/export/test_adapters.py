@@ -61,7 +61,7 @@ def lora_final(family: Family, model: str, out: Path, targets: tuple[str, ...] =
     from peft.utils import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(denoiser)
-    save_lora(spec.pipeline_class, spec.denoiser_subfolder, denoiser.peft_config["default"], state, str(out))
+    save_lora(spec.pipeline_class, spec.denoiser.subfolder, denoiser.peft_config["default"], state, str(out))
     return out
 
 
@@ -72,10 +72,10 @@ def predicted(family: Family, model: str, lora: Path | None, weight_name: str = 
     if lora is not None:
         pipe.load_lora_weights(str(lora), weight_name=weight_name)
     inputs = step_inputs(family)
-    times = torch.tensor([0.7, 0.3]) if spec.flow else torch.tensor([700, 300])  # sigmas, or DDPM's timesteps
+    times = torch.tensor([0.7, 0.3]) if spec.denoiser.flow else torch.tensor([700, 300])  # sigmas, or DDPM's timesteps
     with torch.no_grad():
-        prediction: torch.Tensor = spec.denoise(
-            objective_for(family, model), getattr(pipe, spec.denoiser_subfolder), inputs.latents, times, inputs
+        prediction: torch.Tensor = spec.denoiser.denoise(
+            objective_for(family, model), getattr(pipe, spec.denoiser.subfolder), inputs.latents, times, inputs
         )
     return prediction
 

@@ -13,7 +13,7 @@ from stk.models.families import spec_for
 
 @pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)
 def test_a_family_aligns_to_its_vae_and_patches(family: Family) -> None:
-    assert family_alignment(family) == 8 * spec_for(family).patch_size  # every published VAE is 8x
+    assert family_alignment(family) == 8 * spec_for(family).latents.patch_size  # every published VAE is 8x
     assert scan_alignment(None, family) == family_alignment(family)
     assert scan_alignment(64, family) == 64
 

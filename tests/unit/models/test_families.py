@@ -4,11 +4,13 @@ names, listing the names stays cheap, and no module outside stk/models/families/
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
+import os
+import shutil
 import subprocess
 import sys
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,10 @@ from support.commands import REPO
 from stk.errors import InputError
 from stk.models import Encoders
 from stk.models.families import DEMO_FAMILY, Family, all_specs, detect_family, family_names, spec_for
+from stk.models.families import spec as spec_module
 from stk.models.families.registry import module_name
 from stk.models.families.spec import FamilySpec
+from stk.models.published import published_config
 
 STK = REPO / "stk"
 HOME = STK / "models" / "families"
@@ -31,26 +35,26 @@ specs = pytest.mark.parametrize("spec", all_specs(), ids=lambda spec: spec.name.
 def test_each_spec_is_complete_and_its_own(spec: FamilySpec) -> None:
     assert spec is spec_for(spec.name) and spec is spec_for(spec.name.value)
     assert spec.title and spec.pipeline_class.__name__ in spec.pipelines
-    assert issubclass(spec.encoders, Encoders) and spec.encoders.family is spec.name
-    assert not inspect.isabstract(spec.encoders)
-    assert issubclass(spec.denoiser_class, ModelMixin)
-    assert spec.denoiser_subfolder in inspect.signature(spec.pipeline_class).parameters
-    assert spec.lora_targets and all(spec.lora_targets)
+    assert issubclass(spec.text.encoders, Encoders) and spec.text.encoders.family is spec.name
+    assert not inspect.isabstract(spec.text.encoders)
+    assert issubclass(spec.denoiser.model_class, ModelMixin)
+    assert spec.denoiser.subfolder in inspect.signature(spec.pipeline_class).parameters
+    assert spec.denoiser.lora_targets and all(spec.denoiser.lora_targets)
     assert spec.sampling.steps > 0 and spec.sampling.guidance > 0
-    assert spec.patch_size >= 1 and spec.alignment(8) == 8 * spec.patch_size
+    assert spec.latents.patch_size >= 1 and spec.latents.alignment(8) == 8 * spec.latents.patch_size
     latents = torch.randn(2, 4, 4, 6)
-    packed = spec.pack(latents)
+    packed = spec.latents.pack(latents)
     assert packed.numel() == latents.numel() and packed.shape[0] == 2
     assert spec.published
     for name in spec.published:
-        for component, cls in (("denoiser", spec.denoiser_class), ("vae", None)):
-            text = resources.files("stk.models").joinpath("configs", name, f"{component}.json").read_text()
-            assert cls is None or json.loads(text)["_class_name"] == cls.__name__
+        for component, cls in (("denoiser", spec.denoiser.model_class), ("vae", None)):
+            config = published_config(name, component)  # the package's file, as installed
+            assert cls is None or config["_class_name"] == cls.__name__
 
 
 def test_the_registry_is_one_name_per_family_and_one_family_per_pipeline() -> None:
     assert family_names() == [spec.name.value for spec in all_specs()] == [f.value for f in Family]
-    assert all((HOME / f"{module_name(family)}.py").is_file() for family in Family)
+    assert all((HOME / module_name(family) / "__init__.py").is_file() for family in Family)
     pipelines = [name for spec in all_specs() for name in spec.pipelines]
     assert len(pipelines) == len(set(pipelines))
     published = [name for spec in all_specs() for name in spec.published]
@@ -129,7 +133,7 @@ def test_the_check_finds_a_family_named_in_each_way() -> None:
     found = {what for _, what in _namings(source)}
     assert found == {"import of stk.models.families.flux", "import of stk.models.families", "is_flux", "Family.SD",
                      "'sdxl'", "'FluxPipeline'", "'flux-dev'"}  # fmt: skip
-    assert _namings('"""Flux, SDXL"""\nx = spec.flow and Family(name)\n') == []
+    assert _namings('"""Flux, SDXL"""\nx = spec.denoiser.flow and Family(name)\n') == []
 
 
 def test_no_module_outside_the_families_home_names_a_family() -> None:
@@ -141,3 +145,59 @@ def test_no_module_outside_the_families_home_names_a_family() -> None:
         for line, what in _namings(path.read_text(encoding="utf-8"))
     }
     assert not named, "\n".join(named)
+
+
+def test_a_copied_folder_is_a_new_family_with_nothing_else_changed(tmp_path: Path) -> None:
+    """What adding a family takes: a copy of SDXL's folder under a new name (its published config renamed, a name
+    being one family's) is registered, offered on the command line, and builds and loads its tiny pipeline."""
+    shutil.copytree(STK, tmp_path / "stk", ignore=shutil.ignore_patterns("__pycache__"))
+    folder = tmp_path / "stk" / "models" / "families" / "sdxl_copy"
+    shutil.copytree(HOME / "sdxl", folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / "configs" / "sdxl").rename(folder / "configs" / "sdxl-copy")
+    init = folder / "__init__.py"
+    init.write_text(init.read_text().replace('published={"sdxl":', 'published={"sdxl-copy":'))
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from stk.cli.scan import main\n"
+        "from stk.models import build_tiny_model, load_encoders\n"
+        "from stk.models.families import family_names, spec_for\n"
+        "from stk.models.published import published_config\n"
+        "assert 'sdxl-copy' in family_names(), family_names()\n"
+        "assert 'sdxl-copy' in CliRunner().invoke(main, ['--help']).output\n"
+        "spec = spec_for('sdxl-copy')\n"
+        "assert spec.title == 'SDXL' and spec.name.value == 'sdxl-copy'\n"
+        "assert published_config('sdxl-copy', 'vae')['_class_name'] == 'AutoencoderKL'\n"
+        "model = build_tiny_model(spec.name, sys.argv[1])\n"
+        "assert load_encoders(model, spec.name, device='cpu').config()['family'] == 'sdxl-copy'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "model")], check=True, env=env, cwd=tmp_path)
+
+
+def test_the_template_is_not_a_family_and_names_every_part_of_a_spec() -> None:
+    """The unregistered `_template/` folder a newcomer copies: never listed, and its SPEC passes every field of
+    FamilySpec and every field of a part that has no default, so the template cannot fall behind the spec."""
+    assert "_template" not in family_names() and "-template" not in family_names()
+    tree = ast.parse((HOME / "_template" / "__init__.py").read_text())
+    calls = {
+        node.func.id: {keyword.arg for keyword in node.keywords}
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.endswith("Spec")
+    }
+    for part, given in calls.items():
+        fields = dataclasses.fields(getattr(spec_module, part))
+        needed = {
+            f.name for f in fields if part == "FamilySpec" or f.default is f.default_factory is dataclasses.MISSING
+        }
+        assert needed <= given, f"{part}: the template leaves out {sorted(needed - given)}"
+    assert set(calls) == {
+        "FamilySpec",
+        "TextSpec",
+        "LatentSpec",
+        "DenoiserSpec",
+        "SamplingSpec",
+        "TinySpec",
+        "ExportSpec",
+    }
+    assert {(HOME / "_template" / name).is_file() for name in ("tiny.py", "README.md")} == {True}

@@ -45,7 +45,7 @@ def test_each_familys_default_targets_name_layers_of_its_denoiser(family, tmp_pa
     layers = add_lora(denoiser, LoraSettings(rank=RANK), family, seed=0)
     trainable = [name for name, p in denoiser.named_parameters() if p.requires_grad]
     assert layers > 0 and len(trainable) == 2 * layers and all("lora_" in name for name in trainable)
-    assert spec_for(family).lora_targets
+    assert spec_for(family).denoiser.lora_targets
 
 
 def test_flux_default_targets_are_diffusers_and_leave_the_final_projection_alone(tmp_path):
@@ -57,7 +57,7 @@ def test_flux_default_targets_are_diffusers_and_leave_the_final_projection_alone
     diffusers_flux = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
                       "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                       "ff_context.net.2"]  # fmt: skip
-    assert sorted(spec_for(Family.FLUX).lora_targets) == sorted(diffusers_flux)
+    assert sorted(spec_for(Family.FLUX).denoiser.lora_targets) == sorted(diffusers_flux)
     model = build_tiny_model(Family.FLUX, str(tmp_path / "model"))
     denoiser = objective_for(Family.FLUX, model).load_denoiser(torch.float32)
     add_lora(denoiser, LoraSettings(rank=RANK), Family.FLUX, seed=0)

@@ -10,7 +10,7 @@ import torch
 
 from stk.errors import InputError
 from stk.models import Family, build_tiny_model
-from stk.train.batch import StepInputs
+from stk.models.interface import StepInputs
 from stk.train.losses import LossSettings, flow_shift, min_snr_weights, offset_noise, sample_u
 from stk.train.objectives import objective_for
 
@@ -114,9 +114,9 @@ def test_flow_shift_moves_noise_levels_toward_noise(tmp_path):
     [
         (Family.FLUX, LossSettings(snr_gamma=5.0), "--snr-gamma and --noise-offset are for SD and SDXL"),
         (Family.FLUX, LossSettings(noise_offset=0.1), "--snr-gamma and --noise-offset are for SD and SDXL"),
-        (Family.SDXL, LossSettings(flow_shift=3.0), "are for Flux"),
-        (Family.SDXL, LossSettings(flow_shift="auto"), "are for Flux"),
-        (Family.SD, LossSettings(timestep_sampling="uniform"), "are for Flux"),
+        (Family.SDXL, LossSettings(flow_shift=3.0), "are for Chroma, Flux, .* and Z-Image"),
+        (Family.SDXL, LossSettings(flow_shift="auto"), "are for Chroma, Flux, .* and Z-Image"),
+        (Family.SD, LossSettings(timestep_sampling="uniform"), "are for Chroma, Flux, .* and Z-Image"),
         (Family.SD, LossSettings(snr_gamma=0.0), "--snr-gamma 0 must be positive"),
         (Family.SD, LossSettings(noise_offset=-0.1), "--noise-offset -0.1 must be 0 or more"),
         (Family.FLUX, LossSettings(logit_std=0.0), "--logit-std 0 must be positive"),

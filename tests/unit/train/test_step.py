@@ -11,8 +11,9 @@ import torch
 from support.tiny_batches import cached_batch
 
 from stk.models import Family, build_tiny_model
+from stk.models.interface import StepInputs
 from stk.models.latents import LatentNorm
-from stk.train.batch import Batch, StepInputs
+from stk.train.batch import Batch
 from stk.train.dsconfig import load_deepspeed_config
 from stk.train.engine import build_engine, engine_config
 from stk.train.objectives import objective_for

@@ -1,25 +1,27 @@
-"""stk.models.families.chroma on the tiny Chroma pipeline, fp32 on the CPU: one step's loss and gradients are those of
-diffusers' FLUX.1 training example with the transformer called as ChromaPipeline calls it, the text is the pipeline's
-encode_prompt, a trained LoRA loads with the pipeline's load_lora_weights, and sample images come from cached
-embeddings."""
+"""What is particular to Chroma, on its tiny pipeline, fp32 on the CPU: one step's loss and gradients are those of
+diffusers' FLUX.1 training example with the transformer called as ChromaPipeline calls it, the text keeps the one
+padding token the pipeline's mask keeps, its LoRA targets are FLUX.1's, and sample images come from cached
+embeddings. (What every family keeps: tests/unit/models/test_contract.py.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from diffusers import ChromaPipeline
-from support.lora_files import assert_pipeline_loads_it, saved_lora
+from support.family_tests import EncodedText
 from support.reference_steps import Reference, assert_matches_reference, example_flow_loss
+from torch.nn.utils.rnn import pad_sequence
 
-from stk.models import Family, build_tiny_model
+from stk.models import Family
 from stk.models.families import spec_for
 from stk.models.families.flux import LORA_TARGETS as FLUX_TARGETS
+from stk.models.interface import StepInputs
 from stk.models.textmask import TEXT_MASK
-from stk.train.batch import StepInputs, collate_text
+from stk.train.batch import collate_text
 from stk.train.lora import LoraSettings, add_lora
 from stk.train.objectives import objective_for
 
@@ -28,9 +30,18 @@ SPEC = spec_for(Family.CHROMA)
 CAPTIONS = ["a photo of a cat", "the red dog on the painting with a man and a blue cat", ""]
 
 
+# the contract suite's captions as the encoders give them: T5's real tokens and the one padding token the pipeline's
+# mask keeps after them
+ENCODED = EncodedText(
+    shapes={"prompt_embeds": (512, 48), TEXT_MASK: (512, 1)},
+    long_caption_tokens=103,
+    kept=1,
+)
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(Family.CHROMA, str(tmp_path_factory.mktemp("chroma")))
+def model(tiny_model: Callable[[Family], str]) -> str:
+    return tiny_model(Family.CHROMA)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +52,7 @@ def pipeline(model: str) -> ChromaPipeline:
 @pytest.fixture(scope="module")
 def cached(model: str) -> list[dict[str, np.ndarray]]:
     """Each caption's arrays as the cache stores them."""
-    encoders = SPEC.encoders.load(model, torch.device("cpu"), torch.float32)
+    encoders = SPEC.text.encoders.load(model, torch.device("cpu"), torch.float32)
     return [embedding.arrays for embedding in encoders.encode_text(CAPTIONS)]
 
 
@@ -155,24 +166,14 @@ def test_encode_text_is_the_pipelines_encode_prompt(
 
 
 def test_lora_targets_are_fluxs_and_name_layers_of_chromas_blocks(model: str) -> None:
-    assert SPEC.lora_targets == FLUX_TARGETS
+    assert SPEC.denoiser.lora_targets == FLUX_TARGETS
     denoiser = objective_for(Family.CHROMA, model).load_denoiser(torch.float32)
     names = [name for name, _ in denoiser.named_modules()]
-    for target in SPEC.lora_targets:
+    for target in SPEC.denoiser.lora_targets:
         assert any(name.startswith("transformer_blocks.") and name.endswith(target) for name in names), target
     add_lora(denoiser, LoraSettings(rank=4), Family.CHROMA, seed=0)
     adapted = {name for name, p in denoiser.named_parameters() if p.requires_grad}
     assert not any(name.startswith(("distilled_guidance_layer", "proj_out")) for name in adapted)
-
-
-def test_lora_loads_in_the_pipeline_and_gives_the_trained_modules_output(model: str, tmp_path: Path) -> None:
-    trained = saved_lora(Family.CHROMA, model, tmp_path)
-    g = torch.Generator().manual_seed(2)
-    assert_pipeline_loads_it(
-        Family.CHROMA, model, tmp_path, trained, hidden_states=torch.randn(1, 12, 64, generator=g),
-        encoder_hidden_states=torch.randn(1, 5, 48, generator=g), timestep=torch.tensor([0.4]),
-        txt_ids=torch.zeros(5, 3), img_ids=torch.zeros(12, 3),
-    )  # fmt: skip
 
 
 # --- sample images --------------------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_samples_from_cached_embeddings_with_the_empty_caption_as_negative(
         ({k: v[:1] for k, v in padded.items()}, {k: v[1:] for k, v in padded.items()}),
     ):
         embeddings = {**cond, **{f"negative_{name}": value for name, value in neg.items()}}
-        arguments = SPEC.sample_inputs(embeddings)
+        arguments = SPEC.sampling.inputs(embeddings)
         assert arguments["prompt_attention_mask"].dtype == torch.bool
         assert set(arguments) == {
             "prompt_embeds",
@@ -213,3 +214,29 @@ def test_samples_from_cached_embeddings_with_the_empty_caption_as_negative(
         )
     assert images[0].shape == (1, 16, 64) and torch.isfinite(images[0]).all()
     torch.testing.assert_close(images[1], images[0], rtol=1e-5, atol=1e-6)
+
+
+def pipeline_embeddings(pipeline: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    """ChromaPipeline.encode_prompt's embeddings where its mask keeps them (the real tokens and one padding token),
+    zero-padded to the longest, with that mask (the contract suite's comparison)."""
+    embeds, _, mask, *_ = pipeline.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
+    kept = [embeds[i, : int(m.sum())] for i, m in enumerate(mask)]
+    return {
+        "prompt_embeds": pad_sequence(kept, batch_first=True),
+        TEXT_MASK: pad_sequence([torch.ones(len(k), 1) for k in kept], batch_first=True),
+    }
+
+
+def pipeline_sample_arguments(pipeline: Any, prompt: str) -> dict[str, torch.Tensor]:
+    """ChromaPipeline's own encode_prompt with its masks as booleans, the contract suite's reference for samples:
+    called with text, the pipeline hands the transformer a float mask, which it adds to the attention scores, so the
+    padding is attended to; stk samples, and trains, with the padding masked out."""
+    embeds, _, mask, negative, _, negative_mask = pipeline.encode_prompt(
+        prompt, negative_prompt="", device="cpu", do_classifier_free_guidance=True
+    )[:6]
+    return {
+        "prompt_embeds": embeds,
+        "prompt_attention_mask": mask.bool(),
+        "negative_prompt_embeds": negative,
+        "negative_prompt_attention_mask": negative_mask.bool(),
+    }

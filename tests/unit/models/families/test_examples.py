@@ -1,4 +1,4 @@
-"""Every family's defaults are its diffusers training example's (FamilySpec.example): the scripts' own argument
+"""Every family's defaults are its diffusers training example's (FamilySpec.denoiser.example): the scripts' own argument
 parsers, scheduler and noise-level lines (tests/reference/diffusers_examples/, run by support.diffusers_examples)
 against stk-train's and stk-cache's settings with no option given. A default that moves in a later release of the
 scripts fails here."""
@@ -19,8 +19,8 @@ from stk.train.losses import LossSettings
 from stk.train.objectives import FlowObjective, objective_for
 from stk.train.options import TrainOptions
 
-FLOW = [spec.name for spec in all_specs() if spec.flow]
-DDPM = [spec.name for spec in all_specs() if not spec.flow]
+FLOW = [spec.name for spec in all_specs() if spec.denoiser.flow]
+DDPM = [spec.name for spec in all_specs() if not spec.denoiser.flow]
 WEIGHTING = {"none": "uniform", "logit_normal": "logit-normal"}  # the scripts' --weighting_scheme as stk names it
 DRAWS = 10_000
 
@@ -41,20 +41,20 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[Family, str]:
 
 @pytest.mark.parametrize("family", FLOW, ids=str)
 def test_flow_defaults_are_the_examples(family: Family) -> None:
-    script = spec_for(family).example.script
+    script = spec_for(family).denoiser.example.script
     args = example_args(script)
     settings = LossSettings()
     assert settings.sampling(family) == WEIGHTING[args.weighting_scheme]
     assert (settings.logit_mean, settings.logit_std) == (args.logit_mean, args.logit_std)
     assert settings.flow_shift == "example"  # the scripts have no shift option: their scheduler's table
-    assert spec_for(family).precondition_outputs == bool(getattr(args, "precondition_outputs", False))
+    assert spec_for(family).denoiser.precondition_outputs == bool(getattr(args, "precondition_outputs", False))
     if hasattr(args, "guidance_scale"):
         assert default_of(TrainOptions, "guidance_scale") == args.guidance_scale
 
 
 @pytest.mark.parametrize("family", DDPM, ids=str)
 def test_ddpm_defaults_are_the_examples(family: Family) -> None:
-    args = example_args(spec_for(family).example.script)
+    args = example_args(spec_for(family).denoiser.example.script)
     settings = LossSettings()
     assert (settings.snr_gamma, settings.noise_offset) == (args.snr_gamma, args.noise_offset)
     assert settings.caption_dropout == (getattr(args, "proportion_empty_prompts", None) or 0.0)
@@ -63,8 +63,8 @@ def test_ddpm_defaults_are_the_examples(family: Family) -> None:
 
 @pytest.mark.parametrize("family", list(Family), ids=str)
 def test_latents_are_sampled_or_the_mode_as_the_example_takes_them(family: Family) -> None:
-    samples = example_latents(spec_for(family).example.script) == "sample"
-    assert spec_for(family).example.samples_latents is samples
+    samples = example_latents(spec_for(family).denoiser.example.script) == "sample"
+    assert spec_for(family).denoiser.example.samples_latents is samples
     assert EncodeSettings().for_family(family).store_logvar is samples  # stk-cache keeps what sampling needs
     assert EncodeSettings(store_logvar=not samples).for_family(family).store_logvar is (not samples)  # as given
 
@@ -77,7 +77,7 @@ def stk_sigmas(family: Family, model: str, settings: LossSettings, seed: int) ->
 
 @pytest.mark.parametrize("family", FLOW, ids=str)
 def test_noise_levels_are_distributed_as_the_examples_draw_them(family: Family, models: dict[Family, str]) -> None:
-    script = spec_for(family).example.script
+    script = spec_for(family).denoiser.example.script
     theirs = example_sigmas(script, example_args(script), models[family], DRAWS, seed=1)
     ours = stk_sigmas(family, models[family], LossSettings(), seed=2)
     assert ks_statistic(ours, theirs) < 0.02
@@ -89,7 +89,7 @@ def test_noise_levels_are_distributed_as_the_examples_draw_them(family: Family, 
 @pytest.mark.parametrize(("family", "mean"), [(Family.SD3, 1.0), (Family.SD3, -1.0), (Family.FLUX, 1.0)], ids=str)
 def test_a_logit_mean_is_the_examples(family: Family, mean: float, models: dict[Family, str]) -> None:
     """--logit-mean M is the scripts' --logit_mean M: they index a descending table, so M > 0 means less noise."""
-    script = spec_for(family).example.script
+    script = spec_for(family).denoiser.example.script
     args = example_args(script, "--weighting_scheme", "logit_normal", "--logit_mean", str(mean))
     theirs = example_sigmas(script, args, models[family], DRAWS, seed=1)
     ours = stk_sigmas(family, models[family], LossSettings(timestep_sampling="logit-normal", logit_mean=mean), seed=2)
@@ -99,7 +99,7 @@ def test_a_logit_mean_is_the_examples(family: Family, mean: float, models: dict[
 
 def test_the_reference_scripts_are_the_ones_the_specs_name() -> None:
     here = {p.name for p in (Path(__file__).parents[3] / "reference" / "diffusers_examples").glob("*.py")}
-    assert {Path(spec.example.script).name for spec in all_specs()} == here
+    assert {Path(spec.denoiser.example.script).name for spec in all_specs()} == here
 
 
 def readme_defaults() -> dict[str, list[str]]:
@@ -120,9 +120,11 @@ def test_the_readmes_defaults_table_says_what_stk_does(models: dict[Family, str]
     for family in Family:
         example, levels, latents = rows[family.value]
         spec = spec_for(family)
-        assert Path(spec.example.script).name.removeprefix("train_dreambooth_lora") in example.replace("...", "")
+        assert Path(spec.denoiser.example.script).name.removeprefix("train_dreambooth_lora") in example.replace(
+            "...", ""
+        )
         assert latents.startswith("a sample" if EncodeSettings().for_family(family).store_logvar else "the mode")
-        if spec.flow:
+        if spec.denoiser.flow:
             assert levels.startswith(LossSettings().sampling(family))
             assert ("unshifted" in levels) is (
                 flow_objective(family, models[family]).scheduler.config.use_dynamic_shifting

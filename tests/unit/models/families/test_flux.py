@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from diffusers import FluxPipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
+from support.family_tests import EncodedText
 from support.reference_steps import assert_matches_reference, tiny_objective
 
 from stk.models import Family
-from stk.train.batch import StepInputs
+from stk.models.interface import StepInputs
+
+# the contract suite's captions as the encoders give them: T5's 512 positions (48 wide) and CLIP's pooled vector (32);
+# T5 does not stop at 77
+ENCODED = EncodedText(
+    shapes={"prompt_embeds": (512, 48), "pooled_prompt_embeds": (32,)},
+    long_caption_tokens=102,
+    tokenizers=("tokenizer_2",),
+)
 
 
 def test_one_step_is_train_dreambooth_flux(tmp_path) -> None:
@@ -47,3 +58,9 @@ def test_one_step_is_train_dreambooth_flux(tmp_path) -> None:
         return loss.mean()
 
     assert_matches_reference(objective, transformer, reference)
+
+
+def pipeline_embeddings(pipeline: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    """What FluxPipeline.encode_prompt gives for `captions` (the contract suite's comparison)."""
+    prompt_embeds, pooled, _ = pipeline.encode_prompt(captions, captions, device="cpu")
+    return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}

@@ -1,46 +1,56 @@
-"""stk.models.families.flux2 as the FLUX.2-dev family, on the tiny FLUX.2-dev pipeline (Mistral3 text encoder), fp32
-on the CPU: the embeddings are Flux2Pipeline.encode_prompt's, one step's loss and gradients are those of diffusers'
-examples/dreambooth/train_dreambooth_lora_flux2.py (guidance input included), a trained LoRA loads with the
-pipeline's load_lora_weights, and sample images from cached embeddings are the pipeline's own. What FLUX.2-dev
-shares with FLUX.2-klein (the latents' normalisation) is checked in test_flux2_klein.py."""
+"""What is particular to FLUX.2-dev, on its tiny pipeline (Mistral3 text encoder), fp32 on the CPU: the embeddings'
+lengths count the chat with the pipeline's system message, one step's loss and gradients are those of diffusers'
+examples/dreambooth/train_dreambooth_lora_flux2.py (guidance input included), and the LoRA targets are the example's.
+What FLUX.2-dev shares with FLUX.2-klein (the latents' normalisation) is checked in test_flux2_klein.py; what every
+family keeps, in tests/unit/models/test_contract.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from diffusers import Flux2Pipeline
+from support.family_tests import EncodedText
 from support.flux2_example import GUIDANCE_SCALE, assert_default_lora_targets_are_the_examples, example_step
-from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
-from support.samples import rendered_sample
 
 from stk.errors import InputError
-from stk.models import Family, build_tiny_model
+from stk.models import Family
 from stk.models.families import spec_for
-from stk.train.batch import StepInputs, collate_text
+from stk.models.interface import StepInputs
+from stk.train.batch import collate_text
 from stk.train.objectives import objective_for
-from stk.train.validation import ValidationPlan
 
 SPEC = spec_for(Family.FLUX2)
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting with a blue man!"]
 CPU = torch.device("cpu")
 
 
+# the contract suite's captions as the encoders give them: three layers of Mistral3's 16 side by side, the padding
+# kept; the pipeline's system message (143 tokens here) before the caption's 5 + 101
+ENCODED = EncodedText(
+    shapes={"prompt_embeds": (512, 48)},
+    long_caption_tokens=249,
+    kept=143,
+)
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(Family.FLUX2, str(tmp_path_factory.mktemp("flux2")))
+def model(tiny_model: Callable[[Family], str]) -> str:
+    return tiny_model(Family.FLUX2)
 
 
 def test_the_embeddings_are_the_pipelines_encode_prompt(model: str) -> None:
     """Layers 10, 20 and 30 of Mistral3 side by side, all 512 positions; the length counts the chat's real tokens,
     the pipeline's system message included."""
     pipe = Flux2Pipeline.from_pretrained(model)
-    embeddings = SPEC.encoders.load(model, CPU, torch.float32).encode_text(CAPTIONS)
+    embeddings = SPEC.text.encoders.load(model, CPU, torch.float32).encode_text(CAPTIONS)
     with torch.no_grad():
         prompt_embeds, _ = pipe.encode_prompt(list(CAPTIONS), CPU)
     ours = torch.stack([torch.from_numpy(e.arrays["prompt_embeds"]) for e in embeddings])
@@ -63,19 +73,21 @@ def test_a_chat_template_saved_the_older_way_is_read_and_none_is_refused(model: 
     template = (older / "tokenizer" / "chat_template.jinja").read_text(encoding="utf-8")
     (older / "tokenizer" / "chat_template.jinja").unlink()
     (older / "tokenizer" / "chat_template.json").write_text(json.dumps({"chat_template": template}), encoding="utf-8")
-    ours, theirs = (SPEC.encoders.load(m, CPU, torch.float32).encode_text(CAPTIONS[:1])[0] for m in (str(older), model))
+    ours, theirs = (
+        SPEC.text.encoders.load(m, CPU, torch.float32).encode_text(CAPTIONS[:1])[0] for m in (str(older), model)
+    )
     assert ours.length == theirs.length
     np.testing.assert_array_equal(ours.arrays["prompt_embeds"], theirs.arrays["prompt_embeds"])
     (older / "tokenizer" / "chat_template.json").unlink()
     with pytest.raises(InputError, match=r"has no tokenizer/chat_template\.json"):
-        SPEC.encoders.load(str(older), CPU, torch.float32)
+        SPEC.text.encoders.load(str(older), CPU, torch.float32)
 
 
 def test_one_step_is_train_dreambooth_lora_flux2(model: str) -> None:
     """On the pipeline's own embeddings: the loss and gradients of the example's step, the guidance-distilled
     transformer given the example's default --guidance_scale (stk-train's default too)."""
     pipe = Flux2Pipeline.from_pretrained(model)
-    encoders = SPEC.encoders.load(model, CPU, torch.float32)
+    encoders = SPEC.text.encoders.load(model, CPU, torch.float32)
     with torch.no_grad():
         prompt_embeds, text_ids = pipe.encode_prompt(list(CAPTIONS), CPU)
     inputs = StepInputs(
@@ -111,37 +123,7 @@ def test_the_default_lora_targets_are_the_examples_layers(model: str) -> None:
     assert_default_lora_targets_are_the_examples(Family.FLUX2, model, single_blocks=48)
 
 
-def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
-    trained = saved_lora(Family.FLUX2, model, tmp_path)
-    g = torch.Generator().manual_seed(2)
-    latents = Flux2Pipeline._patchify_latents(torch.randn(1, 8, 8, 6, generator=g))
-    text = torch.randn(1, 5, 48, generator=g)
-    assert_pipeline_loads_it(
-        Family.FLUX2, model, tmp_path, trained,
-        hidden_states=Flux2Pipeline._pack_latents(latents),
-        encoder_hidden_states=text,
-        timestep=torch.tensor([0.3]),
-        guidance=torch.tensor([3.5]),
-        img_ids=Flux2Pipeline._prepare_latent_ids(latents),
-        txt_ids=Flux2Pipeline._prepare_text_ids(text),
-    )  # fmt: skip
-
-
-def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> None:
-    """The renderer's path (the prompt's stored embeddings, then `sample_inputs`; no negative prompt: the guidance is
-    the transformer's input) gives the image that Flux2Pipeline makes from the prompt's text."""
-    assert not SPEC.sampling.negative_prompt and SPEC.sampling.guidance > 1
-    prompt = CAPTIONS[1]
-    plan = ValidationPlan(prompts=(prompt,), every=0, steps=2, guidance=4.0, width=64, height=48, seed=5)
-    image = rendered_sample(Family.FLUX2, model, plan)
-
-    pipe = Flux2Pipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    own, other = (
-        pipe(prompt=prompt, num_inference_steps=2, guidance_scale=guidance, width=64, height=48,
-             generator=torch.Generator().manual_seed(5)).images[0]
-        for guidance in (4.0, 1.5)
-    )  # fmt: skip
-    assert image.shape == (48, 64, 3) and image.std() > 0
-    assert np.abs(image - np.asarray(own, dtype=np.int16)).max() <= 1
-    assert not np.array_equal(np.asarray(own), np.asarray(other)), "the guidance reached the pipeline"
+def pipeline_embeddings(pipeline: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    """The pipeline's encode_prompt: three layers side by side, all 512 positions (the contract suite's comparison)."""
+    prompt_embeds, _ = pipeline.encode_prompt(list(captions), torch.device("cpu"))
+    return {"prompt_embeds": prompt_embeds}

@@ -1,43 +1,51 @@
-"""stk.models.families.qwenimage on the tiny Qwen-Image pipeline, fp32 on the CPU: one step's loss and gradients are
-those of diffusers' examples/dreambooth/train_dreambooth_lora_qwen_image.py, the prompt template drops the system
-turn as the real tokenizer does, a trained LoRA loads with QwenImagePipeline.load_lora_weights, and sample images
-from cached embeddings are the pipeline's own. (The embeddings against QwenImagePipeline.encode_prompt, and the VAE's
-one-frame latents: tests/unit/models/test_load.py.)"""
+"""What is particular to Qwen-Image, on its tiny pipeline, fp32 on the CPU: one step's loss and gradients are those of
+diffusers' examples/dreambooth/train_dreambooth_lora_qwen_image.py, and the prompt template drops the system turn as
+the real tokenizer does. (What every family keeps, its encode_prompt, its video VAE's one-frame latents, LoRA and
+samples included: tests/unit/models/test_contract.py.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-from support.lora_files import assert_pipeline_loads_it, saved_lora
+from support.family_tests import EncodedText
 from support.reference_steps import assert_matches_reference, example_flow_loss
-from support.samples import rendered_sample
 
-from stk.models import Family, build_tiny_model
+from stk.models import Family
 from stk.models.families import spec_for
 from stk.models.families.qwenimage import DROPPED_TOKENS, MAX_SEQUENCE_LENGTH, PROMPT_TEMPLATE
-from stk.train.batch import StepInputs, collate_text
+from stk.models.interface import StepInputs
+from stk.models.textmask import TEXT_MASK
+from stk.train.batch import collate_text
 from stk.train.objectives import objective_for
-from stk.train.validation import ValidationPlan
 
 SPEC = spec_for(Family.QWENIMAGE)
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting with a blue man!"]  # two lengths: the mask matters
 CPU = torch.device("cpu")
 
 
+# the contract suite's captions as the encoders give them: Qwen2.5-VL's real tokens (32 wide); the template's system
+# turn and the user turn's opening 3 tokens dropped, 5 kept after the caption
+ENCODED = EncodedText(
+    shapes={"prompt_embeds": (1024, 32), TEXT_MASK: (1024, 1)},
+    long_caption_tokens=106,
+    kept=-3,
+)
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(Family.QWENIMAGE, str(tmp_path_factory.mktemp("qwenimage")))
+def model(tiny_model: Callable[[Family], str]) -> str:
+    return tiny_model(Family.QWENIMAGE)
 
 
 def test_one_step_is_train_dreambooth_lora_qwen_image(model: str) -> None:
     """On encoded images and captions of two lengths: the latents are the example's (one frame, normalised per
     channel), and so are the loss and gradients, its transformer given the pipeline's encode_prompt and mask."""
     pipe = QwenImagePipeline.from_pretrained(model)
-    encoders = SPEC.encoders.load(model, CPU, torch.float32)
+    encoders = SPEC.text.encoders.load(model, CPU, torch.float32)
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         prompt_embeds, prompt_embeds_mask = pipe.encode_prompt(CAPTIONS, CPU)
@@ -100,34 +108,12 @@ def test_the_template_is_the_pipelines_and_drops_its_system_turn(model: str) -> 
     assert len(tokenizer(system)["input_ids"]) == DROPPED_TOKENS
     ids = tokenizer(PROMPT_TEMPLATE.format("a cat"))["input_ids"]
     assert tokenizer.decode(ids[DROPPED_TOKENS:]) == "a cat" + after
-    (embedding,) = SPEC.encoders.load(model, CPU, torch.float32).encode_text(["a cat"])
+    (embedding,) = SPEC.text.encoders.load(model, CPU, torch.float32).encode_text(["a cat"])
     assert embedding.length == len(ids) - DROPPED_TOKENS
 
 
-def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
-    trained = saved_lora(Family.QWENIMAGE, model, tmp_path)
-    g = torch.Generator().manual_seed(2)
-    assert_pipeline_loads_it(
-        Family.QWENIMAGE, model, tmp_path, trained,
-        hidden_states=torch.randn(1, 12, 64, generator=g), encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
-        timestep=torch.tensor([0.3]), img_shapes=[(1, 4, 3)],
-    )  # fmt: skip
-
-
-def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> None:
-    """The renderer's path (each prompt and the empty caption's stored real tokens, padded alike, then
-    `sample_inputs`, the guidance as `true_cfg_scale`) gives the image that QwenImagePipeline makes from the text."""
-    assert SPEC.sampling.negative_prompt and SPEC.guidance_argument == "true_cfg_scale"
-    prompt = CAPTIONS[1]
-    plan = ValidationPlan(prompts=(prompt,), every=0, steps=2, guidance=2.5, width=64, height=48, seed=5)
-    image = rendered_sample(Family.QWENIMAGE, model, plan)
-
-    pipe = QwenImagePipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    own = pipe(prompt, negative_prompt="", num_inference_steps=2, true_cfg_scale=2.5, width=64, height=48,
-               generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
-    default = pipe(prompt, negative_prompt="", num_inference_steps=2, width=64, height=48,
-                   generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
-    assert image.shape == (48, 64, 3) and image.std() > 0
-    assert np.abs(image - np.asarray(own, dtype=np.int16)).max() <= 1
-    assert not np.array_equal(np.asarray(own), np.asarray(default)), "the guidance reached the pipeline"
+def pipeline_embeddings(pipeline: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    """QwenImagePipeline.encode_prompt: zero-padded to the longest caption, with its mask (the contract suite's
+    comparison)."""
+    prompt_embeds, mask = pipeline.encode_prompt(captions, "cpu")
+    return {"prompt_embeds": prompt_embeds, TEXT_MASK: mask[..., None].float()}

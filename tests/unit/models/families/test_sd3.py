@@ -4,21 +4,24 @@ encode_prompt, a trained LoRA loads with load_lora_weights, and the pipeline sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
+from support.family_tests import EncodedText
 from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.reference_steps import assert_matches_reference
 from support.tiny_batches import step_inputs
 from transformers import AutoTokenizer
 
-from stk.models import Family, build_tiny_model
+from stk.models import Family
 from stk.models.families import spec_for
-from stk.train.batch import StepInputs
+from stk.models.interface import StepInputs
 from stk.train.losses import flow_shift
 from stk.train.objectives import FlowObjective, objective_for
 
@@ -26,9 +29,19 @@ SPEC = spec_for(Family.SD3)
 CAPTIONS = ["a photo of a cat", "", "the " * 100 + "cat"]  # the empty caption (the negative); the last overflows CLIP
 
 
+# the contract suite's captions as the encoders give them: CLIPs' 77 positions, then T5's 256 (160 = T5's width); the
+# 77 CLIP positions are kept before T5's tokens
+ENCODED = EncodedText(
+    shapes={"prompt_embeds": (77 + 256, 160), "pooled_prompt_embeds": (128,)},
+    long_caption_tokens=77 + 102,
+    tokenizers=("tokenizer_3",),
+    kept=77,
+)
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(Family.SD3, str(tmp_path_factory.mktemp("sd3") / "model"))
+def model(tiny_model: Callable[[Family], str]) -> str:
+    return tiny_model(Family.SD3)
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -78,14 +91,14 @@ def test_sigmas_are_shifted_as_the_examples_scheduler_shifts(model: str) -> None
 
 
 def test_text_is_the_pipelines_encode_prompt_and_trimming_drops_t5_padding_only(model: str) -> None:
-    encoders = SPEC.encoders.load(model, torch.device("cpu"), torch.float32)
+    encoders = SPEC.text.encoders.load(model, torch.device("cpu"), torch.float32)
     embeddings = encoders.encode_text(CAPTIONS)
     pipeline = StableDiffusion3Pipeline.from_pretrained(model)
     with torch.no_grad():
         prompt_embeds, _, pooled, _ = pipeline.encode_prompt(
             CAPTIONS, CAPTIONS, CAPTIONS, device="cpu", do_classifier_free_guidance=False
         )
-    ours = {k: torch.from_numpy(np.stack([e.arrays[k] for e in embeddings])) for k in SPEC.encoders.text_outputs}
+    ours = {k: torch.from_numpy(np.stack([e.arrays[k] for e in embeddings])) for k in SPEC.text.encoders.text_outputs}
     assert prompt_embeds.shape == (3, 77 + 256, 160) and pooled.shape == (3, 128)
     torch.testing.assert_close(ours["prompt_embeds"], prompt_embeds, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours["pooled_prompt_embeds"], pooled, rtol=1e-5, atol=1e-5)
@@ -105,7 +118,7 @@ def test_a_trained_lora_loads_with_the_pipelines_load_lora_weights(model: str, t
     # transcribed from train_dreambooth_lora_sd3.py (target_modules without --lora_layers)
     example = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                "attn.to_out.0", "attn.to_q", "attn.to_v"]  # fmt: skip
-    assert sorted(SPEC.lora_targets) == sorted(example)
+    assert sorted(SPEC.denoiser.lora_targets) == sorted(example)
     trained = saved_lora(Family.SD3, model, tmp_path)
     assert not hasattr(trained.transformer_blocks[0].attn2.to_q, "lora_A")  # Medium's second attention: as there
     inputs = step_inputs(Family.SD3)
@@ -119,7 +132,7 @@ def test_samples_come_from_cached_embeddings_with_the_empty_caption_as_negative(
     """As stk-train's sample images are made (stk.train.render): no text encoder, the stored embeddings given, the
     empty caption's as the negative, the family's guidance."""
     assert SPEC.sampling.negative_prompt and (SPEC.sampling.steps, SPEC.sampling.guidance) == (28, 3.5)
-    encoders = SPEC.encoders.load(model, torch.device("cpu"), torch.float32)
+    encoders = SPEC.text.encoders.load(model, torch.device("cpu"), torch.float32)
     prompt, empty = encoders.encode_text(["a photo of a cat", ""])
     embeddings = {name: torch.from_numpy(array)[None] for name, array in prompt.arrays.items()}
     embeddings |= {f"negative_{name}": torch.from_numpy(array)[None] for name, array in empty.arrays.items()}
@@ -128,7 +141,7 @@ def test_samples_come_from_cached_embeddings_with_the_empty_caption_as_negative(
     pipeline = SPEC.pipeline_class.from_pretrained(model, **unused)
     pipeline.set_progress_bar_config(disable=True)
     images = pipeline(
-        **SPEC.sample_inputs(embeddings),
+        **SPEC.sampling.inputs(embeddings),
         num_inference_steps=2,
         guidance_scale=SPEC.sampling.guidance,
         height=64,
@@ -137,3 +150,12 @@ def test_samples_come_from_cached_embeddings_with_the_empty_caption_as_negative(
         output_type="np",
     ).images
     assert images.shape == (1, 64, 64, 3) and np.isfinite(images).all()
+
+
+def pipeline_embeddings(pipeline: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    """What StableDiffusion3Pipeline.encode_prompt gives for `captions`: CLIPs' 77 positions, then T5's 256 (the
+    contract suite's comparison)."""
+    prompt_embeds, _, pooled, _ = pipeline.encode_prompt(
+        captions, captions, captions, device="cpu", do_classifier_free_guidance=False
+    )
+    return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}

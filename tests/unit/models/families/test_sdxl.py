@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from support.family_tests import EncodedText
 from support.reference_steps import assert_matches_reference, tiny_objective
 
 from stk.models import Family
-from stk.train.batch import StepInputs
+from stk.models.interface import StepInputs
+
+# the contract suite's captions as the encoders give them: both CLIPs' penultimate states side by side (32 + 64), the
+# second's pooled vector
+ENCODED = EncodedText(
+    shapes={"prompt_embeds": (77, 96), "pooled_prompt_embeds": (64,)},
+    long_caption_tokens=77,
+    tokenizers=("tokenizer", "tokenizer_2"),
+)
 
 
 def test_one_step_is_train_text_to_image_sdxl(tmp_path) -> None:
@@ -35,3 +46,9 @@ def test_one_step_is_train_text_to_image_sdxl(tmp_path) -> None:
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
 
     assert_matches_reference(objective, unet, reference)
+
+
+def pipeline_embeddings(pipeline: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    """What StableDiffusionXLPipeline.encode_prompt gives for `captions` (the contract suite's comparison)."""
+    prompt_embeds, _, pooled, _ = pipeline.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
+    return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}

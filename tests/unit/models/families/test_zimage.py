@@ -1,42 +1,51 @@
-"""stk.models.families.zimage on the tiny Z-Image pipeline, fp32 on the CPU: one step's loss and gradients are those of
-diffusers' examples/dreambooth/train_dreambooth_lora_z_image.py, the tokenizer renders Qwen3's chat template, a trained
-LoRA loads with ZImagePipeline.load_lora_weights, and sample images from cached embeddings are the pipeline's own.
-(The embeddings against ZImagePipeline.encode_prompt: tests/unit/models/test_load.py.)"""
+"""What is particular to Z-Image, on its tiny pipeline, fp32 on the CPU: one step's loss and gradients are those of
+diffusers' examples/dreambooth/train_dreambooth_lora_z_image.py, the tokenizer renders Qwen3's chat template, and the
+sigmas are shifted as its scheduler's static shift. (What every family keeps, its encode_prompt, LoRA and samples
+included: tests/unit/models/test_contract.py.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from diffusers import ZImagePipeline
-from support.lora_files import assert_pipeline_loads_it, saved_lora
+from support.family_tests import EncodedText
 from support.reference_steps import assert_matches_reference, example_flow_loss
-from support.samples import rendered_sample
+from torch.nn.utils.rnn import pad_sequence
 
-from stk.models import Family, build_tiny_model
+from stk.models import Family
 from stk.models.families import spec_for
-from stk.train.batch import StepInputs, collate_text
+from stk.models.interface import StepInputs
+from stk.models.textmask import TEXT_MASK
+from stk.train.batch import collate_text
 from stk.train.losses import sample_u
 from stk.train.objectives import objective_for
-from stk.train.validation import ValidationPlan
 
 SPEC = spec_for(Family.ZIMAGE)
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting with a blue man!"]  # two lengths: the mask matters
 CPU = torch.device("cpu")
 
 
+# the contract suite's captions as the encoders give them: Qwen3's real tokens (32 wide) of the caption in the chat
+# template, which adds 18
+ENCODED = EncodedText(
+    shapes={"prompt_embeds": (512, 32), TEXT_MASK: (512, 1)},
+    long_caption_tokens=119,
+)
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(Family.ZIMAGE, str(tmp_path_factory.mktemp("zimage")))
+def model(tiny_model: Callable[[Family], str]) -> str:
+    return tiny_model(Family.ZIMAGE)
 
 
 def test_one_step_is_train_dreambooth_lora_z_image(model: str) -> None:
     """On encoded images and captions of two lengths: the latents are the example's, and so are the loss and
     gradients, its transformer given the pipeline's own per-caption embeddings."""
     pipe = ZImagePipeline.from_pretrained(model)
-    encoders = SPEC.encoders.load(model, CPU, torch.float32)
+    encoders = SPEC.text.encoders.load(model, CPU, torch.float32)
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         prompt_embeds, _ = pipe.encode_prompt(list(CAPTIONS), CPU, do_classifier_free_guidance=False)
@@ -90,24 +99,10 @@ def test_the_tokenizer_renders_qwen3s_chat_template(model: str) -> None:
     assert tokenizer.convert_ids_to_tokens(tokenizer("<|im_start|> cat")["input_ids"]) == ["<|im_start|>", "Ġcat"]
 
 
-def test_a_trained_lora_loads_into_the_pipeline(model: str, tmp_path: Path) -> None:
-    trained = saved_lora(Family.ZIMAGE, model, tmp_path)
-    g = torch.Generator().manual_seed(2)
-    x, caption = [torch.randn(16, 1, 8, 6, generator=g)], [torch.randn(5, 32, generator=g)]
-    assert_pipeline_loads_it(Family.ZIMAGE, model, tmp_path, trained, x=x, t=torch.tensor([0.3]), cap_feats=caption)
-
-
-def test_samples_from_cached_embeddings_are_the_pipelines_own(model: str) -> None:
-    """The renderer's path (each prompt and the empty caption's stored real tokens, padded alike, then
-    `sample_inputs`) gives the image that ZImagePipeline makes from the prompt's text."""
-    assert SPEC.sampling.negative_prompt and SPEC.sampling.guidance > 0
-    prompt = CAPTIONS[1]
-    plan = ValidationPlan(prompts=(prompt,), every=0, steps=2, guidance=4.0, width=64, height=48, seed=5)
-    image = rendered_sample(Family.ZIMAGE, model, plan)
-
-    pipe = ZImagePipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    own = pipe(prompt, negative_prompt="", num_inference_steps=2, guidance_scale=4.0, width=64, height=48,
-               generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
-    assert image.shape == (48, 64, 3) and image.std() > 0
-    assert np.abs(image - np.asarray(own, dtype=np.int16)).max() <= 1
+def pipeline_embeddings(pipeline: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    """ZImagePipeline.encode_prompt's list of each caption's real tokens, zero-padded to the longest, with its mask
+    (the contract suite's comparison)."""
+    prompt_embeds, _ = pipeline.encode_prompt(list(captions), "cpu", do_classifier_free_guidance=False)
+    lengths = torch.tensor([len(e) for e in prompt_embeds])
+    real = torch.arange(int(lengths.max()))[None, :, None] < lengths[:, None, None]
+    return {"prompt_embeds": pad_sequence(prompt_embeds, batch_first=True), TEXT_MASK: real.float()}

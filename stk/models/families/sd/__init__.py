@@ -1,29 +1,35 @@
-"""Stable Diffusion 1.x/2.x: a UNet trained by DDPM (epsilon or v prediction), conditioned on one CLIP text encoder's
-last hidden state, as in diffusers' StableDiffusionPipeline.encode_prompt (no clip_skip) and train_text_to_image.py."""
+"""The SD family: its spec, SPEC, and the code it needs. README.md beside this file is its page."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import PNDMScheduler
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families.ldm import ldm_checkpoint
-from stk.models.families.registry import Family
-from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
+from stk.models.families.registry import family_of
+from stk.models.families.sd.ldm import ldm_checkpoint
+from stk.models.families.spec import (
+    DenoiserSpec,
+    DenoiseSettings,
+    Example,
+    ExportSpec,
+    FamilySpec,
+    LatentSpec,
+    SamplingSpec,
+    TextSpec,
+    TinySpec,
+)
 from stk.models.layouts import prefixed
 
 if TYPE_CHECKING:
-    from stk.train.batch import StepInputs
+    from stk.models.interface import StepInputs
 
 __all__ = ["ATTENTION_TARGETS", "KOHYA_UNET", "SD_BETAS", "SPEC", "SDEncoders", "call_unet"]
 
@@ -35,7 +41,7 @@ SD_BETAS: dict[str, Any] = {"beta_start": 0.00085, "beta_end": 0.012, "beta_sche
 
 
 class SDEncoders(Encoders):
-    family = Family.SD
+    family = family_of(__name__)
     text_outputs = ("prompt_embeds",)
 
     @classmethod
@@ -69,38 +75,31 @@ def _denoise(
     return prediction
 
 
-def _tiny(scratch: Path, unet: Any = None, vae: Any = None) -> dict[str, Any]:
-    tokenizer = tiny.clip_tokenizer(scratch / "tokenizer")
-    width = unet.config.cross_attention_dim if unet is not None else 32
-    return dict(
-        vae=vae or tiny.vae(4, 0.18215),
-        text_encoder=tiny.clip(tokenizer, width),
-        tokenizer=tokenizer,
-        unet=unet or tiny.unet(width),
-        scheduler=PNDMScheduler(**SD_BETAS, skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-
-
 SPEC = FamilySpec(
-    name=Family.SD,
+    name=family_of(__name__),
     title="SD",
     pipelines=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
     pipeline_class=StableDiffusionPipeline,
-    encoders=SDEncoders,
-    denoiser_subfolder="unet",
-    denoiser_class=UNet2DConditionModel,
-    flow=False,
-    denoise=_denoise,
-    lora_targets=ATTENTION_TARGETS,
-    sampling=Sampling(steps=30, guidance=7.5, negative_prompt=True),
-    example=Example("examples/text_to_image/train_text_to_image.py"),
-    published=("sd15",),  # runwayml/stable-diffusion-v1-5
-    tiny=_tiny,
-    kohya_lora=KOHYA_UNET,
-    # SD 1.x's LDM checkpoint (its OpenAI CLIP under transformers' names); SD 2.x's OpenCLIP layout is not written
-    single_file=lambda folder: ldm_checkpoint(folder, {"text_encoder": "cond_stage_model.transformer."}, {}),
-    single_file_class="StableDiffusionPipeline",
+    published={"sd15": "SD 1.5 UNet"},  # runwayml/stable-diffusion-v1-5
+    text=TextSpec(
+        encoders=SDEncoders,
+        sequences={"prompt_embeds": "cross_attention_dim"},
+    ),
+    latents=LatentSpec(),
+    denoiser=DenoiserSpec(
+        subfolder="unet",
+        model_class=UNet2DConditionModel,
+        flow=False,
+        denoise=_denoise,
+        lora_targets=ATTENTION_TARGETS,
+        example=Example("examples/text_to_image/train_text_to_image.py"),
+    ),
+    sampling=SamplingSpec(steps=30, guidance=7.5, negative_prompt=True),
+    tiny=TinySpec(text={"prompt_embeds": (77, 32)}, latent_channels=4, pipeline_latents=(1, 4, 8, 8)),
+    export=ExportSpec(
+        kohya_lora=KOHYA_UNET,
+        # SD 1.x's LDM checkpoint (its OpenAI CLIP under transformers' names); SD 2.x's OpenCLIP layout is not written
+        single_file=lambda folder: ldm_checkpoint(folder, {"text_encoder": "cond_stage_model.transformer."}, {}),
+        single_file_class="StableDiffusionPipeline",
+    ),
 )

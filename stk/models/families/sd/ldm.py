@@ -20,10 +20,21 @@ __all__ = ["ldm_checkpoint", "ldm_unet", "ldm_vae", "open_clip"]
 UNET = "model.diffusion_model."
 VAE = "first_stage_model."
 MAPPING: dict[str, Any] = _MAPPING  # diffusers' fixed names, diffusers -> LDM, per component
-RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"), ("conv2", "out_layers.3"),
-          ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))  # fmt: skip
-VAE_ATTENTION = (("group_norm.", "norm."), ("to_q.", "q."), ("to_k.", "k."), ("to_v.", "v."),
-                 ("to_out.0.", "proj_out."))  # fmt: skip
+RESNET = (
+    ("norm1", "in_layers.0"),
+    ("conv1", "in_layers.2"),
+    ("norm2", "out_layers.0"),
+    ("conv2", "out_layers.3"),
+    ("time_emb_proj", "emb_layers.1"),
+    ("conv_shortcut", "skip_connection"),
+)
+VAE_ATTENTION = (
+    ("group_norm.", "norm."),
+    ("to_q.", "q."),
+    ("to_k.", "k."),
+    ("to_v.", "v."),
+    ("to_out.0.", "proj_out."),
+)
 
 
 def _unet_blocks(config: dict[str, Any]) -> Iterator[tuple[str, str]]:

@@ -1,35 +1,4 @@
-"""FLUX.2-dev (32B), and what the FLUX.2 families (FLUX.2-dev here, FLUX.2-klein in flux2_klein.py) share, as
-diffusers' Flux2Pipeline and Flux2KleinPipeline and their training examples (examples/dreambooth/
-train_dreambooth_lora_flux2.py, train_dreambooth_lora_flux2_klein.py) do it.
-
-Shared: the VAE, the latents' normalisation, packing and position ids, and the transformer's training call.
-- Latents: AutoencoderKLFlux2's distribution is patchified 2x2 (32 channels -> 128 at half the size) and normalised
-  by the VAE's batch-norm running statistics, `(x - running_mean) / sqrt(running_var + batch_norm_eps)` per patch
-  channel (the example's `latents_bn_mean`/`latents_bn_std`). stk keeps latents in the VAE's (B, C, h, w) layout and
-  normalises each position by its patch channel's statistics (LatentNorm with patch 2): the same numbers.
-- Loss: noisy = (1 - sigma) x + sigma n; the transformer takes the 2x2 patches packed into tokens (B, h/2 * w/2,
-  4C), the timestep sigma (the example's `timesteps / 1000`), the text ids (0, 0, 0, l) and the image ids
-  (0, row, column, 0); target noise - latents, compared in the packed layout (the example unpacks the prediction
-  instead: the same elements). A guidance-distilled transformer (FLUX.2-dev: `guidance_embeds`) takes the guidance
-  scale too: the example's --guidance_scale, 3.5 (stk-train's --guidance-scale). The example's default weighting
-  ("none") weighs every sample alike.
-- Text: the pipeline stacks the hidden states of three layers of its text encoder along the features, every one of
-  the max_sequence_length positions (the transformer attends to the padding: no mask).
-
-FLUX.2-dev (train_dreambooth_lora_flux2.py):
-- Text (Flux2Pipeline._get_mistral_3_small_prompt_embeds): each caption as a chat, the pipeline's SYSTEM_MESSAGE as
-  the system turn and the caption as the user's (its `format_input`), in the chat template, padded to 512 tokens;
-  the hidden states of layers 10, 20 and 30 of Mistral-Small-3 (3.2-24B-Instruct's weights, 3.1's processor, as
-  diffusers' scripts/convert_flux2_to_diffusers.py builds the pipeline; Mistral3ForConditionalGeneration, the whole
-  model as the pipeline loads it) side by side, 3 x 5120. The pipeline's tokenizer/ is a PixtralProcessor; stk loads
-  its tokenizer alone (the processor's image half needs torchvision and takes no part in text) with the chat
-  template saved beside it (chat_template.jinja, or an older processor's chat_template.json): for text alone the
-  processor's apply_chat_template is its tokenizer's.
-- Sigmas: the example's, from the scheduler's unshifted table (the scheduler shifts dynamically, at inference
-  only); `--flow-shift auto` shifts them as Flux2Pipeline does, by compute_empirical_mu at its default 50 steps.
-  Latents: the mode of the distribution (`latent_dist.mode()`), so stk-cache stores the mean only by default.
-- Samples: the pipeline's defaults, 50 steps at embedded guidance 4, no negative prompt (guidance-distilled).
-"""
+"""The FLUX.2-dev family: its spec, SPEC, and the code it needs. README.md beside this file is its page."""
 
 from __future__ import annotations
 
@@ -38,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
@@ -46,19 +14,28 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DMo
 from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline, compute_empirical_mu, format_input
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-from transformers import AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration
+from transformers import AutoTokenizer, Mistral3ForConditionalGeneration
 
-from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families.registry import Family
-from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
+from stk.models.families.registry import family_of
+from stk.models.families.spec import (
+    DenoiserSpec,
+    DenoiseSettings,
+    Example,
+    ExportSpec,
+    FamilySpec,
+    LatentSpec,
+    SamplingSpec,
+    TextSpec,
+    TinySpec,
+)
 from stk.models.latents import LatentNorm
 from stk.models.layouts import Blocks, Fuse, block_layout, block_weights, peft_entries, read_component
 from stk.models.model_json import read_model_json
 
 if TYPE_CHECKING:
-    from stk.train.batch import StepInputs
+    from stk.models.interface import StepInputs
 
 __all__ = [
     "BLOCKS",
@@ -77,17 +54,12 @@ __all__ = [
     "patchify",
     "single_file",
     "stacked_hidden_states",
-    "tiny_pipeline",
-    "tiny_text_width",
-    "tiny_transformer",
-    "tiny_vae",
 ]
 
 PATCH = 2  # the pipelines' _patchify_latents folds 2x2 latent patches into channels; the transformer's patch is 1
 MAX_SEQUENCE_LENGTH = 512  # the pipelines' default max_sequence_length
 VAE_CLASS = AutoencoderKLFlux2
-SAMPLING = Sampling(steps=50, guidance=4.0, negative_prompt=False)  # Flux2Pipeline's defaults
-TINY_TEXT_WIDTH = 16
+SAMPLING = SamplingSpec(steps=50, guidance=4.0, negative_prompt=False)  # Flux2Pipeline's defaults
 HIDDEN_STATES_LAYERS = (10, 20, 30)  # Flux2Pipeline's default text_encoder_out_layers (the example's too)
 
 # FLUX.2's own layer names (black-forest-labs/flux2), the inverse of diffusers' convert_flux2_transformer_checkpoint_to_
@@ -159,6 +131,10 @@ def single_file(folder: Path) -> dict[str, torch.Tensor]:
 LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj", "attn.to_out")
 
 
+# the benchmarks' block counts: config key -> the transformer's list of those blocks
+BLOCK_COUNTS = {"num_layers": "transformer_blocks", "num_single_layers": "single_transformer_blocks"}
+
+
 class Flux2Encoders(Encoders):
     """What the FLUX.2 families' encoders share: the VAE's normalisation, its batch norm's running statistics over
     2x2 patches, as the example computes `latents_bn_mean` and `latents_bn_std`."""
@@ -209,54 +185,8 @@ def denoise(
     return prediction
 
 
-def tiny_vae(latent_channels: int = 8) -> AutoencoderKLFlux2:
-    """Four blocks like the real one (8x down); random batch-norm statistics, so that normalising shows."""
-    vae = AutoencoderKLFlux2(block_out_channels=(32, 64, 64, 64), layers_per_block=1, latent_channels=latent_channels,
-                             sample_size=64)  # fmt: skip
-    channels = vae.bn.running_mean.shape[0]
-    vae.bn.running_mean.copy_(0.3 * torch.randn(channels))
-    vae.bn.running_var.copy_(0.5 + torch.rand(channels))
-    return vae
-
-
-def tiny_text_width(transformer: Any) -> int:
-    """The tiny text encoder's width for `transformer`, whose text width is three of its layers side by side; for a
-    tiny transformer, TINY_TEXT_WIDTH."""
-    return int(transformer.config.joint_attention_dim) // 3 if transformer is not None else TINY_TEXT_WIDTH
-
-
-def tiny_pipeline(
-    text_encoder: Any, tokenizer: Any, transformer: Any, vae: Any, guidance_embeds: bool
-) -> dict[str, Any]:
-    """A FLUX.2 pipeline's components around a tiny text encoder: `transformer` and `vae` where given, else tiny
-    ones; FLUX.1-dev's scheduler, as the published pipelines have it."""
-    vae = vae or tiny_vae()
-    return dict(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer or tiny_transformer(vae.config.latent_channels, 3 * TINY_TEXT_WIDTH, guidance_embeds),
-    )
-
-
-def tiny_transformer(latent_channels: int, text_width: int, guidance_embeds: bool) -> Flux2Transformer2DModel:
-    """One double and two single blocks of width 32 (two heads of 16), reading 2x2 patches of `latent_channels`."""
-    return Flux2Transformer2DModel(
-        in_channels=PATCH * PATCH * latent_channels,
-        num_layers=1,
-        num_single_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=text_width,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),  # sums to the head width
-        guidance_embeds=guidance_embeds,
-    )
-
-
 class Flux2DevEncoders(Flux2Encoders):
-    family = Family.FLUX2
+    family = family_of(__name__)
     text_outputs = ("prompt_embeds",)
 
     @classmethod
@@ -285,19 +215,6 @@ class Flux2DevEncoders(Flux2Encoders):
         return {"prompt_embeds": stacked_hidden_states(hidden.hidden_states, HIDDEN_STATES_LAYERS)}, mask.sum(dim=1)
 
 
-def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
-    """Mistral3 with a text model deep enough for layer 30 and a one-layer vision tower, all 16 wide; its tokenizer
-    saved as a tokenizer (a PixtralProcessor needs torchvision), which the pipeline uses alike for text."""
-    tokenizer = tiny.mistral_tokenizer(scratch / "tokenizer")
-    text = dict(vocab_size=len(tokenizer), hidden_size=tiny_text_width(transformer), intermediate_size=32, head_dim=8,
-                num_hidden_layers=max(HIDDEN_STATES_LAYERS) + 1, num_attention_heads=2, num_key_value_heads=1,
-                max_position_embeddings=MAX_SEQUENCE_LENGTH, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
-                  image_size=56, patch_size=14)  # fmt: skip
-    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tokenizer.get_vocab()["[IMG]"])
-    return tiny_pipeline(Mistral3ForConditionalGeneration(config), tokenizer, transformer, vae, guidance_embeds=True)
-
-
 def empirical_mu(_config: Mapping[str, Any], image_seq_len: int) -> float:
     """The mu Flux2Pipeline and Flux2KleinPipeline shift their schedule by: fitted to the image's tokens and the
     number of steps (at their default steps), not read from the scheduler config."""
@@ -305,26 +222,37 @@ def empirical_mu(_config: Mapping[str, Any], image_seq_len: int) -> float:
 
 
 SPEC = FamilySpec(
-    name=Family.FLUX2,
+    name=family_of(__name__),
     title="FLUX.2-dev",
     pipelines=("Flux2Pipeline",),  # text to image and image editing alike
     pipeline_class=Flux2Pipeline,
-    encoders=Flux2DevEncoders,
-    denoiser_subfolder="transformer",
-    denoiser_class=Flux2Transformer2DModel,
-    flow=True,
-    denoise=denoise,
-    lora_targets=LORA_TARGETS,
+    published={"flux2-dev": "FLUX.2-dev"},  # black-forest-labs/FLUX.2-dev
+    text=TextSpec(
+        encoders=Flux2DevEncoders,
+        sequences={"prompt_embeds": "joint_attention_dim"},
+        tokens=MAX_SEQUENCE_LENGTH,
+        in_train=False,  # its text encoder loads in stk-cache only
+    ),
+    latents=LatentSpec(
+        vae_class=VAE_CLASS,
+        patch_size=PATCH,
+        pack=pack,
+    ),
+    denoiser=DenoiserSpec(
+        subfolder="transformer",
+        model_class=Flux2Transformer2DModel,
+        flow=True,
+        denoise=denoise,
+        lora_targets=LORA_TARGETS,
+        example=Example("examples/dreambooth/train_dreambooth_lora_flux2.py", samples_latents=False),
+        inference_mu=empirical_mu,
+        blocks=BLOCK_COUNTS,
+    ),
     sampling=SAMPLING,
-    example=Example("examples/dreambooth/train_dreambooth_lora_flux2.py", samples_latents=False),
-    published=("flux2-dev",),  # black-forest-labs/FLUX.2-dev
-    tiny=_tiny,
-    patch_size=PATCH,
-    pack=pack,
-    vae_class=VAE_CLASS,
-    inference_mu=empirical_mu,
-    text_encoders_in_train=False,  # its text encoder loads in stk-cache only
-    kohya_lora=KOHYA_LORA,
-    single_file=single_file,
-    single_file_class="Flux2Transformer2DModel",
+    tiny=TinySpec(text={"prompt_embeds": (16, 48)}, latent_channels=8, pipeline_latents=(1, 16, 32)),
+    export=ExportSpec(
+        kohya_lora=KOHYA_LORA,
+        single_file=single_file,
+        single_file_class="Flux2Transformer2DModel",
+    ),
 )

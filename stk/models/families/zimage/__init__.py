@@ -1,22 +1,4 @@
-"""Z-Image (Tongyi-MAI): a single-stream flow transformer conditioned on Qwen3's second-to-last hidden state, trained
-as diffusers' examples/dreambooth/train_dreambooth_lora_z_image.py trains it.
-
-- Text (ZImagePipeline._encode_prompt): each caption in Qwen3's chat template (a user turn, then the assistant's,
-  thinking enabled), padded to 512 tokens, `hidden_states[-2]` under the attention mask; the pipeline hands the
-  transformer each caption's real tokens only, so the cache stores those and a TEXT_MASK.
-- Latents: the FLUX.1 VAE's, shifted and scaled (the example's `(x - shift_factor) * scaling_factor`).
-- Loss: noisy = (1 - sigma) x + sigma n; the transformer takes a list of (C, 1, h, w) latents, the timestep
-  1 - sigma (the example's `(1000 - t) / 1000`, t = 1000 sigma) and a list of per-caption embeddings; its output is
-  negated; target noise - latents. The example's default weighting ("none") weighs every sample alike, and its
-  per-sample mean then mean is the plain mean here (one bucket: equal sizes). No packing: the transformer patchifies
-  2x2 itself.
-- Sigmas: as the example, uniform draws index the scheduler's table, shifted by its static shift (Tongyi-MAI/Z-Image
-  ships shift 6, no dynamic shifting). Latents: the mode of the distribution (`latent_dist.mode()`), so stk-cache
-  stores the mean only by default.
-- Samples: the base model's card, 50 steps and classifier-free guidance 4 with the empty caption as the negative
-  prompt (the distilled Z-Image-Turbo samples in 8-9 steps at guidance 0: pass --validation-steps and
-  --validation-guidance).
-"""
+"""The Z-Image family: its spec, SPEC, and the code it needs. README.md beside this file is its page."""
 
 from __future__ import annotations
 
@@ -24,25 +6,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 from diffusers.pipelines.z_image.pipeline_z_image import ZImagePipeline
 from torch.nn.utils.rnn import pad_sequence
-from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
+from transformers import Qwen2Tokenizer, Qwen3Model
 
-from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.chat import chat_prompts
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families.registry import Family
-from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
+from stk.models.families.registry import family_of
+from stk.models.families.spec import (
+    DenoiserSpec,
+    DenoiseSettings,
+    Example,
+    ExportSpec,
+    FamilySpec,
+    LatentSpec,
+    SamplingSpec,
+    TextSpec,
+    TinySpec,
+)
 from stk.models.layouts import Blocks, Fuse, block_layout, block_weights, read_component
 from stk.models.textmask import TEXT_MASK, masked_prompts, text_mask
 
 if TYPE_CHECKING:
-    from stk.train.batch import StepInputs
+    from stk.models.interface import StepInputs
 
 __all__ = ["MAX_SEQUENCE_LENGTH", "SPEC", "ZImageEncoders"]
 
@@ -78,7 +68,7 @@ LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")  # the example's default tar
 
 
 class ZImageEncoders(Encoders):
-    family = Family.ZIMAGE
+    family = family_of(__name__)
     text_outputs = ("prompt_embeds", TEXT_MASK)
 
     @classmethod
@@ -123,62 +113,41 @@ def _sample_inputs(embeddings: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {f"{prefix}prompt_embeds": _captions(embeds, mask) for prefix, embeds, mask in masked_prompts(embeddings)}
 
 
-def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
-    tokenizer = tiny.qwen_tokenizer(scratch / "tokenizer")
-    width = transformer.config.cap_feat_dim if transformer is not None else 32
-    qwen = Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=width,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=MAX_SEQUENCE_LENGTH,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
-    transformer = transformer or ZImageTransformer2DModel(
-        all_patch_size=(PATCH,),
-        all_f_patch_size=(1,),
-        in_channels=16,
-        dim=32,
-        n_layers=2,
-        n_refiner_layers=1,
-        n_heads=2,
-        n_kv_heads=2,
-        cap_feat_dim=width,
-        axes_dims=[4, 6, 6],  # sums to the head width, 16
-        axes_lens=[1536, 512, 512],
-    )
-    return dict(
-        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=TRAIN_TIMESTEPS, shift=6.0),  # Z-Image's
-        vae=vae or tiny.vae(16, 0.3611, shift_factor=0.1159),
-        text_encoder=qwen,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
-
-
 SPEC = FamilySpec(
-    name=Family.ZIMAGE,
+    name=family_of(__name__),
     title="Z-Image",
     pipelines=("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline"),
     pipeline_class=ZImagePipeline,
-    encoders=ZImageEncoders,
-    denoiser_subfolder="transformer",
-    denoiser_class=ZImageTransformer2DModel,
-    flow=True,
-    denoise=_denoise,
-    lora_targets=LORA_TARGETS,
-    sampling=Sampling(steps=50, guidance=4.0, negative_prompt=True),  # Tongyi-MAI/Z-Image's card
-    example=Example("examples/dreambooth/train_dreambooth_lora_z_image.py", samples_latents=False),
-    published=("zimage",),  # Tongyi-MAI/Z-Image
-    tiny=_tiny,
-    patch_size=PATCH,
-    sample_inputs=_sample_inputs,
-    kohya_lora=KOHYA_LORA,
-    single_file=single_file,
-    single_file_class="ZImageTransformer2DModel",
+    published={"zimage": "Z-Image"},  # Tongyi-MAI/Z-Image
+    text=TextSpec(
+        encoders=ZImageEncoders,
+        sequences={"prompt_embeds": "cap_feat_dim", TEXT_MASK: 1},
+        tokens=128,
+    ),
+    latents=LatentSpec(
+        patch_size=PATCH,
+    ),
+    denoiser=DenoiserSpec(
+        subfolder="transformer",
+        model_class=ZImageTransformer2DModel,
+        flow=True,
+        denoise=_denoise,
+        lora_targets=LORA_TARGETS,
+        example=Example("examples/dreambooth/train_dreambooth_lora_z_image.py", samples_latents=False),
+        blocks={"n_layers": "layers"},
+    ),
+    sampling=SamplingSpec(  # Tongyi-MAI/Z-Image's card
+        steps=50,
+        guidance=4.0,
+        negative_prompt=True,
+        inputs=_sample_inputs,
+    ),
+    tiny=TinySpec(
+        text={"prompt_embeds": (16, 32), TEXT_MASK: (16, 1)}, latent_channels=16, pipeline_latents=(1, 16, 8, 8)
+    ),
+    export=ExportSpec(
+        kohya_lora=KOHYA_LORA,
+        single_file=single_file,
+        single_file_class="ZImageTransformer2DModel",
+    ),
 )

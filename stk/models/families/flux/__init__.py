@@ -1,32 +1,35 @@
-"""FLUX.1: a transformer trained by rectified flow matching (diffusers' train_dreambooth_flux.py) on 2x2 latent
-patches packed into tokens, conditioned on T5's last hidden state and CLIP's pooled output (diffusers'
-FluxPipeline.encode_prompt) and, in the guidance-distilled dev model, on a guidance scale. As the example by default:
-a sample of the latent distribution, and uniform draws indexing the scheduler's unshifted table (it shifts dynamically,
-at inference only)."""
+"""The Flux family: its spec, SPEC, and the code it needs. README.md beside this file is its page."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 # Deep imports where the type matters: mypy resolves diffusers' lazy top-level names to placeholders.
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
-from stk.models import tinyparts as tiny
 from stk.models.base import Encoders
 from stk.models.components import load_text_encoder, load_vae
-from stk.models.families.registry import Family
+from stk.models.families.registry import family_of
 from stk.models.families.sd import ATTENTION_TARGETS
-from stk.models.families.spec import DenoiseSettings, Example, FamilySpec, Sampling
+from stk.models.families.spec import (
+    DenoiserSpec,
+    DenoiseSettings,
+    Example,
+    ExportSpec,
+    FamilySpec,
+    LatentSpec,
+    SamplingSpec,
+    TextSpec,
+    TinySpec,
+)
 from stk.models.layouts import Blocks, Fuse, block_layout
 
 if TYPE_CHECKING:
-    from stk.train.batch import StepInputs
+    from stk.models.interface import StepInputs
 
 __all__ = [
     "KOHYA_LORA",
@@ -34,7 +37,6 @@ __all__ = [
     "PATCH",
     "SPEC",
     "T5_MAX_LENGTH",
-    "TINY_BLOCKS",
     "FluxEncoders",
     "pack_latents",
     "position_ids",
@@ -49,9 +51,15 @@ PATCH = 2  # FluxPipeline._pack_latents packs 2x2 latent patches into one token
 # `proj_out` on request.
 LORA_TARGETS = (
     *(f"attn.{name}" for name in ATTENTION_TARGETS),
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-)  # fmt: skip
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
 
 # FLUX.1's own layer names (black-forest-labs/flux) under `diffusion_model.`, as ComfyUI loads a FLUX LoRA and
 # diffusers' `_convert_kohya_flux_lora_to_diffusers` reads it back; q, k and v are one `qkv` layer there, and the single
@@ -60,12 +68,17 @@ LORA_TARGETS = (
 KOHYA_LORA = block_layout(
     (
         Blocks(
-            "transformer_blocks.", "double_blocks.",
+            "transformer_blocks.",
+            "double_blocks.",
             renames=(
-                ("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"),
-                ("ff.net.0.proj", "img_mlp.0"), ("ff.net.2", "img_mlp.2"),
-                ("ff_context.net.0.proj", "txt_mlp.0"), ("ff_context.net.2", "txt_mlp.2"),
-                ("norm1.linear", "img_mod.lin"), ("norm1_context.linear", "txt_mod.lin"),
+                ("attn.to_out.0", "img_attn.proj"),
+                ("attn.to_add_out", "txt_attn.proj"),
+                ("ff.net.0.proj", "img_mlp.0"),
+                ("ff.net.2", "img_mlp.2"),
+                ("ff_context.net.0.proj", "txt_mlp.0"),
+                ("ff_context.net.2", "txt_mlp.2"),
+                ("norm1.linear", "img_mod.lin"),
+                ("norm1_context.linear", "txt_mod.lin"),
             ),
             fusions=(
                 Fuse("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
@@ -73,23 +86,22 @@ KOHYA_LORA = block_layout(
             ),
         ),
         Blocks(
-            "single_transformer_blocks.", "single_blocks.",
+            "single_transformer_blocks.",
+            "single_blocks.",
             renames=(("proj_out", "linear2"), ("norm.linear", "modulation.lin")),
             fusions=(Fuse("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), units=(1, 1, 1, 4)),),
         ),
     ),
     top=(("x_embedder", "img_in"), ("context_embedder", "txt_in"), ("proj_out", "final_layer.linear")),
-)  # fmt: skip
+)
 
-# the tiny transformer's blocks and widths (16 latent channels packed 2x2); Chroma's are Flux's
-TINY_BLOCKS: dict[str, Any] = dict(
-    patch_size=1, in_channels=4 * 16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-    axes_dims_rope=(4, 6, 6),
-)  # fmt: skip
+
+# the benchmarks' block counts: config key -> the transformer's list of those blocks
+BLOCK_COUNTS = {"num_layers": "transformer_blocks", "num_single_layers": "single_transformer_blocks"}
 
 
 class FluxEncoders(Encoders):
-    family = Family.FLUX
+    family = family_of(__name__)
     text_outputs = ("prompt_embeds", "pooled_prompt_embeds")
 
     @classmethod
@@ -145,44 +157,39 @@ def _denoise(
     return prediction
 
 
-def _tiny(scratch: Path, transformer: Any = None, vae: Any = None) -> dict[str, Any]:
-    tokenizer = tiny.clip_tokenizer(scratch / "tokenizer")
-    tokenizer_2 = tiny.t5_tokenizer(scratch / "tokenizer_2", T5_MAX_LENGTH)
-    t5 = tiny.t5(tokenizer_2, transformer.config.joint_attention_dim if transformer is not None else 48)
-    transformer = transformer or FluxTransformer2DModel(
-        **TINY_BLOCKS,
-        joint_attention_dim=t5.config.d_model,
-        pooled_projection_dim=32,  # CLIP width
-        guidance_embeds=True,  # like FLUX.1-dev
-    )
-    return dict(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
-        vae=vae or tiny.vae(16, 0.3611, shift_factor=0.1159),
-        text_encoder=tiny.clip(tokenizer, transformer.config.pooled_projection_dim),
-        tokenizer=tokenizer,
-        text_encoder_2=t5,
-        tokenizer_2=tokenizer_2,
-        transformer=transformer,
-    )
-
-
 SPEC = FamilySpec(
-    name=Family.FLUX,
+    name=family_of(__name__),
     title="Flux",
     pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"),
     pipeline_class=FluxPipeline,
-    encoders=FluxEncoders,
-    denoiser_subfolder="transformer",
-    denoiser_class=FluxTransformer2DModel,
-    flow=True,
-    denoise=_denoise,
-    lora_targets=LORA_TARGETS,
+    published={"flux-dev": "Flux.1-dev"},  # black-forest-labs/FLUX.1-dev
+    text=TextSpec(
+        encoders=FluxEncoders,
+        sequences={"prompt_embeds": "joint_attention_dim"},
+        pooled={"pooled_prompt_embeds": "pooled_projection_dim"},
+        tokens=T5_MAX_LENGTH,
+    ),
+    latents=LatentSpec(
+        patch_size=PATCH,
+        pack=pack_latents,
+    ),
+    denoiser=DenoiserSpec(
+        subfolder="transformer",
+        model_class=FluxTransformer2DModel,
+        flow=True,
+        denoise=_denoise,
+        lora_targets=LORA_TARGETS,
+        example=Example("examples/dreambooth/train_dreambooth_flux.py"),
+        blocks=BLOCK_COUNTS,
+    ),
     # the guidance embedding of FLUX.1-dev, not classifier-free guidance: no negative prompt
-    sampling=Sampling(steps=28, guidance=3.5, negative_prompt=False),
-    example=Example("examples/dreambooth/train_dreambooth_flux.py"),
-    published=("flux-dev",),  # black-forest-labs/FLUX.1-dev
-    tiny=_tiny,
-    patch_size=PATCH,
-    pack=pack_latents,
-    kohya_lora=KOHYA_LORA,
+    sampling=SamplingSpec(steps=28, guidance=3.5, negative_prompt=False),
+    tiny=TinySpec(
+        text={"prompt_embeds": (16, 48), "pooled_prompt_embeds": (32,)},
+        latent_channels=16,
+        pipeline_latents=(1, 16, 64),
+    ),
+    export=ExportSpec(
+        kohya_lora=KOHYA_LORA,
+    ),
 )
