@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import click
 
 from stk.cli.common import FiniteFloat, default_of, option_group
@@ -10,7 +13,44 @@ from stk.train.options import TrainOptions
 from stk.train.reporters import REPORTERS
 from stk.train.validation import ValidationSettings
 
-__all__ = ["report_option", "validation_options"]
+if TYPE_CHECKING:
+    from stk.models.families.spec import FamilySpec
+
+__all__ = ["FamilyHelpOption", "report_option", "validation_options"]
+
+
+class FamilyHelpOption(click.Option):
+    """An option whose default is each family's own: its help names every family's, read from the family specs when
+    the help is shown, so it cannot drift from them (the specs import torch and diffusers: too slow to read each
+    time the command starts)."""
+
+    def __init__(self, *args: Any, help_of: Callable[[list[FamilySpec]], str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.help_of = help_of
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        from stk.models.families import all_specs
+
+        self.help = self.help_of(all_specs())
+        return super().get_help_record(ctx)
+
+
+def _per_family(specs: list[FamilySpec], value: Callable[[FamilySpec], object]) -> str:
+    """Each family's title and its value ("SD 30, SDXL 30, ..."), in the registry's order."""
+    return ", ".join(f"{spec.title} {value(spec)}" for spec in specs)
+
+
+def _steps_help(specs: list[FamilySpec]) -> str:
+    return f"Inference steps per sample [default: {_per_family(specs, lambda spec: spec.sampling.steps)}]."
+
+
+def _guidance_help(specs: list[FamilySpec]) -> str:
+    defaults = _per_family(specs, lambda spec: f"{spec.sampling.guidance:g}")
+    unguided = [spec.title for spec in specs if not spec.sampling.negative_prompt]
+    negative = "classifier-free with the empty caption as the negative prompt"
+    if unguided:
+        negative += f", except for {', '.join(unguided)}, which take no negative prompt"
+    return f"Guidance scale of the samples [default: {defaults}]; {negative}."
 
 
 # Sample images: the prompts, how often, and how they are drawn.
@@ -43,14 +83,16 @@ validation_options = option_group(
         default=None,
         type=click.IntRange(1),
         show_envvar=True,
-        help="Inference steps per sample [default: 30; Flux 28].",
+        cls=FamilyHelpOption,
+        help_of=_steps_help,
     ),
     click.option(
         "--validation-guidance",
         default=None,
         type=FiniteFloat(0),
         show_envvar=True,
-        help="Guidance scale of the samples [default: SD 7.5, SDXL 5, Flux 3.5].",
+        cls=FamilyHelpOption,
+        help_of=_guidance_help,
     ),
     click.option(
         "--validation-resolution",
