@@ -100,6 +100,18 @@ def wait_for(what: str, ready: Any, timeout: float, context: Any = "") -> None:
         time.sleep(0.2)
 
 
+def submit_training(cluster: SlurmNodes, run: Run, out: Path, size: list[str], **env: str) -> dict[str, str]:
+    """The pipeline from its train stage, on the run's model, scan and cache, into `out`."""
+    return submit(cluster, run.root, ["--from", "train"], size, MODEL=run.model, RUN=str(run.root), OUT=str(out), **env)
+
+
+def wait_checkpointed(run: Run, out: Path, job: str) -> None:
+    """Until the train job's first checkpoint is in `out`."""
+    wait_for(
+        "checkpointed", lambda: (out / "checkpoints" / "latest").exists(), 240, lambda: log(run.root, "train", job)
+    )
+
+
 def hurry_requeued(cluster: SlurmNodes, job: str, restarts: int) -> bool:
     """Start a requeued job now: Slurm holds it back about two minutes (BeginTime). slurmd revokes
     the old run's credential by the second, so a restart within that second would be killed as "Job
@@ -173,14 +185,11 @@ def test_usr2_checkpoints_every_node_at_one_step_requeues_and_resumes(pipeline: 
     stk-launch, which asks node1's rank; the ranks agree on the step to stop at, so every node
     checkpoints the same step."""
     out = pipeline.root / "train-usr2"
-    jobs = submit(
+    jobs = submit_training(
         slurm_nodes,
-        pipeline.root,
-        ["--from", "train"],
+        pipeline,
+        out,
         FOUR_NODES_ONE_RANK,
-        MODEL=pipeline.model,
-        RUN=str(pipeline.root),
-        OUT=str(out),
         STK_TRAIN_MAX_STEPS="30",
         STK_TRAIN_EPOCHS="100",
         STK_TRAIN_CHECKPOINT_EVERY="0",
@@ -215,14 +224,11 @@ def test_a_gpu_fault_on_node3_drains_node3_alone_alerts_once_and_the_job_requeue
     healthy_gpus["node3"].write_text(json.dumps([[gpu(0), gpu(1, ecc_volatile_uncorrectable=4)]]))
     receiver = Receiver(host=slurm_nodes.host_address)
     out = pipeline.root / "train-gated"
-    jobs = submit(
+    jobs = submit_training(
         slurm_nodes,
-        pipeline.root,
-        ["--from", "train"],
+        pipeline,
+        out,
         THREE_NODES,
-        MODEL=pipeline.model,
-        RUN=str(pipeline.root),
-        OUT=str(out),
         STK_HEALTH_SCRIPT=GPUS,
         STK_HEALTH_ARGS=f"--state {HEALTH_STATE} --notify {receiver.url()}",
         **ONE_RANK,
@@ -261,14 +267,11 @@ def test_a_gpu_fault_mid_training_on_node2_stops_every_rank_at_one_step_and_the_
     node1, node3 and node4."""
     receiver = Receiver(host=slurm_nodes.host_address)
     out = pipeline.root / "train-gpu-fault"
-    jobs = submit(
+    jobs = submit_training(
         slurm_nodes,
-        pipeline.root,
-        ["--from", "train"],
+        pipeline,
+        out,
         THREE_NODES,
-        MODEL=pipeline.model,
-        RUN=str(pipeline.root),
-        OUT=str(out),
         STK_TRAIN_MAX_STEPS="10",
         STK_TRAIN_EPOCHS="100",
         STK_TRAIN_CHECKPOINT_EVERY="2",
@@ -280,12 +283,7 @@ def test_a_gpu_fault_mid_training_on_node2_stops_every_rank_at_one_step_and_the_
     )
     job = jobs["train"]
     try:
-        wait_for(
-            "checkpointed",
-            lambda: (out / "checkpoints" / "latest").exists(),
-            240,
-            lambda: log(pipeline.root, "train", job),
-        )
+        wait_checkpointed(pipeline, out, job)
         healthy_gpus["node2"].write_text(json.dumps([[gpu(0, ecc_volatile_uncorrectable=4), gpu(1)]]))
         finish_requeued(slurm_nodes, pipeline.root, job)
     finally:
@@ -312,14 +310,11 @@ def test_a_node_whose_ranks_die_ends_the_job_in_bounded_time_and_the_requeued_jo
     not hang. The run ends within --collective-timeout (15 s here) naming the lost host, the job
     requeues itself (exit 69) and the rerun resumes from the last checkpoint."""
     out = pipeline.root / "train-node-lost"
-    jobs = submit(
+    jobs = submit_training(
         slurm_nodes,
-        pipeline.root,
-        ["--from", "train"],
+        pipeline,
+        out,
         FOUR_NODES_ONE_RANK,
-        MODEL=pipeline.model,
-        RUN=str(pipeline.root),
-        OUT=str(out),
         STK_TRAIN_MAX_STEPS="10",
         STK_TRAIN_EPOCHS="100",
         STK_TRAIN_CHECKPOINT_EVERY="2",
@@ -328,12 +323,7 @@ def test_a_node_whose_ranks_die_ends_the_job_in_bounded_time_and_the_requeued_jo
     )
     job = jobs["train"]
     try:
-        wait_for(
-            "checkpointed",
-            lambda: (out / "checkpoints" / "latest").exists(),
-            240,
-            lambda: log(pipeline.root, "train", job),
-        )
+        wait_checkpointed(pipeline, out, job)
         processes = slurm_nodes.node_pids("node4", "stk/cli/rank.py")  # the rank and DeepSpeed's helper above it
         assert processes, log(pipeline.root, "train", job)
         for pid in processes:
@@ -369,14 +359,11 @@ def test_output_dir_not_shared_by_node4_fails_before_any_model_loads_naming_node
         path.mkdir()
     slurm_nodes.node_exec("node4", ["mount", "--bind", str(private), str(out)])
     try:
-        jobs = submit(
+        jobs = submit_training(
             slurm_nodes,
-            pipeline.root,
-            ["--from", "train"],
+            pipeline,
+            out,
             FOUR_NODES_ONE_RANK,
-            MODEL=pipeline.model,
-            RUN=str(pipeline.root),
-            OUT=str(out),
             **ONE_RANK,
         )
         slurm_nodes.wait(jobs["train"], timeout=180)
@@ -401,14 +388,11 @@ def test_each_node_keeps_its_own_copy_of_the_s3_shards_in_its_local_dir(pipeline
     try:
         url = upload_cache(s3_client(server.endpoint), pipeline.root / "cache")
         out = pipeline.root / "train-local-shards"
-        jobs = submit(
+        jobs = submit_training(
             slurm_nodes,
-            pipeline.root,
-            ["--from", "train"],
+            pipeline,
+            out,
             FOUR_NODES_ONE_RANK,
-            MODEL=pipeline.model,
-            RUN=str(pipeline.root),
-            OUT=str(out),
             CACHE=url,
             STK_TRAIN_S3_ENDPOINT_URL=server.endpoint,
             STK_TRAIN_LOCAL_CACHE_DIR=LOCAL_SHARDS,
