@@ -92,11 +92,14 @@ def main() -> None:
         load.append(time.perf_counter() - started)
 
     print(f"machine: {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}")
-    print(f"software: torch {torch.__version__}, deepspeed {deepspeed.__version__}, load average "
-          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"software: torch {torch.__version__}, deepspeed {deepspeed.__version__}, load average {os.getloadavg()[0]:.2f}"
+    )
     print(f"checkpoint: {params / 1e6:.1f}M parameters, ZeRO-2 fp32 AdamW, {len(files)} files, {size / 2**20:.0f} MiB")
-    print(f"save (CheckpointDir.save, hashing included): {save_s:.2f} s; of which hashing: {hash_s:.2f} s "
-          f"({hash_s / save_s:.0%}), {size / 2**20 / hash_s:.0f} MiB/s")  # fmt: skip
+    print(
+        f"save (CheckpointDir.save, hashing included): {save_s:.2f} s; of which hashing: {hash_s:.2f} s "
+        f"({hash_s / save_s:.0%}), {size / 2**20 / hash_s:.0f} MiB/s"
+    )
     best_verify, best_load = min(verify), min(load)
     print(f"verify (resolve auto), s: {', '.join(f'{t:.2f}' for t in verify)}; best {best_verify:.2f}")
     print(f"load (engine.load_checkpoint), s: {', '.join(f'{t:.2f}' for t in load)}; best {best_load:.2f}")

@@ -89,9 +89,15 @@ REPO = Path(__file__).resolve().parent.parent
 # a wide first block (the published VAE's 128 channels): oom's first activation outgrows the address space at 16
 # images of 1024 px
 TINY_VAE = {"block_out_channels": [128, 64, 64, 64], "layers_per_block": 1}
-TINY_SDXL = {"block_out_channels": [32, 64, 64], "attention_head_dim": [2, 4, 4], "layers_per_block": 1,
-             "transformer_layers_per_block": [1, 1, 1], "cross_attention_dim": 96, "addition_time_embed_dim": 8,
-             "projection_class_embeddings_input_dim": 112}  # fmt: skip
+TINY_SDXL = {
+    "block_out_channels": [32, 64, 64],
+    "attention_head_dim": [2, 4, 4],
+    "layers_per_block": 1,
+    "transformer_layers_per_block": [1, 1, 1],
+    "cross_attention_dim": 96,
+    "addition_time_embed_dim": 8,
+    "projection_class_embeddings_input_dim": 112,
+}
 
 
 GPU = Scale("cuda", 1024, 64, 12, (4, 8), VARIANTS, (4, 8), 2, 64)
@@ -99,9 +105,17 @@ CPU = Scale("cpu", 64, 8, 3, (2,), ("lora",), (1, 1), 2, 16, TINY_SDXL, TINY_VAE
 
 
 PART_RUNNERS: dict[str, Callable[[Scale, Path, argparse.Namespace], Iterator[dict[str, Any]]]] = {
-    "health": part_health, "cache": part_cache, "train": part_train, "flux": part_flux, "families": part_families,
-    "breaker": part_breaker, "oom": part_oom, "quant": part_quant, "profile": part_profile, "speed": part_speed,
-}  # fmt: skip
+    "health": part_health,
+    "cache": part_cache,
+    "train": part_train,
+    "flux": part_flux,
+    "families": part_families,
+    "breaker": part_breaker,
+    "oom": part_oom,
+    "quant": part_quant,
+    "profile": part_profile,
+    "speed": part_speed,
+}
 
 
 # ------------------------------------------------------------------------------------------------ recording
@@ -116,8 +130,14 @@ def environment() -> dict[str, Any]:
         pynvml.nvmlInit()
         driver = pynvml.nvmlSystemGetDriverVersion()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    return {"device": name, "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda, "date": date,
-            "host": platform.node()}  # fmt: skip
+    return {
+        "device": name,
+        "driver": driver,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": date,
+        "host": platform.node(),
+    }
 
 
 def record(path: Path, command: str, env: dict[str, Any], results: list[dict[str, Any]]) -> None:
@@ -127,17 +147,23 @@ def record(path: Path, command: str, env: dict[str, Any], results: list[dict[str
         return "" if value is None else json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
     lines = [
-        "", f"### GPU proof kit: {env['device']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, "
-        f"{env['date']}", "", f"`{command}`", "",
+        "",
+        f"### GPU proof kit: {env['device']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, "
+        f"{env['date']}",
+        "",
+        f"`{command}`",
+        "",
         "| part | samples/s | peak memory (GiB) | MFU | baseline ratio | ok | details |",
         "|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for row in results:
         peak = row["peak_memory"]
         rest = {k: v for k, v in row.items() if k not in ("part", "ok", *KEYS)}
-        lines.append(f"| {row['part']} | {cell(row['samples_per_s'])} | {'' if peak is None else f'{peak / 2**30:.1f}'}"
-                     f" | {cell(row['mfu'])} | {cell(row['baseline_ratio'])} | {cell(row.get('ok'))} | "
-                     f"{cell(rest).replace('|', '/')} |")  # fmt: skip
+        lines.append(
+            f"| {row['part']} | {cell(row['samples_per_s'])} | {'' if peak is None else f'{peak / 2**30:.1f}'}"
+            f" | {cell(row['mfu'])} | {cell(row['baseline_ratio'])} | {cell(row.get('ok'))} | "
+            f"{cell(rest).replace('|', '/')} |"
+        )
     with open(path, "a", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -184,10 +210,14 @@ def main() -> None:
     variants = tuple(v for v in (args.variants or "").split(",") if v) or scale.variants
     if set(variants) - set(VARIANTS):
         parser.error(f"--variants: choose from {', '.join(VARIANTS)}")
-    scale = replace(scale, variants=variants, batch_sizes=args.batch_sizes or scale.batch_sizes,
-                    flux_blocks=args.flux_blocks or scale.flux_blocks,
-                    flux_batch=args.flux_batch or scale.flux_batch,
-                    family_blocks=args.family_blocks or scale.family_blocks)  # fmt: skip
+    scale = replace(
+        scale,
+        variants=variants,
+        batch_sizes=args.batch_sizes or scale.batch_sizes,
+        flux_blocks=args.flux_blocks or scale.flux_blocks,
+        flux_batch=args.flux_batch or scale.flux_batch,
+        family_blocks=args.family_blocks or scale.family_blocks,
+    )
     work = Path(args.workdir or tempfile.mkdtemp(prefix="stk-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     env = environment()

@@ -36,8 +36,16 @@ from projection import Fabric, zero_comm
 
 from stk.train.dsconfig import load_deepspeed_config
 
-TARGETS = {"health_s": 1.0, "baseline_ratio": 1.0, "baseline_ratio_compiled": 1.2, "breaker_pct": 0.1,
-           "flux_s_per_step": 7.5, "oom_s": 120.0, "fp8_ratio": 1.2, "compiled_ratio": 1.25}  # fmt: skip
+TARGETS = {
+    "health_s": 1.0,
+    "baseline_ratio": 1.0,
+    "baseline_ratio_compiled": 1.2,
+    "breaker_pct": 0.1,
+    "flux_s_per_step": 7.5,
+    "oom_s": 120.0,
+    "fp8_ratio": 1.2,
+    "compiled_ratio": 1.25,
+}
 REFERENCE_FLUX_S_PER_STEP = 15.0  # the reference guide's Flux.1-dev full fine-tune, 32 GPUs, batch 8 per GPU
 FLUX_GPUS, FLUX_BATCH = 32, 8
 SCRIPT = str(Path(__file__).with_name("gpu.py"))  # its --baseline-child runs baseline_child()
@@ -52,8 +60,14 @@ def scripted_gpu(work: Path) -> str:
     """--cpu has no NVML: stk-health and the breaker read one healthy GPU from a script, through the interface
     they read NVML through (stk.health.devices)."""
     script = work / "gpus.json"
-    gpu = {"index": 0, "uuid": "GPU-00000000", "name": "scripted", "temperature": 40, "shutdown_temperature": 92,
-           "ecc_volatile_uncorrectable": 0}  # fmt: skip
+    gpu = {
+        "index": 0,
+        "uuid": "GPU-00000000",
+        "name": "scripted",
+        "temperature": 40,
+        "shutdown_temperature": 92,
+        "ecc_volatile_uncorrectable": 0,
+    }
     script.write_text(json.dumps([[gpu]]))
     return str(script)
 
@@ -66,12 +80,16 @@ def part_health(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[
     smi = run(["nvidia-smi", "-q"], scale, check=False).seconds if shutil.which("nvidia-smi") else None
     over = best.seconds - interpreter
     yield result(
-        "health", exit_code=best.code, findings=[json.loads(line) for line in best.stdout.splitlines() if line],
-        seconds=round(best.seconds, 3), seconds_over_interpreter=round(over, 3),
+        "health",
+        exit_code=best.code,
+        findings=[json.loads(line) for line in best.stdout.splitlines() if line],
+        seconds=round(best.seconds, 3),
+        seconds_over_interpreter=round(over, 3),
         nvidia_smi_seconds=smi and round(smi, 3),
-        target_s=TARGETS["health_s"], ok=best.code in (0, 1) and over < TARGETS["health_s"],
+        target_s=TARGETS["health_s"],
+        ok=best.code in (0, 1) and over < TARGETS["health_s"],
         readings="scripted (--cpu)" if scripted else "nvml",
-    )  # fmt: skip
+    )
 
 
 def part_cache(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -81,9 +99,15 @@ def part_cache(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[d
     summary = last_json(ran.stdout)
     baseline = one_image_per_call(scale, work)
     ratio = summary["images_per_second"] / baseline
-    yield result("cache", samples_per_s=summary["images_per_second"], baseline_samples_per_s=round(baseline, 3),
-                 baseline_ratio=round(ratio, 3), images=summary["images"], seconds=summary["seconds"],
-                 ok=ratio >= TARGETS["baseline_ratio"])  # fmt: skip
+    yield result(
+        "cache",
+        samples_per_s=summary["images_per_second"],
+        baseline_samples_per_s=round(baseline, 3),
+        baseline_ratio=round(ratio, 3),
+        images=summary["images"],
+        seconds=summary["seconds"],
+        ok=ratio >= TARGETS["baseline_ratio"],
+    )
 
 
 def one_image_per_call(scale: Scale, work: Path) -> float:
@@ -138,14 +162,22 @@ def train_stk(
     times = [r["step_time"] for r in rows[WARMUP_STEPS:]] or [r["step_time"] for r in rows]
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     shutil.rmtree(out / "final", ignore_errors=True)
-    return {"samples_per_s": round(batch / statistics.median(times), 3), "peak_memory": summary["peak_gpu_memory"],
-            "step_s": round(statistics.median(times), 4)}  # fmt: skip
+    return {
+        "samples_per_s": round(batch / statistics.median(times), 3),
+        "peak_memory": summary["peak_gpu_memory"],
+        "step_s": round(statistics.median(times), 4),
+    }
 
 
 def baseline(scale: Scale, work: Path, name: str, batch: int, variant: str) -> dict[str, Any]:
     """The plain loop, in a process of its own (its own peak memory)."""
-    spec = {"model": model(scale, work, name), "cache": str(cached(scale, work, name)), "batch": batch,
-            "variant": variant, "steps": scale.steps}  # fmt: skip
+    spec = {
+        "model": model(scale, work, name),
+        "cache": str(cached(scale, work, name)),
+        "batch": batch,
+        "variant": variant,
+        "steps": scale.steps,
+    }
     ran = run([PYTHON, SCRIPT, "--baseline-child", json.dumps(spec)], scale, check=False)
     if ran.code != 0:
         raise SystemExit(f"baseline {variant} batch {batch} failed ({ran.code}):\n{ran.stderr[-3000:]}")
@@ -165,14 +197,21 @@ def baseline_child(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     family = detect_family(spec["model"])
     objective = objective_for(family, spec["model"])
-    denoiser = objective.denoiser_class.from_pretrained(spec["model"], subfolder=objective.denoiser_subfolder,
-                                                        torch_dtype=torch.float32).to(device)  # fmt: skip
+    denoiser = objective.denoiser_class.from_pretrained(
+        spec["model"], subfolder=objective.denoiser_subfolder, torch_dtype=torch.float32
+    ).to(device)
     if spec["variant"].endswith("ckpt"):
         denoiser.enable_gradient_checkpointing()
     if spec["variant"].startswith("lora"):
         denoiser.requires_grad_(False)
-        denoiser.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian",
-                                        target_modules=list(objective.spec.denoiser.lora_targets)))  # fmt: skip
+        denoiser.add_adapter(
+            LoraConfig(
+                r=LORA_RANK,
+                lora_alpha=LORA_RANK,
+                init_lora_weights="gaussian",
+                target_modules=list(objective.spec.denoiser.lora_targets),
+            )
+        )
     denoiser.train()
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-2, fused=device.type == "cuda")
@@ -213,11 +252,18 @@ def part_train(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[d
             if not ours.get("oom") and not theirs.get("oom"):
                 ratio = round(ours["samples_per_s"] / theirs["samples_per_s"], 3)
             yield result(
-                "train", variant=variant, batch=batch, compiled=args.compile, **ours,
-                mfu=None if ours.get("oom") else mfu(flops, ours["step_s"], peak), flops_per_step=flops,
-                baseline_ratio=ratio, baseline={k: v for k, v in theirs.items() if k != "error"},
-                target=target, ok=None if ratio is None else ratio >= target,
-            )  # fmt: skip
+                "train",
+                variant=variant,
+                batch=batch,
+                compiled=args.compile,
+                **ours,
+                mfu=None if ours.get("oom") else mfu(flops, ours["step_s"], peak),
+                flops_per_step=flops,
+                baseline_ratio=ratio,
+                baseline={k: v for k, v in theirs.items() if k != "error"},
+                target=target,
+                ok=None if ratio is None else ratio >= target,
+            )
 
 
 def part_flux(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -228,11 +274,19 @@ def part_flux(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[di
         return
     flops, projection = project(scale, work, "flux-dev", "full-ckpt", ours["step_s"], args)
     yield result(
-        "flux", blocks=list(scale.flux_blocks), batch=scale.flux_batch, **ours, mfu=mfu(flops, ours["step_s"], peak),
-        flops_per_step=flops, projection={**projection, "reference_s_per_step": REFERENCE_FLUX_S_PER_STEP,
-                                          "goal_s_per_step": TARGETS["flux_s_per_step"]},
+        "flux",
+        blocks=list(scale.flux_blocks),
+        batch=scale.flux_batch,
+        **ours,
+        mfu=mfu(flops, ours["step_s"], peak),
+        flops_per_step=flops,
+        projection={
+            **projection,
+            "reference_s_per_step": REFERENCE_FLUX_S_PER_STEP,
+            "goal_s_per_step": TARGETS["flux_s_per_step"],
+        },
         ok=projection["s_per_step"] <= TARGETS["flux_s_per_step"],
-    )  # fmt: skip
+    )
 
 
 def family_configs(scale: Scale) -> list[str]:
@@ -256,8 +310,9 @@ def part_families(scale: Scale, work: Path, args: argparse.Namespace) -> Iterato
                 yield result("families", **row)
                 continue
             flops, projection = project(scale, work, name, variant, ours["step_s"], args)
-            yield result("families", **row, mfu=mfu(flops, ours["step_s"], peak), flops_per_step=flops,
-                         projection=projection)  # fmt: skip
+            yield result(
+                "families", **row, mfu=mfu(flops, ours["step_s"], peak), flops_per_step=flops, projection=projection
+            )
 
 
 def project(
@@ -278,10 +333,14 @@ def project(
     )
     projected = full / rate + comm["exposed_s"]
     return flops, {
-        "gpus": FLUX_GPUS, "batch_per_gpu": FLUX_BATCH, "compute_s": round(full / rate, 3),
-        "comm_s": round(comm["exposed_s"], 3), "bus_gbps": args.bus_gbps, "s_per_step": round(projected, 3),
+        "gpus": FLUX_GPUS,
+        "batch_per_gpu": FLUX_BATCH,
+        "compute_s": round(full / rate, 3),
+        "comm_s": round(comm["exposed_s"], 3),
+        "bus_gbps": args.bus_gbps,
+        "s_per_step": round(projected, 3),
         "mfu": mfu(int(full), projected, peak),
-    }  # fmt: skip
+    }
 
 
 def trainable_params(name: str, variant: str) -> int:
@@ -315,8 +374,17 @@ def part_quant(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[d
         if not ours.get("oom") and not bf16.get("oom"):
             ratio = round(ours["samples_per_s"] / bf16["samples_per_s"], 3)
         target = TARGETS.get(f"{precision}_ratio")
-        yield result("quant", **row, precision=precision, available=True, **ours, baseline_ratio=ratio, bf16=bf16,
-                     target=target, ok=None if ratio is None or target is None else ratio >= target)  # fmt: skip
+        yield result(
+            "quant",
+            **row,
+            precision=precision,
+            available=True,
+            **ours,
+            baseline_ratio=ratio,
+            bf16=bf16,
+            target=target,
+            ok=None if ratio is None or target is None else ratio >= target,
+        )
 
 
 def part_breaker(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -346,10 +414,15 @@ def part_breaker(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator
             watched += [step() for _ in range(per_round)]
             active = watch.active
     overhead = (statistics.median(watched) / statistics.median(plain) - 1) * 100
-    yield result("breaker", step_s=round(statistics.median(plain), 5),
-                 watched_step_s=round(statistics.median(watched), 5), overhead_pct=round(overhead, 3),
-                 watch_active=active, target_pct=TARGETS["breaker_pct"],
-                 ok=active and overhead < TARGETS["breaker_pct"])  # fmt: skip
+    yield result(
+        "breaker",
+        step_s=round(statistics.median(plain), 5),
+        watched_step_s=round(statistics.median(watched), 5),
+        overhead_pct=round(overhead, 3),
+        watch_active=active,
+        target_pct=TARGETS["breaker_pct"],
+        ok=active and overhead < TARGETS["breaker_pct"],
+    )
 
 
 def part_oom(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -362,12 +435,41 @@ def part_oom(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[dic
         data, limit = ["--cache", cached(scale, work, "sdxl"), "--scan", scanned(scale, work)], None
     out = work / "train-oom"
     shutil.rmtree(out, ignore_errors=True)
-    ran = run(stk("train", *data, "--model", model(scale, work, "sdxl"), "--output-dir", out, "--max-steps", 2,
-                  "--batch-size", scale.oom_batch, "--no-gradient-checkpointing", "--checkpoint-every", 0,
-                  "--resume", "none", "--prefetch", 1, "--allow-oversubscription", "-q"),
-              scale, check=False, limit_bytes=limit)  # fmt: skip
+    ran = run(
+        stk(
+            "train",
+            *data,
+            "--model",
+            model(scale, work, "sdxl"),
+            "--output-dir",
+            out,
+            "--max-steps",
+            2,
+            "--batch-size",
+            scale.oom_batch,
+            "--no-gradient-checkpointing",
+            "--checkpoint-every",
+            0,
+            "--resume",
+            "none",
+            "--prefetch",
+            1,
+            "--allow-oversubscription",
+            "-q",
+        ),
+        scale,
+        check=False,
+        limit_bytes=limit,
+    )
     lines = ran.stderr.strip().splitlines()
     last = lines[-1] if lines else ""
     clear = ran.code == 3 and "Traceback" not in ran.stderr and "out of" in last and "memory" in last
-    yield result("oom", exit_code=ran.code, expected_exit_code=3, seconds=round(ran.seconds, 1), line=last,
-                 traceback="Traceback" in ran.stderr, ok=clear and ran.seconds < TARGETS["oom_s"])  # fmt: skip
+    yield result(
+        "oom",
+        exit_code=ran.code,
+        expected_exit_code=3,
+        seconds=round(ran.seconds, 1),
+        line=last,
+        traceback="Traceback" in ran.stderr,
+        ok=clear and ran.seconds < TARGETS["oom_s"],
+    )

@@ -54,10 +54,20 @@ def part_profile(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator
         raise SystemExit(f"profiled stk-train failed ({ran.code}):\n{ran.stderr[-3000:]}")
     split = json.loads((folder / "split.json").read_text())
     busy = split["gpu_busy_share"]
-    yield {"part": "profile", "variant": "lora-ckpt", "batch": batch, "compiled": bool(compiled),
-           "samples_per_s": None, "peak_memory": None, "mfu": None, "baseline_ratio": None, **split,
-           "files": str(folder), "busy_target": BUSY_TARGET,
-           "ok": busy >= BUSY_TARGET if compiled and busy is not None else None}  # fmt: skip
+    yield {
+        "part": "profile",
+        "variant": "lora-ckpt",
+        "batch": batch,
+        "compiled": bool(compiled),
+        "samples_per_s": None,
+        "peak_memory": None,
+        "mfu": None,
+        "baseline_ratio": None,
+        **split,
+        "files": str(folder),
+        "busy_target": BUSY_TARGET,
+        "ok": busy >= BUSY_TARGET if compiled and busy is not None else None,
+    }
 
 
 def profiled_train(folder: Path, first: int, count: int, train_args: list[str]) -> None:
@@ -70,8 +80,11 @@ def profiled_train(folder: Path, first: int, count: int, train_args: list[str]) 
     step_fn, boundary_fn = loop.train_step, loop._step_boundary
     timings: dict[str, list[float]] = {"train_step_s": [], "boundary_s": []}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    profiler = profile(activities=activities, schedule=schedule(wait=first - 2, warmup=1, active=count, repeat=1),
-                       on_trace_ready=lambda p: busy.append(write_profile(p, folder, count)))  # fmt: skip
+    profiler = profile(
+        activities=activities,
+        schedule=schedule(wait=first - 2, warmup=1, active=count, repeat=1),
+        on_trace_ready=lambda p: busy.append(write_profile(p, folder, count)),
+    )
     python = cProfile.Profile()
     busy: list[float | None] = []
 

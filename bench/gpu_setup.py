@@ -23,9 +23,18 @@ KEYS = ("samples_per_s", "peak_memory", "mfu", "baseline_ratio")
 # Dense bf16 tensor-core peaks in TFLOPS (no sparsity), from the vendors' data sheets; the first name that the device
 # name contains wins, so the specific names come first. --peak-tflops overrides.
 PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4),
-    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.1), ("L4", 121.0), ("A10G", 70.0), ("RTX 4090", 165.2),
-)  # fmt: skip
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("GH200", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.1),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("RTX 4090", 165.2),
+)
 PYTHON = sys.executable
 LORA_RANK = 16  # the kit's adapter runs
 
@@ -103,9 +112,31 @@ def train_args(scale: Scale, work: Path, name: str, out: Path, batch: int, varia
     adapter (LoRA rank LORA_RANK) and checkpointing."""
     flags: list[Any] = ["--lora-rank", LORA_RANK] if variant.startswith("lora") else []
     flags += [] if variant.endswith("ckpt") else ["--no-gradient-checkpointing"]
-    return ["--cache", cached(scale, work, name), "--scan", scanned(scale, work), "--model", model(scale, work, name),
-            "--output-dir", out, "--max-steps", steps, "--epochs", 1000, "--batch-size", batch, "--deepspeed", "zero2",
-            "--checkpoint-every", 0, "--resume", "none", "--allow-oversubscription", "-q", *flags]  # fmt: skip
+    return [
+        "--cache",
+        cached(scale, work, name),
+        "--scan",
+        scanned(scale, work),
+        "--model",
+        model(scale, work, name),
+        "--output-dir",
+        out,
+        "--max-steps",
+        steps,
+        "--epochs",
+        1000,
+        "--batch-size",
+        batch,
+        "--deepspeed",
+        "zero2",
+        "--checkpoint-every",
+        0,
+        "--resume",
+        "none",
+        "--allow-oversubscription",
+        "-q",
+        *flags,
+    ]
 
 
 def last_json(text: str) -> dict[str, Any]:
@@ -137,8 +168,25 @@ def scanned(scale: Scale, work: Path, name: str = "images", resolution: int | No
     root = images(scale, work, name, resolution, count)
     out = work / f"scan-{name}"
     if not (out / "metadata.parquet").exists():
-        run(stk("scan", root, "--out", out, "--resolution", resolution or scale.resolution, "--alignment", 64,
-                "--batch-size", 1, "--gpus", 1, "--allow-oversubscription", "-q"), scale)  # fmt: skip
+        run(
+            stk(
+                "scan",
+                root,
+                "--out",
+                out,
+                "--resolution",
+                resolution or scale.resolution,
+                "--alignment",
+                64,
+                "--batch-size",
+                1,
+                "--gpus",
+                1,
+                "--allow-oversubscription",
+                "-q",
+            ),
+            scale,
+        )
     return out
 
 
@@ -231,8 +279,11 @@ def step_flops(model_dir: str, cache: Path, batch_size: int, denoiser_overrides:
     from stk.train.objectives import objective_for
 
     objective = objective_for(detect_family(model_dir), model_dir)
-    config = {**objective.denoiser_config(), "_class_name": objective.denoiser_class.__name__,
-              **(denoiser_overrides or {})}  # fmt: skip
+    config = {
+        **objective.denoiser_config(),
+        "_class_name": objective.denoiser_class.__name__,
+        **(denoiser_overrides or {}),
+    }
     denoiser = build_published(config, "meta").to(torch.bfloat16)
     batch, norm = cached_batch(cache, batch_size)
     inputs = step_inputs(batch, norm, "meta", torch.bfloat16)

@@ -106,9 +106,14 @@ class Arch:
 
 
 FLUX1 = dict(
-    _class_name="FluxTransformer2DModel", attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
-    pooled_projection_dim=768, in_channels=64, guidance_embeds=True,
-)  # fmt: skip
+    _class_name="FluxTransformer2DModel",
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    in_channels=64,
+    guidance_embeds=True,
+)
 # FLUX.2-dev's published config (stk/models/configs/flux2-dev), blocks set by --double and --single
 FLUX2_DEV = published_config("flux2-dev", "denoiser")
 ARCHS = {
@@ -181,8 +186,10 @@ def main() -> None:
     size = bf16_mib(folders["bf16"])
     print(f"# bench/load.py on {platform.node()}: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     print(f"model: {arch.config['_class_name']}, {double} double + {single} single blocks, bf16 size {size:,.0f} MiB")
-    print(f"\n{'file':<6}{'loader':<26}{'rank':>5}{'before MiB':>12}{'peak MiB':>10}{'added':>9}{'x bf16':>8}"
-          f"{'beyond shard':>14}  target")  # fmt: skip
+    print(
+        f"\n{'file':<6}{'loader':<26}{'rank':>5}{'before MiB':>12}{'peak MiB':>10}{'added':>9}{'x bf16':>8}"
+        f"{'beyond shard':>14}  target"
+    )
     loaders = (("diffusers", "diffusers from_pretrained"), ("stk", "stk"), ("zero3", "stk, ZeRO-3, 2 ranks"))
     for dtype, folder in folders.items():
         for how, label in (loader for loader in loaders if loader[0] in args.loaders.split(",")):
@@ -192,8 +199,10 @@ def main() -> None:
                 beyond = f"{(added - row['held']) / size:.2f}" if how == "zero3" else ""
                 target = TARGETS.get(how)
                 verdict = "" if target is None else f"<= {target}x {'PASS' if ratio <= target else 'FAIL'}"
-                print(f"{dtype:<6}{label:<26}{row['rank']:>5}{row['before']:>12,}{row['peak']:>10,}{added:>9,}"
-                      f"{ratio:>8.2f}{beyond:>14}  {verdict}")  # fmt: skip
+                print(
+                    f"{dtype:<6}{label:<26}{row['rank']:>5}{row['before']:>12,}{row['peak']:>10,}{added:>9,}"
+                    f"{ratio:>8.2f}{beyond:>14}  {verdict}"
+                )
     print("\nadded: the RSS high-water mark above the process's RSS before loading, every weight read once after;")
     print("beyond shard: added less the rank's own partition of the weights, x bf16")
 

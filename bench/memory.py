@@ -60,51 +60,71 @@ def part_activations(args: argparse.Namespace, sdxl: Runs) -> None:
         for ckpt in (False, True):
             sdxl[("train", ckpt, size)] = run_child(sdxl_spec("train", ckpt, size, args))
     off, on = sdxl[("train", False, res)], sdxl[("train", True, res)]
-    print(f"\n## 1. Activations: SDXL UNet, {base['params']:,} parameters in bf16 (random weights), batch 1, "
-          f"{args.threads} threads, one fresh process per configuration")  # fmt: skip
-    print(f"{'configuration':<44}{'peak RSS':>10}{'model RSS':>11}{'step adds':>11}{'autograd saved':>16}"
-          f"{'process':>9}")  # fmt: skip
+    print(
+        f"\n## 1. Activations: SDXL UNet, {base['params']:,} parameters in bf16 (random weights), batch 1, "
+        f"{args.threads} threads, one fresh process per configuration"
+    )
+    print(
+        f"{'configuration':<44}{'peak RSS':>10}{'model RSS':>11}{'step adds':>11}{'autograd saved':>16}{'process':>9}"
+    )
     rows = [(f"{res} px forward under no_grad (baseline)", base)] + [
         (f"{size} px train step, checkpointing {'on' if ckpt else 'off'}", sdxl[("train", ckpt, size)])
-        for size in (res, half) for ckpt in (False, True)
-    ]  # fmt: skip
+        for size in (res, half)
+        for ckpt in (False, True)
+    ]
     for label, r in rows:
         saved = gb(sum(r["saved"].values())) if r["saved"] else "-"
-        print(f"{label:<44}{gb(r['peak_rss']):>10}{gb(r['model_rss']):>11}{gb(r['peak_rss'] - r['model_rss']):>11}"
-              f"{saved:>16}{r['wall_s']:>7.0f} s")  # fmt: skip
+        print(
+            f"{label:<44}{gb(r['peak_rss']):>10}{gb(r['model_rss']):>11}{gb(r['peak_rss'] - r['model_rss']):>11}"
+            f"{saved:>16}{r['wall_s']:>7.0f} s"
+        )
     target = TARGETS["activation_reduction"]
     wg = run_child({"model": "sdxl", "mode": "weight-grad", "threads": args.threads})
     grad = wg["peak"]
     act_off, act_on = off["peak_rss"] - base["peak_rss"] - grad, on["peak_rss"] - base["peak_rss"] - grad
-    print(f"gradients held at the peak: each is dropped as it lands, so at most one is in flight; the backward of the "
-          f"largest layer alone ({wg['layer']}, {wg['weight_bytes'] / 1e6:.0f} MB of bf16 weight) holds "
-          f"{grad / 1e6:.0f} MB (its own process: a float32 gradient and its bf16 cast)")  # fmt: skip
-    print(f"(a) train peak - baseline peak - that gradient, at {res} px: off {gb(act_off)}, on {gb(act_on)}: "
-          f"{act_off / act_on:.1f}x (target >= {target:.0f}x): {verdict(act_off / act_on >= target)}")  # fmt: skip
+    print(
+        f"gradients held at the peak: each is dropped as it lands, so at most one is in flight; the backward of the "
+        f"largest layer alone ({wg['layer']}, {wg['weight_bytes'] / 1e6:.0f} MB of bf16 weight) holds "
+        f"{grad / 1e6:.0f} MB (its own process: a float32 gradient and its bf16 cast)"
+    )
+    print(
+        f"(a) train peak - baseline peak - that gradient, at {res} px: off {gb(act_off)}, on {gb(act_on)}: "
+        f"{act_off / act_on:.1f}x (target >= {target:.0f}x): {verdict(act_off / act_on >= target)}"
+    )
     bf16 = off["largest_grad_bytes"]
     literal = (act_off + grad - bf16) / (act_on + grad - bf16)
-    print(f"    less only the largest gradient's bf16 bytes ({bf16 / 1e6:.0f} MB) instead: {gb(act_off + grad - bf16)} "
-          f"and {gb(act_on + grad - bf16)}: {literal:.1f}x ({verdict(literal >= target)})")  # fmt: skip
+    print(
+        f"    less only the largest gradient's bf16 bytes ({bf16 / 1e6:.0f} MB) instead: {gb(act_off + grad - bf16)} "
+        f"and {gb(act_on + grad - bf16)}: {literal:.1f}x ({verdict(literal >= target)})"
+    )
     grow_off = activation_bytes(off) - activation_bytes(sdxl[("train", False, half)])
     grow_on = activation_bytes(on) - activation_bytes(sdxl[("train", True, half)])
-    print(f"(b) what grows with the image: the step's peak over the model, less the largest gradient, from {half} to "
-          f"{res} px: off +{gb(grow_off)}, on +{gb(grow_on)}: {grow_off / grow_on:.1f}x (target >= {target:.0f}x): "
-          f"{verdict(grow_off / grow_on >= target)}")  # fmt: skip
+    print(
+        f"(b) what grows with the image: the step's peak over the model, less the largest gradient, from {half} to "
+        f"{res} px: off +{gb(grow_off)}, on +{gb(grow_on)}: {grow_off / grow_on:.1f}x (target >= {target:.0f}x): "
+        f"{verdict(grow_off / grow_on >= target)}"
+    )
     # half the resolution is a quarter of the pixels: what grows is a third of the growth at `half`, the rest is fixed
     fixed = [activation_bytes(sdxl[("train", ck, half)]) - (grow_on if ck else grow_off) / 3 for ck in (False, True)]
-    print(f"    the part that does not grow with the image ({gb(fixed[0])} off, {gb(fixed[1])} on, the largest bf16 "
-          f"gradient already taken off) is sized by the weights: a weight gradient in flight")  # fmt: skip
+    print(
+        f"    the part that does not grow with the image ({gb(fixed[0])} off, {gb(fixed[1])} on, the largest bf16 "
+        f"gradient already taken off) is sized by the weights: a weight gradient in flight"
+    )
     held_off = sum(off["saved"].values())
     held_on = sum(on["saved"].values()) + off["largest_block"]
-    print(f"(c) autograd's own count at {res} px (exact; no working set): off {gb(held_off)} saved; on "
-          f"{gb(sum(on['saved'].values()))} kept + {gb(off['largest_block'])} for the largest block while it is "
-          f"recomputed = {gb(held_on)}: {held_off / held_on:.1f}x (target >= {target:.0f}x): "
-          f"{verdict(held_off / held_on >= target)}")  # fmt: skip
+    print(
+        f"(c) autograd's own count at {res} px (exact; no working set): off {gb(held_off)} saved; on "
+        f"{gb(sum(on['saved'].values()))} kept + {gb(off['largest_block'])} for the largest block while it is "
+        f"recomputed = {gb(held_on)}: {held_off / held_on:.1f}x (target >= {target:.0f}x): "
+        f"{verdict(held_off / held_on >= target)}"
+    )
     timed = run_child(sdxl_spec("time", False, res, args))
     cost = timed["on"] / timed["off"]
-    print(f"step time at {res} px (forward + backward; off and on alternating in one process, median of {args.steps} "
-          f"rounds after a warm-up round, load average {timed['load']:.1f}): off {timed['off']:.1f} s, on "
-          f"{timed['on']:.1f} s: checkpointing costs {cost:.2f}x ({(cost - 1) * 100:+.0f}%; no target)")  # fmt: skip
+    print(
+        f"step time at {res} px (forward + backward; off and on alternating in one process, median of {args.steps} "
+        f"rounds after a warm-up round, load average {timed['load']:.1f}): off {timed['off']:.1f} s, on "
+        f"{timed['on']:.1f} s: checkpointing costs {cost:.2f}x ({(cost - 1) * 100:+.0f}%; no target)"
+    )
 
 
 def part_lora(args: argparse.Namespace, sdxl: Runs) -> None:
@@ -118,24 +138,34 @@ def part_lora(args: argparse.Namespace, sdxl: Runs) -> None:
     share = lora["trainable"] / full_params
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     print(f"\n## 2. Gradients + AdamW state: LoRA rank {LORA_RANK} against full fine-tuning, SDXL UNet")
-    print(f"LoRA (stk.train.lora.add_lora): {lora['lora_layers']} layers adapted, {lora['trainable']:,} trainable "
-          f"parameters ({lora['trainable_dtype']}) = {share * 100:.3f}% of the UNet's {full_params:,}")  # fmt: skip
-    print(f"one real AdamW step on the full-width UNet with the adapter ({args.resolution} px, "
-          f"{lora['wall_s']:.0f} s): gradients {lora['grad_bytes'] / 1e6:.1f} MB + AdamW state "
-          f"{lora['adamw_state_bytes'] / 1e6:.1f} MB = {lora_bytes / 1e6:.1f} MB "
-          f"({lora_bytes / lora['trainable']:.2f} B per trainable parameter)")  # fmt: skip
-    print(f"full fine-tune: its step needs ~20 GB (weights, gradients and AdamW state in bf16), more than this "
-          f"machine's {ram:.0f} GiB with the rest running, so one real AdamW step ran on a reduced UNet (full width, "
-          f"transformer_layers_per_block [1, 1, 1]: {reduced['trainable']:,} parameters, "
-          f"{reduced['trainable_dtype']}): gradients {gb(reduced['grad_bytes'])} + state "
-          f"{gb(reduced['adamw_state_bytes'])} = {per_param:.2f} B per parameter, x {full_params:,} parameters = "
-          f"{gb(full_bytes)} (computed, not measured)")  # fmt: skip
+    print(
+        f"LoRA (stk.train.lora.add_lora): {lora['lora_layers']} layers adapted, {lora['trainable']:,} trainable "
+        f"parameters ({lora['trainable_dtype']}) = {share * 100:.3f}% of the UNet's {full_params:,}"
+    )
+    print(
+        f"one real AdamW step on the full-width UNet with the adapter ({args.resolution} px, "
+        f"{lora['wall_s']:.0f} s): gradients {lora['grad_bytes'] / 1e6:.1f} MB + AdamW state "
+        f"{lora['adamw_state_bytes'] / 1e6:.1f} MB = {lora_bytes / 1e6:.1f} MB "
+        f"({lora_bytes / lora['trainable']:.2f} B per trainable parameter)"
+    )
+    print(
+        f"full fine-tune: its step needs ~20 GB (weights, gradients and AdamW state in bf16), more than this "
+        f"machine's {ram:.0f} GiB with the rest running, so one real AdamW step ran on a reduced UNet (full width, "
+        f"transformer_layers_per_block [1, 1, 1]: {reduced['trainable']:,} parameters, "
+        f"{reduced['trainable_dtype']}): gradients {gb(reduced['grad_bytes'])} + state "
+        f"{gb(reduced['adamw_state_bytes'])} = {per_param:.2f} B per parameter, x {full_params:,} parameters = "
+        f"{gb(full_bytes)} (computed, not measured)"
+    )
     ratio = lora_bytes / full_bytes
-    print(f"LoRA / full: {ratio * 100:.3f}% (target <= {TARGETS['lora_vs_full'] * 100:.0f}%): "
-          f"{verdict(ratio <= TARGETS['lora_vs_full'])}")  # fmt: skip
+    print(
+        f"LoRA / full: {ratio * 100:.3f}% (target <= {TARGETS['lora_vs_full'] * 100:.0f}%): "
+        f"{verdict(ratio <= TARGETS['lora_vs_full'])}"
+    )
     ds = 2 + 4 + 4 + 4  # DeepSpeed bf16: bf16 gradient, fp32 master weight, fp32 Adam m and v
-    print(f"under DeepSpeed bf16 ({ds} B per trainable parameter: bf16 gradient, fp32 master, m and v): LoRA "
-          f"{gb(ds * lora['trainable'])}, full {gb(ds * full_params)}: {share * 100:.3f}%, the same ratio")  # fmt: skip
+    print(
+        f"under DeepSpeed bf16 ({ds} B per trainable parameter: bf16 gradient, fp32 master, m and v): LoRA "
+        f"{gb(ds * lora['trainable'])}, full {gb(ds * full_params)}: {share * 100:.3f}%, the same ratio"
+    )
 
 
 def main() -> None:
@@ -156,8 +186,10 @@ def main() -> None:
     if args.quick:
         args.resolution, args.steps = 128, 1
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    print(f"# bench/memory.py on {platform.node()}: {os.cpu_count()} cores, {ram:.0f} GiB RAM, torch "
-          f"{torch.__version__}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"# bench/memory.py on {platform.node()}: {os.cpu_count()} cores, {ram:.0f} GiB RAM, torch "
+        f"{torch.__version__}, load average {os.getloadavg()[0]:.2f}"
+    )
     sdxl: Runs = {}
     part_activations(args, sdxl)
     part_lora(args, sdxl)

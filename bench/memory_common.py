@@ -55,5 +55,11 @@ Runs = dict[tuple[str, bool, int], dict[str, Any]]  # (train | lora, checkpointi
 
 
 def sdxl_spec(mode: str, checkpointing: bool, resolution: int, args: argparse.Namespace) -> dict:
-    return {"model": "sdxl", "mode": mode, "checkpointing": checkpointing, "resolution": resolution,
-            "steps": args.steps, "threads": args.threads}  # fmt: skip
+    return {
+        "model": "sdxl",
+        "mode": mode,
+        "checkpointing": checkpointing,
+        "resolution": resolution,
+        "steps": args.steps,
+        "threads": args.threads,
+    }

@@ -123,15 +123,24 @@ def transformer_runs(config: str, args: argparse.Namespace) -> Measured:
         for mode in ("train", "lora"):
             for ckpt in (False, True):
                 runs[(mode, ckpt, res)] = run_child(
-                    {"model": config, "mode": mode, "checkpointing": ckpt, "resolution": res, "text_tokens": texts[res],
-                     "threads": args.threads})  # fmt: skip
+                    {
+                        "model": config,
+                        "mode": mode,
+                        "checkpointing": ckpt,
+                        "resolution": res,
+                        "text_tokens": texts[res],
+                        "threads": args.threads,
+                    }
+                )
     tokens = {res: (res // 16) ** 2 + texts[res] for res in sizes}
     big, small = sizes
     lines = []
     for kind in denoiser_of(config).blocks.values():
         a, b = runs[("train", False, small)]["saved"][kind], runs[("train", False, big)]["saved"][kind]
-        lines.append(f"  {TITLES[config]}: {kind} saves {a / 1e6:.1f} MB at {tokens[small]} tokens, {b / 1e6:.1f} MB "
-                     f"at {tokens[big]}: x{b / a:.2f} for x{tokens[big] / tokens[small]:.2f} tokens")  # fmt: skip
+        lines.append(
+            f"  {TITLES[config]}: {kind} saves {a / 1e6:.1f} MB at {tokens[small]} tokens, {b / 1e6:.1f} MB "
+            f"at {tokens[big]}: x{b / a:.2f} for x{tokens[big] / tokens[small]:.2f} tokens"
+        )
     return Measured(config, runs, {res: float(x) for res, x in tokens.items()}, lines)
 
 
@@ -139,9 +148,14 @@ CONFIGS = [(mode, ckpt) for mode in ("full", "lora") for ckpt in (False, True)]
 
 
 def transformer_model(m: Measured, threshold: int) -> Model:
-    return Model(TITLES[m.config], *counts(m.config, published_config(m.config, "denoiser"), threshold), {
-        (mode, ckpt): estimate(m.runs, "train" if mode == "full" else "lora", ckpt, m.tokens, m.target, m.depth)
-        for mode, ckpt in CONFIGS})  # fmt: skip
+    return Model(
+        TITLES[m.config],
+        *counts(m.config, published_config(m.config, "denoiser"), threshold),
+        {
+            (mode, ckpt): estimate(m.runs, "train" if mode == "full" else "lora", ckpt, m.tokens, m.target, m.depth)
+            for mode, ckpt in CONFIGS
+        },
+    )
 
 
 def zero_states(m: Model, lora: bool, ds: dict[str, Any]) -> dict[str, float]:
@@ -190,33 +204,52 @@ def part_table(args: argparse.Namespace, sdxl: Runs) -> None:
     measured = [transformer_runs(config, args) for config in configs]
     sdxl_pixels = {size: float((size // 8) ** 2) for size in (res, half)}
     models = [transformer_model(m, threshold) for m in measured] + [
-        Model("SDXL UNet", *counts("sdxl", SDXL_UNET, threshold), {(mode, ckpt): estimate(
-            sdxl, "train" if mode == "full" else "lora", ckpt, sdxl_pixels, (RESOLUTION // 8) ** 2,
-            lambda s: sum(s.values()),
-        ) for mode, ckpt in CONFIGS}),
-    ]  # fmt: skip
+        Model(
+            "SDXL UNet",
+            *counts("sdxl", SDXL_UNET, threshold),
+            {
+                (mode, ckpt): estimate(
+                    sdxl,
+                    "train" if mode == "full" else "lora",
+                    ckpt,
+                    sdxl_pixels,
+                    (RESOLUTION // 8) ** 2,
+                    lambda s: sum(s.values()),
+                )
+                for mode, ckpt in CONFIGS
+            },
+        ),
+    ]
     print(f"\n## 3. Per-GPU memory at {RESOLUTION} px, batch {BATCH} per GPU, {GPUS} GPUs, bf16 DeepSpeed")
     for m in measured:
         blocks = ", ".join(f"{n} {denoiser_of(m.config).blocks[key]}" for key, n in full_depth(m.config).items())
-        print(f"{TITLES[m.config]}: {denoiser_of(m.config).measured_blocks} block(s) of each list at full width, "
-              f"measured at {sorted(m.tokens.values())} tokens (image + text, as at {RESOLUTION} px), extrapolated "
-              f"to {(RESOLUTION // 16) ** 2} + {denoiser_of(m.config).text_tokens} tokens and to {blocks}")  # fmt: skip
+        print(
+            f"{TITLES[m.config]}: {denoiser_of(m.config).measured_blocks} block(s) of each list at full width, "
+            f"measured at {sorted(m.tokens.values())} tokens (image + text, as at {RESOLUTION} px), extrapolated "
+            f"to {(RESOLUTION // 16) ** 2} + {denoiser_of(m.config).text_tokens} tokens and to {blocks}"
+        )
     print("linearity:")
     for m in measured:
         for line in m.lines:
             print(line)
     saved = {size: gb(sum(sdxl[("train", False, size)]["saved"].values())) for size in (half, res)}
-    print(f"SDXL: the whole UNet at {half} and {res} px, extrapolated in latent pixels to {RESOLUTION // 8}x"
-          f"{RESOLUTION // 8}; saved at {half} px {saved[half]}, at {res} px {saved[res]} (x4 pixels, the "
-          f"{denoiser_of('sdxl').text_tokens} text tokens fixed)")  # fmt: skip
-    print(f"attention: the CPU's SDPA records {sdpa_backward()} (saves q, k, v, output, logsumexp: linear in tokens, "
-          "as flash/memory-efficient SDPA on a GPU)")  # fmt: skip
+    print(
+        f"SDXL: the whole UNet at {half} and {res} px, extrapolated in latent pixels to {RESOLUTION // 8}x"
+        f"{RESOLUTION // 8}; saved at {half} px {saved[half]}, at {res} px {saved[res]} (x4 pixels, the "
+        f"{denoiser_of('sdxl').text_tokens} text tokens fixed)"
+    )
+    print(
+        f"attention: the CPU's SDPA records {sdpa_backward()} (saves q, k, v, output, logsumexp: linear in tokens, "
+        "as flash/memory-efficient SDPA on a GPU)"
+    )
     print("activations per GPU = batch x (saved + recompute + working) + fixed; per sample at 1024 px:")
     for m in models:
         for (mode, ckpt), a in m.activations.items():
-            print(f"  {m.name:<13}{mode:<5}ckpt {'on ' if ckpt else 'off'}: saved {gb(a.saved)}, recompute "
-                  f"{gb(a.recompute)}, working {gb(a.working)}; fixed {gb(a.fixed)} per step -> {gb(a.at(BATCH))} "
-                  f"at batch {BATCH}")  # fmt: skip
+            print(
+                f"  {m.name:<13}{mode:<5}ckpt {'on ' if ckpt else 'off'}: saved {gb(a.saved)}, recompute "
+                f"{gb(a.recompute)}, working {gb(a.working)}; fixed {gb(a.fixed)} per step -> {gb(a.at(BATCH))} "
+                f"at batch {BATCH}"
+            )
     print(f"parameters (LoRA rank {LORA_RANK}): " + "; ".join(f"{m.name} {m.params:,} ({m.lora:,})" for m in models))
     print_table(models, presets)
 
@@ -224,10 +257,14 @@ def part_table(args: argparse.Namespace, sdxl: Runs) -> None:
 def print_table(models: list[Model], presets: dict[str, Any]) -> None:
     """The table, the lowest-overhead preset that fits each model and mode, and offload's host memory."""
     budget = GPU_BYTES * (1 - HEADROOM)
-    print(f"fits: total <= {budget / GB:.0f} GB ({GPU_BYTES / GB:.0f} GB less {HEADROOM * 100:.0f}% for the CUDA "
-          "context, NCCL and fragmentation). GB = 10^9 bytes.\n")  # fmt: skip
-    print("| model | mode | ckpt | preset | weights | grads | optimizer | buffers | activations | total | fits | "
-          "largest batch |")  # fmt: skip
+    print(
+        f"fits: total <= {budget / GB:.0f} GB ({GPU_BYTES / GB:.0f} GB less {HEADROOM * 100:.0f}% for the CUDA "
+        "context, NCCL and fragmentation). GB = 10^9 bytes.\n"
+    )
+    print(
+        "| model | mode | ckpt | preset | weights | grads | optimizer | buffers | activations | total | fits | "
+        "largest batch |"
+    )
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     best: dict[tuple[str, str, bool], str] = {}
     for m in models:
@@ -245,10 +282,16 @@ def print_table(models: list[Model], presets: dict[str, Any]) -> None:
     print("\nthe lowest-overhead preset that fits (in order: " + ", ".join(PRESETS) + "):")
     for m in models:
         for mode in ("full", "lora"):
-            print(f"  {m.name}, {mode}: " + "; ".join(
-                f"checkpointing {'on' if ck else 'off'}: {best.get((m.name, mode, ck), 'none fits')}"
-                for ck in (False, True)))  # fmt: skip
+            print(
+                f"  {m.name}, {mode}: "
+                + "; ".join(
+                    f"checkpointing {'on' if ck else 'off'}: {best.get((m.name, mode, ck), 'none fits')}"
+                    for ck in (False, True)
+                )
+            )
     for m in models:
         host = 16 * m.params / GPUS
-        print(f"zero2-offload's host memory for {m.name} full (fp32 master, m, v and gradient, 16 B per trainable "
-              f"parameter / {GPUS}): {gb(host)} per GPU, {gb(8 * host)} per 8-GPU node")  # fmt: skip
+        print(
+            f"zero2-offload's host memory for {m.name} full (fp32 master, m, v and gradient, 16 B per trainable "
+            f"parameter / {GPUS}): {gb(host)} per GPU, {gb(8 * host)} per 8-GPU node"
+        )

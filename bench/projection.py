@@ -99,10 +99,14 @@ def main() -> None:
     parser.add_argument("--comm", action="store_true", help="ZeRO-2's communication per bucket size (zero_comm)")
     args = parser.parse_args()
     rate = args.mfu * args.peak_tflops * 1e12
-    print(f"full fine-tuning at {REFERENCE_RESOLUTION} px, batch {args.batch} per GPU on {args.gpus} GPUs, "
-          f"checkpointing on; seconds at {args.mfu:.0%} MFU of {args.peak_tflops} TFLOPS")  # fmt: skip
-    print("| denoiser | parameters | PFLOP per sample (fwd + bwd + recompute) | PFLOP per GPU and step | s/step | "
-          "images/s on all GPUs |")  # fmt: skip
+    print(
+        f"full fine-tuning at {REFERENCE_RESOLUTION} px, batch {args.batch} per GPU on {args.gpus} GPUs, "
+        f"checkpointing on; seconds at {args.mfu:.0%} MFU of {args.peak_tflops} TFLOPS"
+    )
+    print(
+        "| denoiser | parameters | PFLOP per sample (fwd + bwd + recompute) | PFLOP per GPU and step | s/step | "
+        "images/s on all GPUs |"
+    )
     print("|---|---|---|---|---|---|")
     steps: dict[str, tuple[int, float]] = {}
     for config in args.configs.split(","):
@@ -112,8 +116,10 @@ def main() -> None:
         seconds = per_gpu / rate
         params = sum(p.numel() for p in build_published(published_config(config, "denoiser"), "meta").parameters())
         title = TITLES.get(config, config)
-        print(f"| {title} | {params / 1e9:.1f}B | {per_sample / 1e15:.2f} | {per_gpu / 1e15:.1f} | {seconds:.2f} | "
-              f"{args.batch * args.gpus / seconds:.1f} |")  # fmt: skip
+        print(
+            f"| {title} | {params / 1e9:.1f}B | {per_sample / 1e15:.2f} | {per_gpu / 1e15:.1f} | {seconds:.2f} | "
+            f"{args.batch * args.gpus / seconds:.1f} |"
+        )
         steps[title] = (params, seconds)
     if args.comm:
         for title, (params, seconds) in steps.items():

@@ -62,8 +62,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     config = json.loads((folder / "config.json").read_text())
     before = status_bytes("VmRSS")
     started = time.perf_counter()
-    denoiser = load_weights(spec_for(Family.FLUX).denoiser.model_class, config, weight_files(folder), torch.bfloat16,
-                            quantizer(spec["precision"]))  # fmt: skip
+    denoiser = load_weights(
+        spec_for(Family.FLUX).denoiser.model_class,
+        config,
+        weight_files(folder),
+        torch.bfloat16,
+        quantizer(spec["precision"]),
+    )
     load_s, load_peak = time.perf_counter() - started, status_bytes("VmHWM") - before
     base_bytes = get_model_size_in_bytes(denoiser)
     add_lora(denoiser, LoraSettings(rank=LORA_RANK), Family.FLUX, seed=0)
@@ -80,16 +85,23 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         F.mse_loss(prediction.float(), target.float()).backward()
         times.append(time.perf_counter() - started)
     step_peak = status_bytes("VmHWM") - before
-    return {"precision": spec["precision"], "base_bytes": base_bytes, "load_s": round(load_s, 2),
-            "load_peak_bytes": load_peak, "held_bytes": held - before, "step_peak_bytes": step_peak,
-            "step_s": round(statistics.median(times[1:] or times), 3)}  # fmt: skip
+    return {
+        "precision": spec["precision"],
+        "base_bytes": base_bytes,
+        "load_s": round(load_s, 2),
+        "load_peak_bytes": load_peak,
+        "held_bytes": held - before,
+        "step_peak_bytes": step_peak,
+        "step_s": round(statistics.median(times[1:] or times), 3),
+    }
 
 
 def in_child(spec: dict[str, Any]) -> dict[str, Any]:
     """measure(spec) in a fresh process: its RSS high-water mark is its own."""
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MALLOC_MMAP_THRESHOLD_": "262144"}
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                          env=env, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env, check=False
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{spec['precision']} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -127,9 +139,15 @@ def main() -> None:
         build(Path(scratch), (double, single))
         rows = []
         for precision in args.precisions.split(","):
-            spec = {"folder": scratch, "precision": precision, "resolution": args.resolution, "tokens": args.tokens,
-                    "steps": args.steps, "threads": args.threads,
-                    "checkpointing": not args.no_gradient_checkpointing}  # fmt: skip
+            spec = {
+                "folder": scratch,
+                "precision": precision,
+                "resolution": args.resolution,
+                "tokens": args.tokens,
+                "steps": args.steps,
+                "threads": args.threads,
+                "checkpointing": not args.no_gradient_checkpointing,
+            }
             rows.append(in_child(spec))
             print(json.dumps(rows[-1]), flush=True)
     report(rows)

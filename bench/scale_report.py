@@ -55,8 +55,10 @@ def _opt(value: float | None, spec: str) -> str:
 
 
 def measurements(rows: list[Row]) -> None:
-    print(f"\n{'stage':<6} {'images':>11} {'ranks':>5} {'wall s':>8} {'work s':>8} {'floor s':>8} {'list s':>7}  "
-          f"{'peak RSS MB by rank':<22} {'peak/N B':>9}  what")  # fmt: skip
+    print(
+        f"\n{'stage':<6} {'images':>11} {'ranks':>5} {'wall s':>8} {'work s':>8} {'floor s':>8} {'list s':>7}  "
+        f"{'peak RSS MB by rank':<22} {'peak/N B':>9}  what"
+    )
     for r in rows:
         peaks = " ".join(f"r{rank} {_mb(value)}" for rank, value in sorted(r.peaks.items()))
         print(
@@ -76,11 +78,15 @@ def _slope(small: float, large: float, s: int, n: int) -> float:
 
 def projections(pairs: list[tuple[Row, Row]]) -> None:
     """Per stage, from the smaller size to the larger: bytes per image on each rank, and the 100M extrapolations."""
-    print(f"\ngrowth and projection ({TARGET_IMAGES:,} images: linear from the two sizes; over {TARGET_RANKS} ranks: "
-          "if each rank's time and memory follow its share of the images; time: 'work s' where there is one, else "
-          "'wall s')")  # fmt: skip
-    print(f"{'stage':<6} {'B/image by rank':<24} {'time x':>7} {'peak x':>7} {'size x':>7} "
-          f"{'100M s':>9} {'100M GB by rank':<22} {'/32 s':>8} {'/32 GB, largest rank':>21}")  # fmt: skip
+    print(
+        f"\ngrowth and projection ({TARGET_IMAGES:,} images: linear from the two sizes; over {TARGET_RANKS} ranks: "
+        "if each rank's time and memory follow its share of the images; time: 'work s' where there is one, else "
+        "'wall s')"
+    )
+    print(
+        f"{'stage':<6} {'B/image by rank':<24} {'time x':>7} {'peak x':>7} {'size x':>7} "
+        f"{'100M s':>9} {'100M GB by rank':<22} {'/32 s':>8} {'/32 GB, largest rank':>21}"
+    )
     for s, n in pairs:
         span, target = n.images - s.images, TARGET_IMAGES
         time_slope = (n.seconds - s.seconds) / span
@@ -101,8 +107,10 @@ def targets(rows: list[Row], pairs: list[tuple[Row, Row]]) -> None:
     print("\ntargets (the issue's sizes are 1M and 10M; at other sizes they are a shape check):")
     for r in (r for r in rows if r.stage in ("table", "nocap") and r.floor):
         ratio = r.seconds / (r.floor or 1)
-        print(f"  {r.stage} scan / read+stat floor at {r.images:>11,}: {ratio:6.2f}x  target <= {TABLE_VS_FLOOR:g}x  "
-              f"{_verdict(ratio <= TABLE_VS_FLOOR)}")  # fmt: skip
+        print(
+            f"  {r.stage} scan / read+stat floor at {r.images:>11,}: {ratio:6.2f}x  target <= {TABLE_VS_FLOOR:g}x  "
+            f"{_verdict(ratio <= TABLE_VS_FLOOR)}"
+        )
     for s, n in (p for p in pairs if p[0].stage == "table"):
         measured = next((r for r in rows if r.stage == "table" and r.images == AT_IMAGES), None)
         if measured is not None:
@@ -110,20 +118,26 @@ def targets(rows: list[Row], pairs: list[tuple[Row, Row]]) -> None:
         else:
             slope = _slope(s.peaks.get(0, 0), n.peaks.get(0, 0), s.images, n.images)
             peak, how = n.peaks.get(0, 0) + slope * (AT_IMAGES - n.images), f"extrapolated from {n.images:,}"
-        print(f"  table scan rank-0 peak RSS at {AT_IMAGES:,} ({how}): {peak / 1e9:.2f} GB  target <= "
-              f"{TABLE_RANK0_BYTES / 1e9:g} GB  {_verdict(peak <= TABLE_RANK0_BYTES)}")  # fmt: skip
+        print(
+            f"  table scan rank-0 peak RSS at {AT_IMAGES:,} ({how}): {peak / 1e9:.2f} GB  target <= "
+            f"{TABLE_RANK0_BYTES / 1e9:g} GB  {_verdict(peak <= TABLE_RANK0_BYTES)}"
+        )
     for s, n in pairs:
         worst = max(_slope(s.peaks.get(r, 0), n.peaks[r], s.images, n.images) for r in n.peaks)
         size_x = n.images / s.images
         time_x, peak_x = n.seconds / s.seconds, max(n.peaks.values()) / max(s.peaks.values())
         linear = time_x <= size_x * LINEAR_SLACK and peak_x <= size_x * LINEAR_SLACK
-        print(f"  {n.stage:<6} bytes per image, worst rank: {worst:>8,.0f}  target <= {BYTES_PER_IMAGE:g}  "
-              f"{_verdict(worst <= BYTES_PER_IMAGE)};  growth {s.images:,} -> {n.images:,}: "
-              f"time {time_x:.2f}x, peak {peak_x:.2f}x for {size_x:g}x images  {_verdict(linear)}")  # fmt: skip
+        print(
+            f"  {n.stage:<6} bytes per image, worst rank: {worst:>8,.0f}  target <= {BYTES_PER_IMAGE:g}  "
+            f"{_verdict(worst <= BYTES_PER_IMAGE)};  growth {s.images:,} -> {n.images:,}: "
+            f"time {time_x:.2f}x, peak {peak_x:.2f}x for {size_x:g}x images  {_verdict(linear)}"
+        )
     for r in (r for r in rows if r.stage == "s3" and r.listing):
         speedup = (r.floor or 0) / max(r.listing or 0, 1e-3)
-        print(f"  s3 listing, {r.ranks} ranks, vs one sequential lister at {r.images:>9,}: {speedup:6.2f}x  "
-              f"target >= {LISTING_SPEEDUP:g}x  {_verdict(speedup >= LISTING_SPEEDUP)}")  # fmt: skip
+        print(
+            f"  s3 listing, {r.ranks} ranks, vs one sequential lister at {r.images:>9,}: {speedup:6.2f}x  "
+            f"target >= {LISTING_SPEEDUP:g}x  {_verdict(speedup >= LISTING_SPEEDUP)}"
+        )
 
 
 def report(rows: list[Row]) -> None:

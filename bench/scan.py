@@ -167,8 +167,10 @@ def per_format(root: Path, repeat: int) -> None:
                 decoded = ImageOps.exif_transpose(im).size
             decode_s = min(decode_s, time.perf_counter() - started)
         check = "" if decoded == (header.width, header.height) else f"  SIZE DIFFERS: {decoded}"
-        print(f"{fmt:<10} {size / 1e3:>9,.0f} {header_s * 1e6:>10,.0f} {decode_s * 1e6:>11,.0f} "
-              f"{decode_s / header_s:>7,.0f}x {read / 1e3:>8.1f} {100 * read / size:>6.2f}%{check}")  # fmt: skip
+        print(
+            f"{fmt:<10} {size / 1e3:>9,.0f} {header_s * 1e6:>10,.0f} {decode_s * 1e6:>11,.0f} "
+            f"{decode_s / header_s:>7,.0f}x {read / 1e3:>8.1f} {100 * read / size:>6.2f}%{check}"
+        )
 
 
 def main() -> None:

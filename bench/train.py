@@ -76,29 +76,90 @@ def prepare(workdir: Path, images: int) -> tuple[str, Path, Path]:
         return str(model), scan, cache
     generate_dataset(str(workdir / "images"), count=images, seed=1, min_side=64, max_side=80)
     build_tiny_model(Family.SDXL, str(model))
-    run([PYTHON, "-m", "stk.cli.scan", str(workdir / "images"), "--out", str(scan), "--resolution", "64",
-         "--alignment", "64", "--allow-oversubscription", "-q"])  # fmt: skip
+    run(
+        [
+            PYTHON,
+            "-m",
+            "stk.cli.scan",
+            str(workdir / "images"),
+            "--out",
+            str(scan),
+            "--resolution",
+            "64",
+            "--alignment",
+            "64",
+            "--allow-oversubscription",
+            "-q",
+        ]
+    )
     # 1 MiB shards: several, so that first reads of new shards (and their checksums) fall inside the measured steps
-    run([PYTHON, "-m", "stk.cli.cache", str(scan), "--model", str(model), "--out", str(cache), "--shard-size", "1",
-         "-q"])  # fmt: skip
+    run(
+        [
+            PYTHON,
+            "-m",
+            "stk.cli.cache",
+            str(scan),
+            "--model",
+            str(model),
+            "--out",
+            str(cache),
+            "--shard-size",
+            "1",
+            "-q",
+        ]
+    )
     return str(model), scan, cache
 
 
 def train(
     model: str, scan: Path, cache: Path, out: Path, steps: int, batch: int, ranks: int, threads: int, *extra: str
 ) -> dict:
-    command = [MPIEXEC, "-n", str(ranks), PYTHON, "-m", "stk.cli.train", "--cache", str(cache), "--scan", str(scan),
-               "--model", model, "--output-dir", str(out), "--max-steps", str(steps), "--epochs", "1000",
-               "--batch-size", str(batch), "--deepspeed", "zero2", "--checkpoint-every", "0", "--resume", "none",
-               "--loader-threads", str(threads), "--allow-oversubscription", "-q", *extra]  # fmt: skip
+    command = [
+        MPIEXEC,
+        "-n",
+        str(ranks),
+        PYTHON,
+        "-m",
+        "stk.cli.train",
+        "--cache",
+        str(cache),
+        "--scan",
+        str(scan),
+        "--model",
+        model,
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--epochs",
+        "1000",
+        "--batch-size",
+        str(batch),
+        "--deepspeed",
+        "zero2",
+        "--checkpoint-every",
+        "0",
+        "--resume",
+        "none",
+        "--loader-threads",
+        str(threads),
+        "--allow-oversubscription",
+        "-q",
+        *extra,
+    ]
     summary: dict[str, Any] = json.loads(run(command))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r][1:]  # training steps (a round at step 0 is a row of its own)
     waited, stepped = sum(r["data_wait"] for r in rows), sum(r["step_time"] for r in rows)
     step = statistics.median(r["step_time"] for r in rows)
     rounds = [r["sample_seconds"] for r in rows if "sample_seconds" in r]
-    return {"summary": summary, "wait_fraction": waited / stepped, "median_step_s": step, "per_rank_rate": batch / step,
-            "sample_round_s": statistics.median(rounds) if rounds else None}  # fmt: skip
+    return {
+        "summary": summary,
+        "wait_fraction": waited / stepped,
+        "median_step_s": step,
+        "per_rank_rate": batch / step,
+        "sample_round_s": statistics.median(rounds) if rounds else None,
+    }
 
 
 def sha256_rate(cache: Path) -> float:
@@ -120,8 +181,19 @@ def tensorboard_cost(workdir: Path, rows: int = 300) -> float:
         log.start(0)
         started = time.perf_counter()
         for step in range(1, rows + 1):
-            log.write({"step": step, "epoch": step / rows, "loss": 1 / step, "lr": 1e-4, "grad_norm": 0.5,
-                       "samples_per_s": 20.0, "step_time": 0.2, "data_wait": 1e-4, "time": time.time()})  # fmt: skip
+            log.write(
+                {
+                    "step": step,
+                    "epoch": step / rows,
+                    "loss": 1 / step,
+                    "lr": 1e-4,
+                    "grad_norm": 0.5,
+                    "samples_per_s": 20.0,
+                    "step_time": 0.2,
+                    "data_wait": 1e-4,
+                    "time": time.time(),
+                }
+            )
         seconds[report_to] = (time.perf_counter() - started) / rows
         log.close()
     return seconds["tensorboard"] - seconds["none"]
@@ -185,16 +257,24 @@ def write_gzip_files(cache: Path, root: Path) -> list[str]:
         for key in keys:
             sample = data.reader.latent(key)
             text = data.reader.text(sample.text_key)
-            for name, obj in (("latent", torch.from_numpy(sample.mean)),
-                              ("text", {k: torch.from_numpy(v) for k, v in text.arrays.items()})):  # fmt: skip
+            for name, obj in (
+                ("latent", torch.from_numpy(sample.mean)),
+                ("text", {k: torch.from_numpy(v) for k, v in text.arrays.items()}),
+            ):
                 with gzip.open(root / f"{key}.{name}.pt.gz", "wb", compresslevel=9) as f:
                     torch.save(obj, f)
     return keys
 
 
 def gzip_loader_rate(root: Path, keys: list[str], batch: int, workers: int, batches: int) -> float:
-    loader = DataLoader(GzipFiles(root, keys), batch_size=batch, shuffle=True, num_workers=workers,
-                        prefetch_factor=2, persistent_workers=False)  # fmt: skip
+    loader = DataLoader(
+        GzipFiles(root, keys),
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        prefetch_factor=2,
+        persistent_workers=False,
+    )
     started, count = time.perf_counter(), 0
     while count < batches * batch:
         for latents, _, _ in loader:
@@ -222,59 +302,90 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     model, scan, cache = prepare(workdir, args.images)
 
-    print(f"# bench/train.py on {platform.node()}: {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"# bench/train.py on {platform.node()}: {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     print(f"dataset: {args.images} images, tiny SDXL, batch {args.batch_size} x {args.ranks} ranks, {args.steps} steps")
     trained = train(model, scan, cache, workdir / "run", args.steps, args.batch_size, args.ranks, args.threads)
     wait = trained["wait_fraction"]
-    print(f"stk-train: median step {trained['median_step_s'] * 1000:.1f} ms, a rank consumes "
-          f"{trained['per_rank_rate']:.1f} samples/s; waiting for data {wait * 100:.4f}% of step time "
-          f"(target < {TARGETS['wait_fraction'] * 100:.0f}%): {verdict(wait < TARGETS['wait_fraction'])}")  # fmt: skip
+    print(
+        f"stk-train: median step {trained['median_step_s'] * 1000:.1f} ms, a rank consumes "
+        f"{trained['per_rank_rate']:.1f} samples/s; waiting for data {wait * 100:.4f}% of step time "
+        f"(target < {TARGETS['wait_fraction'] * 100:.0f}%): {verdict(wait < TARGETS['wait_fraction'])}"
+    )
 
-    unchecked = train(model, scan, cache, workdir / "run-unchecked", args.steps, args.batch_size, args.ranks,
-                      args.threads, "--no-check-shards")  # fmt: skip
+    unchecked = train(
+        model,
+        scan,
+        cache,
+        workdir / "run-unchecked",
+        args.steps,
+        args.batch_size,
+        args.ranks,
+        args.threads,
+        "--no-check-shards",
+    )
     change = wait - unchecked["wait_fraction"]
     ok = abs(change) < TARGETS["check_wait_change"]
     ratio = wait / unchecked["wait_fraction"] if unchecked["wait_fraction"] else float("inf")
-    print(f"shard check: waiting for data {wait * 100:.4f}% of step time checked, "
-          f"{unchecked['wait_fraction'] * 100:.4f}% with --no-check-shards (median step "
-          f"{unchecked['median_step_s'] * 1000:.1f} ms): ratio {ratio:.2f}, change {change * 100:+.4f}% of step time "
-          f"(target < {TARGETS['check_wait_change'] * 100:.0f}%): {verdict(ok)}")  # fmt: skip
+    print(
+        f"shard check: waiting for data {wait * 100:.4f}% of step time checked, "
+        f"{unchecked['wait_fraction'] * 100:.4f}% with --no-check-shards (median step "
+        f"{unchecked['median_step_s'] * 1000:.1f} ms): ratio {ratio:.2f}, change {change * 100:+.4f}% of step time "
+        f"(target < {TARGETS['check_wait_change'] * 100:.0f}%): {verdict(ok)}"
+    )
     rate = sha256_rate(cache)
-    print(f"sha256 of the shard files: {rate:.0f} MB/s on one core; a 512 MiB shard: {512 * 2**20 / 1e6 / rate:.2f} s, "
-          "once per shard per rank, on a loader or prefetch thread")  # fmt: skip
+    print(
+        f"sha256 of the shard files: {rate:.0f} MB/s on one core; a 512 MiB shard: {512 * 2**20 / 1e6 / rate:.2f} s, "
+        "once per shard per rank, on a loader or prefetch thread"
+    )
 
     step = trained["median_step_s"]
     board = tensorboard_cost(workdir)
-    print(f"TensorBoard: {board * 1e6:.0f} us per step, {board / step * 100:.3f}% of the median step (target < "
-          f"{TARGETS['tensorboard'] * 100:.0f}%): {verdict(board / step < TARGETS['tensorboard'])}")  # fmt: skip
+    print(
+        f"TensorBoard: {board * 1e6:.0f} us per step, {board / step * 100:.3f}% of the median step (target < "
+        f"{TARGETS['tensorboard'] * 100:.0f}%): {verdict(board / step < TARGETS['tensorboard'])}"
+    )
     update, share, full = ema_cost(model)
-    print(f"EMA: {update * 1e6:.0f} us per update of one rank's share, {update / step * 100:.3f}% of the median step "
-          f"(target < {TARGETS['ema'] * 100:.0f}%): {verdict(update / step < TARGETS['ema'])}; memory per rank "
-          f"{share / 2**20:.2f} MiB sharded over 2 ranks against {full / 2**20:.2f} MiB for a full fp32 copy "
-          f"({share / full:.3f}x)")  # fmt: skip
+    print(
+        f"EMA: {update * 1e6:.0f} us per update of one rank's share, {update / step * 100:.3f}% of the median step "
+        f"(target < {TARGETS['ema'] * 100:.0f}%): {verdict(update / step < TARGETS['ema'])}; memory per rank "
+        f"{share / 2**20:.2f} MiB sharded over 2 ranks against {full / 2**20:.2f} MiB for a full fp32 copy "
+        f"({share / full:.3f}x)"
+    )
 
     prompts = [arg for k in range(args.prompts) for arg in ("--validation-prompt", f"prompt number {k}")]
     sampling = [*prompts, "--validation-every", "10", "--validation-steps", "30"]
-    rounds = {ranks: train(model, scan, cache, workdir / f"samples-{ranks}", 20, args.batch_size, ranks, args.threads,
-                           *sampling)["sample_round_s"] for ranks in (args.ranks, 1)}  # fmt: skip
+    rounds = {
+        ranks: train(
+            model, scan, cache, workdir / f"samples-{ranks}", 20, args.batch_size, ranks, args.threads, *sampling
+        )["sample_round_s"]
+        for ranks in (args.ranks, 1)
+    }
     split, alone = rounds[args.ranks], rounds[1]
     per_image = split * args.ranks / args.prompts
-    print(f"samples: a round of {args.prompts} prompts at 64x64, 30 inference steps: {split:.2f} s on {args.ranks} "
-          f"ranks ({per_image:.3f} s per image per rank), {alone:.2f} s on 1 rank as main-process sampling takes: "
-          f"ratio {alone / split:.2f}x; every 500 steps of this model's step it is "
-          f"{split / (500 * step) * 100:.2f}% of training time")  # fmt: skip
+    print(
+        f"samples: a round of {args.prompts} prompts at 64x64, 30 inference steps: {split:.2f} s on {args.ranks} "
+        f"ranks ({per_image:.3f} s per image per rank), {alone:.2f} s on 1 rank as main-process sampling takes: "
+        f"ratio {alone / split:.2f}x; every 500 steps of this model's step it is "
+        f"{split / (500 * step) * 100:.2f}% of training time"
+    )
 
     batches = 200
     stk_rate = stk_loader_rate(cache, args.batch_size, args.threads, batches)
     keys = write_gzip_files(cache, workdir / "gzip")
     base_rate = gzip_loader_rate(workdir / "gzip", keys, args.batch_size, args.threads, batches)
     appetite = stk_rate / trained["per_rank_rate"]
-    print(f"loaders ({batches} batches of {args.batch_size}, {args.threads} threads/workers): "
-          f"stk {stk_rate:.0f} samples/s, torch.save+gzip DataLoader {base_rate:.0f} samples/s: "
-          f"ratio {stk_rate / base_rate:.2f}x")  # fmt: skip
-    print(f"stk loader vs what one rank's step consumes: {appetite:.1f}x (target >= "
-          f"{TARGETS['loader_vs_step']:.0f}x): {verdict(appetite >= TARGETS['loader_vs_step'])}")  # fmt: skip
+    print(
+        f"loaders ({batches} batches of {args.batch_size}, {args.threads} threads/workers): "
+        f"stk {stk_rate:.0f} samples/s, torch.save+gzip DataLoader {base_rate:.0f} samples/s: "
+        f"ratio {stk_rate / base_rate:.2f}x"
+    )
+    print(
+        f"stk loader vs what one rank's step consumes: {appetite:.1f}x (target >= "
+        f"{TARGETS['loader_vs_step']:.0f}x): {verdict(appetite >= TARGETS['loader_vs_step'])}"
+    )
 
 
 if __name__ == "__main__":

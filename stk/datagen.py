@@ -118,8 +118,16 @@ def generate_format_samples(root: str, width: int = 72, height: int = 48) -> lis
     made: list[FormatSample] = []
     image = make_image(width, height, seed=7)
 
-    def write(name: str, fmt: str, turned: bool = False, verdict: str = "image", kind: str | None = None,
-              pixels: Image.Image = image, save_as: str = "", **options: Any) -> None:  # fmt: skip
+    def write(
+        name: str,
+        fmt: str,
+        turned: bool = False,
+        verdict: str = "image",
+        kind: str | None = None,
+        pixels: Image.Image = image,
+        save_as: str = "",
+        **options: Any,
+    ) -> None:
         path = os.path.join(root, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if fmt == "SVG":

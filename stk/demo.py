@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 
@@ -60,51 +60,111 @@ def _run(ranks: int, module: str, args: list[str]) -> dict[str, Any]:
     return summary
 
 
+class _Paths(NamedTuple):
+    """Where each step's inputs and outputs go, under --dir."""
+
+    workdir: str
+    data: str
+    scan: str
+    cache: str
+    run: str  # every weight, with an EMA
+    lora: str
+
+    @classmethod
+    def under(cls, workdir: str) -> _Paths:
+        return cls(workdir, *(os.path.join(workdir, n) for n in ("images", "scan", "cache", "run", "lora")))
+
+
+class _Runs(NamedTuple):
+    """The summaries of stk-train's three runs, and the checkpoint file damaged between the first two."""
+
+    trained: dict[str, Any]
+    damaged: str
+    continued: dict[str, Any]
+    adapted: dict[str, Any]
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--dir", "workdir", default="demo-output", help="Where the dataset, model and outputs go (replaced).")
 @click.option("--images", default=96, help="Images to generate.")
 @click.option("--ranks", default=2, help="MPI ranks for each step.")
 @click.option("--steps", default=20, callback=_enough_steps, help=f"Training steps (at least {MIN_STEPS}).")
-@click.option("--family", type=click.Choice(family_names()), default=DEMO_FAMILY.value,
-              help="The model family of the tiny model trained.")  # fmt: skip
+@click.option(
+    "--family",
+    type=click.Choice(family_names()),
+    default=DEMO_FAMILY.value,
+    help="The model family of the tiny model trained.",
+)
 def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None:
     """Generate a dataset and a tiny model, then scan, cache and train with MPI ranks."""
     shutil.rmtree(workdir, ignore_errors=True)
-    data, scan, cache, run, lora = (os.path.join(workdir, n) for n in ("images", "scan", "cache", "run", "lora"))
-    generate_dataset(data, images)
-    formats = generate_format_samples(os.path.join(data, "formats"))  # AVIF, HEIC, JPEG XL, JPEG 2000, ...
-    with open(os.path.join(data, "broken.jpg"), "wb") as f:
+    paths = _Paths.under(workdir)
+    model = _generate(paths, images, family)
+    datasets = _datasets(workdir, paths.data, images)
+    scan_options = ["--resolution", "64", "--alignment", "16", "--batch-size", "2", "--max-errors", "5"]
+    scan_options += ["--gpus", str(ranks)]  # the training below runs on this many ranks
+    scan_options += ["--allow-oversubscription"]  # small demo buckets: apply the repeats they need
+    scanned = _run(ranks, "stk.cli.scan", ["--datasets", datasets, "--out", paths.scan, *scan_options])
+    cache_options = ["--batch-size", "8", "--validation-prompts", _prompts(workdir)]
+    cached = _run(ranks, "stk.cli.cache", [paths.scan, "--model", model, "--out", paths.cache, *cache_options])
+    runs = _train(paths, model, ranks, steps)
+    layers = _load_lora(model, runs.adapted["final"])
+    _report(paths, ranks, datasets, scanned, cached, runs, layers)
+
+
+def _generate(paths: _Paths, images: int, family: str) -> str:
+    """The mixed dataset (a broken file among it) and the tiny model; returns the model's directory."""
+    generate_dataset(paths.data, images)
+    formats = generate_format_samples(os.path.join(paths.data, "formats"))  # AVIF, HEIC, JPEG XL, JPEG 2000, ...
+    with open(os.path.join(paths.data, "broken.jpg"), "wb") as f:
         f.write(b"not really a jpeg")
     quiet_model_libraries()
-    model = build_tiny_model(Family(family), os.path.join(workdir, f"tiny-{family}"))
-    click.echo(f"generated {images} images, {len(formats)} more in every other format (+1 broken file) in {data} "
-               f"and a tiny {family} model in {model}", err=True)  # fmt: skip
+    model = build_tiny_model(Family(family), os.path.join(paths.workdir, f"tiny-{family}"))
+    click.echo(
+        f"generated {images} images, {len(formats)} more in every other format (+1 broken file) in {paths.data} "
+        f"and a tiny {family} model in {model}",
+        err=True,
+    )
+    return model
 
-    datasets = _datasets(workdir, data, images)
-    scanned = _run(
-        ranks,
-        "stk.cli.scan",
-        ["--datasets", datasets, "--out", scan, "--resolution", "64", "--alignment", "16", "--batch-size", "2",
-         "--max-errors", "5", "--gpus", str(ranks),  # the training below runs on this many ranks
-         "--allow-oversubscription"],  # small demo buckets: apply the repeats they need
-    )  # fmt: skip
+
+def _prompts(workdir: str) -> str:
+    """The validation prompts stk-cache embeds for the runs' sample images; returns the file."""
     prompts = os.path.join(workdir, "prompts.txt")
     with open(prompts, "w", encoding="utf-8") as f:
         f.write("a red square on a blue background\ntwo circles\n")
-    cached = _run(ranks, "stk.cli.cache", [scan, "--model", model, "--out", cache, "--batch-size", "8",
-                                           "--validation-prompts", prompts])  # fmt: skip
-    train = ["--cache", cache, "--scan", scan, "--model", model, "--batch-size", "2", "--max-steps", str(steps),
-             "--validation-every", "10", "--validation-steps", "10"]  # samples of the cache's prompts  # fmt: skip
-    full = [*train, "--output-dir", run, "--deepspeed", "zero2", "--lr", "1e-4",
-            "--checkpoint-every", str(CHECKPOINT_EVERY), "--ema-decay", "0.9"]  # fmt: skip
+    return prompts
+
+
+def _train(paths: _Paths, model: str, ranks: int, steps: int) -> _Runs:
+    """Every weight with an EMA; its newest checkpoint damaged and the run continued on one rank; then a LoRA."""
+    train = ["--cache", paths.cache, "--scan", paths.scan, "--model", model, "--batch-size", "2"]
+    train += ["--max-steps", str(steps)]
+    train += ["--validation-every", "10", "--validation-steps", "10"]  # samples of the cache's prompts
+    full = [*train, "--output-dir", paths.run, "--deepspeed", "zero2", "--lr", "1e-4"]
+    full += ["--checkpoint-every", str(CHECKPOINT_EVERY), "--ema-decay", "0.9"]
     trained = _run(ranks, "stk.cli.train", full)
     damaged = _damage(trained["checkpoint"])
     more = steps + 4
     full[full.index("--max-steps") + 1] = str(more)
     continued = _run(1, "stk.cli.train", full)  # a node lost: on the rank that is left, from the newest good one
-    adapted = _run(ranks, "stk.cli.train", [*train, "--output-dir", lora, "--deepspeed", "zero3", "--lr", "1e-3",
-                                            "--lora-rank", "8", "--caption-dropout", "0.1"])  # fmt: skip
-    layers = _load_lora(model, adapted["final"])
+    lora = [*train, "--output-dir", paths.lora, "--deepspeed", "zero3", "--lr", "1e-3"]
+    adapted = _run(ranks, "stk.cli.train", [*lora, "--lora-rank", "8", "--caption-dropout", "0.1"])
+    return _Runs(trained, damaged, continued, adapted)
+
+
+def _report(
+    paths: _Paths,
+    ranks: int,
+    datasets: str,
+    scanned: dict[str, Any],
+    cached: dict[str, Any],
+    runs: _Runs,
+    layers: int,
+) -> None:
+    """What each step did and where its outputs are."""
+    scan, cache, run, lora = paths.scan, paths.cache, paths.run, paths.lora
+    trained, continued, adapted = runs.trained, runs.continued, runs.adapted
     per_dataset = ", ".join(f"{d['name']} {d['images']}" for d in scanned["datasets"])
     click.echo(
         f"\nscan:  {scanned['files']} files on {scanned['ranks']} ranks: {scanned['images']} images ({per_dataset}) in "
@@ -115,7 +175,7 @@ def main(workdir: str, images: int, ranks: int, steps: int, family: str) -> None
         f"train: {trained['steps']} steps on {ranks} ranks, last loss {trained['loss']:.4f}, "
         f"{trained['samples_per_second']:.1f} samples/s, samples by dataset (drawn by weight) "
         f"{trained['samples_per_dataset']} -> {run}/metrics.jsonl, {trained['checkpoint']}\n"
-        f"again: {damaged} damaged on purpose; on 1 rank, stk-train skipped that checkpoint and resumed from "
+        f"again: {runs.damaged} damaged on purpose; on 1 rank, stk-train skipped that checkpoint and resumed from "
         f"{continued['resumed_from']} (the same effective batch: 2 micro-steps each) to step {continued['steps']}\n"
         f"final: {continued['final']} (a diffusers pipeline: DiffusionPipeline.from_pretrained; the EMA weights, "
         f"the raw ones in {run}/final-no-ema)\n"

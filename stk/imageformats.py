@@ -44,12 +44,11 @@ ACCEPTED = frozenset().union(*FORMAT_NAMES.values())
 
 # Files with these extensions are treated as images: those of a format stk cannot train on become
 # error rows (unsupported_format, the format named) instead of being passed over in silence.
-IMAGE_EXTENSIONS = frozenset([
-    ".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".apng", ".webp", ".gif", ".bmp", ".dib", ".tif", ".tiff",
-    ".avif", ".heic", ".heif", ".hif", ".jxl", ".jp2", ".j2k", ".j2c", ".jpx", ".jpf",
-    ".tga", ".icb", ".vda", ".vst", ".ppm", ".pgm", ".pbm", ".pnm", ".pam",
-    ".psd", ".dds", ".ico", ".svg",  # not trained on: reported as unsupported_format
-])  # fmt: skip
+_COMMON = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".apng", ".webp", ".gif", ".bmp", ".dib", ".tif", ".tiff")
+_NEWER = (".avif", ".heic", ".heif", ".hif", ".jxl", ".jp2", ".j2k", ".j2c", ".jpx", ".jpf")
+_OLDER = (".tga", ".icb", ".vda", ".vst", ".ppm", ".pgm", ".pbm", ".pnm", ".pam")
+_UNTRAINED = (".psd", ".dds", ".ico", ".svg")  # not trained on: reported as unsupported_format
+IMAGE_EXTENSIONS = frozenset(_COMMON + _NEWER + _OLDER + _UNTRAINED)
 # Formats that Pillow cannot identify, named from the file's extension in the error row.
 EXTENSION_FORMATS = {".svg": "SVG", ".pam": "PAM"}
 

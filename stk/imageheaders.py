@@ -231,9 +231,19 @@ def _read(f: BinaryIO, start: int, end: int) -> bytes:
 # irot (quarter turns counter-clockwise) then imir (axis 0: top-bottom flip, 1: left-right) as the
 # EXIF orientation that displays the same; checked against the writers of Pillow and libheif.
 _HEIF_ORIENTATION = {
-    (0, None): 1, (0, 1): 2, (0, 0): 4, (1, None): 8, (1, 1): 7, (1, 0): 5,
-    (2, None): 3, (2, 1): 4, (2, 0): 2, (3, None): 6, (3, 1): 5, (3, 0): 7,
-}  # fmt: skip
+    (0, None): 1,
+    (0, 1): 2,
+    (0, 0): 4,
+    (1, None): 8,
+    (1, 1): 7,
+    (1, 0): 5,
+    (2, None): 3,
+    (2, 1): 4,
+    (2, 0): 2,
+    (3, None): 6,
+    (3, 1): 5,
+    (3, 0): 7,
+}
 
 
 def heif_header(f: BinaryIO, size: int, fmt: str) -> ImageHeader:

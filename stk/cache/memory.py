@@ -150,8 +150,14 @@ def check_fits(
     problem = fit_problem(host, free, two_pass, where)
     if problem:
         raise InputError(f"{model}: {problem}")
-    log.debug("%s: %.1f GB of text encoders, %.2f GB VAE; %.1f GB free on %s",
-              model, need.text / GB, need.vae / GB, free / GB, device)  # fmt: skip
+    log.debug(
+        "%s: %.1f GB of text encoders, %.2f GB VAE; %.1f GB free on %s",
+        model,
+        need.text / GB,
+        need.vae / GB,
+        free / GB,
+        device,
+    )
     return need
 
 

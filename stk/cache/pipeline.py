@@ -7,7 +7,7 @@ import gc
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from stk import storage
 from stk.cache.encode import Counters, encode_latents, encode_texts
 from stk.cache.inspect import cache_lease
 from stk.cache.memory import check_fits, load_failure, measured
+from stk.cache.options import CacheOptions, CacheSummary
 from stk.cache.parts import PartRecorder, read_parts, remove_parts
 from stk.cache.plan import (
     RowShare,
@@ -37,14 +38,14 @@ from stk.errors import InputError, check_max_errors, parse_max_errors
 from stk.lease import leased
 from stk.log import get_logger
 from stk.metadata import to_json_lines
-from stk.models import Encoders, Family, detect_family, load_encoders
+from stk.models import Encoders, detect_family, load_encoders
 from stk.models.alignment import check_aligned, model_alignment
 from stk.models.load import compute_dtype
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION, read_prompts
 from stk.scan.reader import read_buckets
 from stk.shards import Manifest, ShardInfo, ShardWriter
-from stk.shards.config import CacheConfig, EncodeSettings
+from stk.shards.config import CacheConfig
 from stk.shards.jobs import ERRORS, ScanRows, read_keys
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
@@ -52,61 +53,9 @@ from stk.storage.failures import as_stk_error
 from stk.train.stopping import is_out_of_memory
 from stk.world import World, split_work
 
-__all__ = ["CacheOptions", "CacheSummary", "run_cache"]
+__all__ = ["run_cache"]
 
 log = get_logger("cache")
-
-
-@dataclass
-class CacheOptions:
-    scan_dir: str
-    model: str
-    cache: str
-    family: Family | None = None
-    device: str | None = None
-    batch_size: int = 16
-    text_batch_size: int = 64  # captions per batch, batched by token count
-    two_pass: bool = False  # captions with the text encoders alone on the device, then images with the VAE alone
-    shard_size: int = 512 * 1024 * 1024
-    threads: int = 4
-    settings: EncodeSettings = field(default_factory=EncodeSettings)
-    force: bool = False
-    max_errors: str = "1%"  # as stk-scan's: a count, or a percentage of the scan's images
-    validation_prompts: str | None = None  # a file of prompts to embed for stk-train's samples; None: keep the cache's
-
-
-@dataclass
-class CacheSummary:
-    cache: str
-    model: str
-    family: str
-    images: int  # scan rows
-    captions: int  # distinct captions: the scan's, the empty caption and the validation prompts
-    encoded_images: int
-    encoded_captions: int
-    reused_images: int
-    reused_captions: int
-    errors: int
-    shards_written: int
-    bytes_written: int
-    ranks: int
-    seconds: float
-    images_per_second: float
-    captions_per_second: float  # encoded captions over the longest rank's text pass
-    text_peak_memory_gib: float  # the most any rank's text pass used, of the memory text_peak_memory_of names
-    text_peak_memory_of: str  # "cuda allocated" (the device's, weights included) or "process peak RSS" (CPU)
-    two_pass: bool
-
-    def line(self) -> str:
-        passes = "two passes" if self.two_pass else "one pass"
-        return (
-            f"{self.images} images, {self.captions} distinct captions: encoded {self.encoded_images} images and "
-            f"{self.encoded_captions} captions ({self.reused_images} + {self.reused_captions} already cached), "
-            f"{self.errors} errors, {self.shards_written} shards ({self.bytes_written / 2**20:.1f} MiB) in "
-            f"{self.seconds:.1f} s ({self.images_per_second:.1f} images/s, {self.captions_per_second:.1f} captions/s "
-            f"on {self.ranks} rank(s), {passes}; text pass peak {self.text_peak_memory_gib:.2f} GiB, "
-            f"{self.text_peak_memory_of})"
-        )
 
 
 def _device(requested: str | None, world: World) -> torch.device:
@@ -235,9 +184,14 @@ def _plan(
     txt_owner = assign(text_costs(tokens[txt_order], txt_bounds), world.size)
     log.info(
         "%d images (%d cached), %d distinct captions (%d cached): %d + %d batches on %d rank(s)",
-        len(jobs), len(jobs) - len(todo), len(captions), len(captions) - len(todo_captions),
-        len(lat_bounds) - 1, len(txt_bounds) - 1, world.size,
-    )  # fmt: skip
+        len(jobs),
+        len(jobs) - len(todo),
+        len(captions),
+        len(captions) - len(todo_captions),
+        len(lat_bounds) - 1,
+        len(txt_bounds) - 1,
+        world.size,
+    )
     plan = _Plan(
         run_id=uuid.uuid4().hex[:8],
         root=scan.root,
@@ -294,9 +248,12 @@ def _encode_share(
             encode_texts(encoders, text.batches(), writer, config.settings, counters, progress.update)
         log.info(
             "text pass: %d captions in %.1f s (%.1f captions/s), peak %.2f GiB (%s)",
-            counters.captions, counters.text.seconds, counters.captions / max(counters.text.seconds, 1e-9),
-            counters.text.peak_bytes / 2**30, counters.text.peak_of,
-        )  # fmt: skip
+            counters.captions,
+            counters.text.seconds,
+            counters.captions / max(counters.text.seconds, 1e-9),
+            counters.text.peak_bytes / 2**30,
+            counters.text.peak_of,
+        )
         if opts.two_pass:
             _vae_pass(encoders, device)
         encode_latents(encoders, latent.batches(), writer, config.settings, opts.threads, counters, progress.update)
@@ -323,9 +280,15 @@ def _list_shards(opts: CacheOptions, config: CacheConfig, done: list[_Done]) -> 
     for rank, (finished, c) in enumerate(done):
         log.info(
             "rank %d: %d images, %d captions (%.1f s, peak %.2f GiB), %d errors, %d shard(s), %.1f MiB",
-            rank, c.images, c.captions, c.text.seconds, c.text.peak_bytes / 2**30, len(c.errors), len(finished),
+            rank,
+            c.images,
+            c.captions,
+            c.text.seconds,
+            c.text.peak_bytes / 2**30,
+            len(c.errors),
+            len(finished),
             sum(i.bytes for i in finished) / 2**20,
-        )  # fmt: skip
+        )
     return infos
 
 

@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 from stk.cache.inspect import cache_info, verify_cache
-from stk.cache.pipeline import CacheOptions, run_cache
+from stk.cache.options import CacheOptions
+from stk.cache.pipeline import run_cache
 from stk.cli.common import (
     CONTEXT,
     common_options,
@@ -67,35 +68,85 @@ def _defaults(name: str) -> Any:
 @click.argument("scan_dir")
 @click.option("--model", required=True, show_envvar=True, help="Hub id or local diffusers directory.")
 @click.option("--out", required=True, show_envvar=True, help="Cache directory or s3://bucket/prefix.")
-@click.option("--family", type=click.Choice(family_names()), default=None, show_envvar=True,
-              help="Model family [default: from the model's model_index.json].")  # fmt: skip
+@click.option(
+    "--family",
+    type=click.Choice(family_names()),
+    default=None,
+    show_envvar=True,
+    help="Model family [default: from the model's model_index.json].",
+)
 @click.option("--device", default=None, show_envvar=True, help="Torch device [default: this rank's GPU, else cpu].")
-@click.option("--batch-size", default=_defaults("batch_size"), type=click.IntRange(1), show_envvar=True,
-              help="Images per VAE batch.")  # fmt: skip
-@click.option("--text-batch-size", default=_defaults("text_batch_size"), type=click.IntRange(1), show_envvar=True,
-              help="Captions per batch; captions of similar token counts are batched together.")  # fmt: skip
-@click.option("--two-pass", is_flag=True, show_envvar=True,
-              help="Encode the captions with the text encoders alone on the device, then the images with the "
-                   "VAE alone: for an LLM text encoder that does not fit beside the VAE. Same cache.")  # fmt: skip
-@click.option("--shard-size", default=_defaults("shard_size") // 2**20, type=click.IntRange(1), show_envvar=True,
-              help="Shard size limit, MiB.")  # fmt: skip
-@click.option("--threads", default=_defaults("threads"), type=click.IntRange(1, 256), show_envvar=True,
-              help="Decode threads per rank.")  # fmt: skip
-@click.option("--crop", type=click.Choice([c.value for c in CropMode]), show_envvar=True,
-              default=default_of(EncodeSettings, "crop").value,
-              help="Where to crop an image to its bucket; offsets are stored (SDXL uses them).")  # fmt: skip
-@click.option("--latents", type=click.Choice(["mean", "params"]), show_envvar=True,
-              help="Store the latent mean, or mean and log-variance (stk-train then samples the latent anew each "
-                   "time it sees the image) [default: as the family's diffusers training example: params where "
-                   "it trains on a sample of the latent distribution, mean where on its mode; README, "
-                   "'Training defaults']")  # fmt: skip
-@click.option("--dtype", type=click.Choice(["float16", "float32"]), default=default_of(EncodeSettings, "dtype"),
-              show_envvar=True, help="How latents and embeddings are stored.")  # fmt: skip
-@click.option("--trim-padding", is_flag=True, show_envvar=True,
-              help="Store only the real tokens of sequence embeddings (see README for when it is exact).")  # fmt: skip
-@click.option("--validation-prompts", default=None, show_envvar=True,
-              help="A file of prompts, one per line, to embed for stk-train's sample images: a run on this "
-                   "cache then loads no text encoder (Flux's T5: 9 GB) [default: keep the cache's].")  # fmt: skip
+@click.option(
+    "--batch-size",
+    default=_defaults("batch_size"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Images per VAE batch.",
+)
+@click.option(
+    "--text-batch-size",
+    default=_defaults("text_batch_size"),
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Captions per batch; captions of similar token counts are batched together.",
+)
+@click.option(
+    "--two-pass",
+    is_flag=True,
+    show_envvar=True,
+    help="Encode the captions with the text encoders alone on the device, then the images with the "
+    "VAE alone: for an LLM text encoder that does not fit beside the VAE. Same cache.",
+)
+@click.option(
+    "--shard-size",
+    default=_defaults("shard_size") // 2**20,
+    type=click.IntRange(1),
+    show_envvar=True,
+    help="Shard size limit, MiB.",
+)
+@click.option(
+    "--threads",
+    default=_defaults("threads"),
+    type=click.IntRange(1, 256),
+    show_envvar=True,
+    help="Decode threads per rank.",
+)
+@click.option(
+    "--crop",
+    type=click.Choice([c.value for c in CropMode]),
+    show_envvar=True,
+    default=default_of(EncodeSettings, "crop").value,
+    help="Where to crop an image to its bucket; offsets are stored (SDXL uses them).",
+)
+@click.option(
+    "--latents",
+    type=click.Choice(["mean", "params"]),
+    show_envvar=True,
+    help="Store the latent mean, or mean and log-variance (stk-train then samples the latent anew each "
+    "time it sees the image) [default: as the family's diffusers training example: params where "
+    "it trains on a sample of the latent distribution, mean where on its mode; README, "
+    "'Training defaults']",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float16", "float32"]),
+    default=default_of(EncodeSettings, "dtype"),
+    show_envvar=True,
+    help="How latents and embeddings are stored.",
+)
+@click.option(
+    "--trim-padding",
+    is_flag=True,
+    show_envvar=True,
+    help="Store only the real tokens of sequence embeddings (see README for when it is exact).",
+)
+@click.option(
+    "--validation-prompts",
+    default=None,
+    show_envvar=True,
+    help="A file of prompts, one per line, to embed for stk-train's sample images: a run on this "
+    "cache then loads no text encoder (Flux's T5: 9 GB) [default: keep the cache's].",
+)
 @click.option("--force", is_flag=True, show_envvar=True, help="Replace a cache made with another model or config.")
 @max_errors_option("images", CacheOptions)
 @common_options
@@ -134,9 +185,12 @@ def build(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_secon
 @main.command("verify", context_settings=CONTEXT("cache"))
 @click.argument("cache")
 @click.option("--scan", "scan_dir", default=None, show_envvar=True, help="Also check that every scan row is cached.")
-@click.option("--repair", is_flag=True,
-              help="Unlist and delete missing or damaged shards, so a rerun redoes them; rebuild a damaged "
-                   "manifest.json from the intact shards.")  # fmt: skip
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Unlist and delete missing or damaged shards, so a rerun redoes them; rebuild a damaged "
+    "manifest.json from the intact shards.",
+)
 @common_options
 def verify_command(
     cache: str,

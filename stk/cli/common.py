@@ -26,6 +26,7 @@ __all__ = [
     "config_option",
     "default_of",
     "max_errors_option",
+    "option_group",
     "options_from",
     "quiet_option",
     "run_command",
@@ -140,6 +141,18 @@ def s3_options(fn: F) -> F:
 def common_options(fn: F) -> F:
     """--config, -v/-q and the S3 options: what stk-scan, stk-cache, stk-train and stk-launch share."""
     return config_option()(verbosity_options(s3_options(fn)))
+
+
+def option_group(*options: Callable[[Any], Any]) -> Callable[[F], F]:
+    """Several options as one decorator, listed in --help in the order given, so that a command with many options
+    can keep them in modules by what they are about."""
+
+    def apply(fn: F) -> F:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return apply
 
 
 def default_of(options: type[Any], name: str) -> Any:

@@ -41,15 +41,30 @@ failed (full, read-only, or the file over the file-size limit).
 @click.command("export", context_settings=CONTEXT("export"), epilog=EPILOG)
 @click.argument("source", type=click.Path(file_okay=False))
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--format", "format_", envvar="STK_EXPORT_FORMAT", type=click.Choice([f.value for f in Format]),
-              default=default_of(ExportOptions, "format").value, show_envvar=True,
-              help="The output format (see below).")  # fmt: skip
-@click.option("--family", type=click.Choice(family_names()), default=None, show_envvar=True,
-              help="The model family, where SOURCE does not record it (an adapter's final/ without its run's "
-                   "checkpoints) [default: from the run].")  # fmt: skip
-@click.option("--model", default=None, show_envvar=True,
-              help="A full fine-tune's checkpoint: the pipeline the run trained (its --model), for the components "
-                   "the checkpoint does not hold.")  # fmt: skip
+@click.option(
+    "--format",
+    "format_",
+    envvar="STK_EXPORT_FORMAT",
+    type=click.Choice([f.value for f in Format]),
+    default=default_of(ExportOptions, "format").value,
+    show_envvar=True,
+    help="The output format (see below).",
+)
+@click.option(
+    "--family",
+    type=click.Choice(family_names()),
+    default=None,
+    show_envvar=True,
+    help="The model family, where SOURCE does not record it (an adapter's final/ without its run's "
+    "checkpoints) [default: from the run].",
+)
+@click.option(
+    "--model",
+    default=None,
+    show_envvar=True,
+    help="A full fine-tune's checkpoint: the pipeline the run trained (its --model), for the components "
+    "the checkpoint does not hold.",
+)
 @verbosity_options
 def main(source: str, out: str, format_: str, family: str | None, model: str | None, verbose: int, quiet: bool) -> None:
     """Write what stk-train trained (SOURCE) as OUT, in a format other tools load."""

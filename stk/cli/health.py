@@ -48,24 +48,58 @@ def _settings_from_config(ctx: click.Context, _param: click.Parameter, value: st
 def _options(fn: Any) -> Any:
     options = [
         config_option(_settings_from_config, "TOML file: a [health] table of options and [health.thresholds]."),
-        click.option("--expected-gpus", type=click.IntRange(0), default=None, show_envvar=True,
-                     help="GPUs this node must show [default: from the Slurm allocation; unchecked outside Slurm]."),
-        click.option("--format", "output", type=click.Choice(["json", "text"]), default="json", show_envvar=True,
-                     help="json: a line per finding, then a summary; text: one line (Slurm's Reason=)."),
-        click.option("--notify", multiple=True, show_envvar=True,
-                     help="Apprise URL to alert (repeatable). Prefer --notify-config: URLs hold secrets."),
-        click.option("--notify-config", type=click.Path(dir_okay=False), default=None, show_envvar=True,
-                     help="Apprise config file (YAML or text) with the alert URLs."),
-        click.option("--state", "state_path", default=None, show_envvar=True,
-                     help="State file: what was alerted, and the last samples [default: /var/lib/stk-health/state.json "
-                     "as root, else ~/.cache/stk-health/state.json]."),
-        click.option("--realert", type=FiniteFloat(0), default=4.0, show_envvar=True,
-                     help="Hours between repeated alerts while a fault persists (0: never repeat)."),
-        click.option("--drain", is_flag=True, show_envvar=True,
-                     help="On CRITICAL, drain this Slurm node (Reason=\"stk-health: ...\"); resume it when healthy, "
-                     "only if stk-health drained it."),
+        click.option(
+            "--expected-gpus",
+            type=click.IntRange(0),
+            default=None,
+            show_envvar=True,
+            help="GPUs this node must show [default: from the Slurm allocation; unchecked outside Slurm].",
+        ),
+        click.option(
+            "--format",
+            "output",
+            type=click.Choice(["json", "text"]),
+            default="json",
+            show_envvar=True,
+            help="json: a line per finding, then a summary; text: one line (Slurm's Reason=).",
+        ),
+        click.option(
+            "--notify",
+            multiple=True,
+            show_envvar=True,
+            help="Apprise URL to alert (repeatable). Prefer --notify-config: URLs hold secrets.",
+        ),
+        click.option(
+            "--notify-config",
+            type=click.Path(dir_okay=False),
+            default=None,
+            show_envvar=True,
+            help="Apprise config file (YAML or text) with the alert URLs.",
+        ),
+        click.option(
+            "--state",
+            "state_path",
+            default=None,
+            show_envvar=True,
+            help="State file: what was alerted, and the last samples [default: /var/lib/stk-health/state.json "
+            "as root, else ~/.cache/stk-health/state.json].",
+        ),
+        click.option(
+            "--realert",
+            type=FiniteFloat(0),
+            default=4.0,
+            show_envvar=True,
+            help="Hours between repeated alerts while a fault persists (0: never repeat).",
+        ),
+        click.option(
+            "--drain",
+            is_flag=True,
+            show_envvar=True,
+            help='On CRITICAL, drain this Slurm node (Reason="stk-health: ..."); resume it when healthy, '
+            "only if stk-health drained it.",
+        ),
         quiet_option,
-    ]  # fmt: skip
+    ]
     for option in reversed(options):
         fn = option(fn)
     return fn

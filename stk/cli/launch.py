@@ -44,28 +44,77 @@ and no --hosts, or no slot count; 69 mpirun or srun cannot be run here.
     context_settings={**CONTEXT("launch"), "ignore_unknown_options": True, "allow_interspersed_args": False},
     epilog=EPILOG,
 )
-@click.option("--via", type=click.Choice(VIAS), default=default_of(LaunchSettings, "via"), show_envvar=True,
-              help="DeepSpeed's MPI launcher, or one srun step.")  # fmt: skip
-@click.option("--mpi", default=default_of(LaunchSettings, "mpi"), show_envvar=True,
-              help="srun's MPI plugin with --via srun: pmi2 for MPICH, pmix for OpenMPI.")  # fmt: skip
-@click.option("--mpi-impl", type=click.Choice(MPI_IMPLS), default=None, show_envvar=True,
-              help="DeepSpeed's --launcher [default: the MPI library mpi4py loads].")  # fmt: skip
-@click.option("--hosts", default=None, show_envvar=True,
-              help="Comma-separated hosts, in rank order [default: the Slurm job's nodes].")  # fmt: skip
-@click.option("--slots-per-node", type=click.IntRange(1), default=None, show_envvar=True,
-              help="Ranks per host [default: GPUs per node from Slurm, else its tasks per node].")  # fmt: skip
-@click.option("--hostfile", default=None, type=click.Path(dir_okay=False), show_envvar=True,
-              help="Where to write the hostfile [default: $TMPDIR/stk-hostfile-$SLURM_JOB_ID].")  # fmt: skip
-@click.option("--master-addr", default=None, show_envvar=True,
-              help="Rank 0's address for the rendezvous [default: $STK_MASTER_ADDR, else the first host].")  # fmt: skip
-@click.option("--master-port", type=click.IntRange(1, 65535), default=None, show_envvar=True,
-              help="Rendezvous port [default: $STK_MASTER_PORT, else 20000 + job id % 20000].")  # fmt: skip
-@click.option("--nccl-socket-ifname", default=None, show_envvar=True,
-              help="NCCL_SOCKET_IFNAME for every rank, e.g. ib0 or ^lo,docker [default: as set].")  # fmt: skip
-@click.option("--nccl-ib-hca", default=None, show_envvar=True,
-              help="NCCL_IB_HCA for every rank, e.g. mlx5_0,mlx5_1 [default: as set].")  # fmt: skip
-@click.option("--gloo-socket-ifname", default=None, show_envvar=True,
-              help="GLOO_SOCKET_IFNAME for every rank (CPU collectives), e.g. eth0 [default: as set].")  # fmt: skip
+@click.option(
+    "--via",
+    type=click.Choice(VIAS),
+    default=default_of(LaunchSettings, "via"),
+    show_envvar=True,
+    help="DeepSpeed's MPI launcher, or one srun step.",
+)
+@click.option(
+    "--mpi",
+    default=default_of(LaunchSettings, "mpi"),
+    show_envvar=True,
+    help="srun's MPI plugin with --via srun: pmi2 for MPICH, pmix for OpenMPI.",
+)
+@click.option(
+    "--mpi-impl",
+    type=click.Choice(MPI_IMPLS),
+    default=None,
+    show_envvar=True,
+    help="DeepSpeed's --launcher [default: the MPI library mpi4py loads].",
+)
+@click.option(
+    "--hosts",
+    default=None,
+    show_envvar=True,
+    help="Comma-separated hosts, in rank order [default: the Slurm job's nodes].",
+)
+@click.option(
+    "--slots-per-node",
+    type=click.IntRange(1),
+    default=None,
+    show_envvar=True,
+    help="Ranks per host [default: GPUs per node from Slurm, else its tasks per node].",
+)
+@click.option(
+    "--hostfile",
+    default=None,
+    type=click.Path(dir_okay=False),
+    show_envvar=True,
+    help="Where to write the hostfile [default: $TMPDIR/stk-hostfile-$SLURM_JOB_ID].",
+)
+@click.option(
+    "--master-addr",
+    default=None,
+    show_envvar=True,
+    help="Rank 0's address for the rendezvous [default: $STK_MASTER_ADDR, else the first host].",
+)
+@click.option(
+    "--master-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    show_envvar=True,
+    help="Rendezvous port [default: $STK_MASTER_PORT, else 20000 + job id % 20000].",
+)
+@click.option(
+    "--nccl-socket-ifname",
+    default=None,
+    show_envvar=True,
+    help="NCCL_SOCKET_IFNAME for every rank, e.g. ib0 or ^lo,docker [default: as set].",
+)
+@click.option(
+    "--nccl-ib-hca",
+    default=None,
+    show_envvar=True,
+    help="NCCL_IB_HCA for every rank, e.g. mlx5_0,mlx5_1 [default: as set].",
+)
+@click.option(
+    "--gloo-socket-ifname",
+    default=None,
+    show_envvar=True,
+    help="GLOO_SOCKET_IFNAME for every rank (CPU collectives), e.g. eth0 [default: as set].",
+)
 @click.option("--dry-run", is_flag=True, help="Write the hostfile, print the environment and the command; run nothing.")
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED, metavar="[--] STK-TRAIN-ARGS...")
 @common_options

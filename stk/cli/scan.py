@@ -300,8 +300,12 @@ def _options(
     world: World,
 ) -> ScanOptions:
     """The scan's options from the command's (each dataset of a list starts from them)."""
-    spec = options_from(BucketSpec, params, resolution_type=ResolutionType(params["resolution_type"]),
-                        alignment=_alignment(params["alignment"], family))  # fmt: skip
+    spec = options_from(
+        BucketSpec,
+        params,
+        resolution_type=ResolutionType(params["resolution_type"]),
+        alignment=_alignment(params["alignment"], family),
+    )
     spec.validate()
     training, training_from = training_gpus(params["gpus"])
     return options_from(

@@ -157,10 +157,22 @@ def deepspeed_command(
         if re.fullmatch(r"[\w.-]+(,[\w.-]+)*", ifname):  # a plain list; NCCL's ^ and = prefixes mean nothing to MPI
             launcher_args += ["--mca", "btl_tcp_if_include", ifname]  # replaces DeepSpeed's default: eth0
     command = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--launcher", impl,
-        "--master_addr", env["STK_MASTER_ADDR"], "--master_port", env["STK_MASTER_PORT"], "--no_ssh_check",
-        "--log_level", "warning", f"--launcher_args={shlex.join(launcher_args)}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        hostfile,
+        "--launcher",
+        impl,
+        "--master_addr",
+        env["STK_MASTER_ADDR"],
+        "--master_port",
+        env["STK_MASTER_PORT"],
+        "--no_ssh_check",
+        "--log_level",
+        "warning",
+        f"--launcher_args={shlex.join(launcher_args)}",
+    ]
     if len(allocation.hosts) == 1:
         command.append("--force_multi")
     return [*command, *rank_command]
@@ -175,9 +187,12 @@ def srun_command(
 ) -> list[str]:
     """One srun step with a task per slot; srun passes the environment and signals to every task."""
     command = [
-        "srun", f"--mpi={settings.mpi}", f"--nodes={len(allocation.hosts)}",
-        f"--ntasks-per-node={allocation.slots}", f"--ntasks={len(allocation.hosts) * allocation.slots}",
-    ]  # fmt: skip
+        "srun",
+        f"--mpi={settings.mpi}",
+        f"--nodes={len(allocation.hosts)}",
+        f"--ntasks-per-node={allocation.slots}",
+        f"--ntasks={len(allocation.hosts) * allocation.slots}",
+    ]
     cpus = slurm.cpus_per_task(environ)
     if cpus:
         command.append(f"--cpus-per-task={cpus}")

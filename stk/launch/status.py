@@ -84,8 +84,9 @@ def job_exit_code(launcher_code: int, rank_codes: Sequence[int | None]) -> int:
         log.error(
             "%d rank(s) on this node were killed before they could exit (a peer or its node was lost?): exit %d, "
             "a rerun resumes from the last checkpoint",
-            rank_codes.count(None), ExitCode.INFRA,
-        )  # fmt: skip
+            rank_codes.count(None),
+            ExitCode.INFRA,
+        )
         return int(ExitCode.INFRA)
     for code in (ExitCode.GPU_FAULT, ExitCode.REQUEUE):
         if code in ended:

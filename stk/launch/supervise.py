@@ -34,9 +34,13 @@ def execute(launch: Launch, environ: Mapping[str, str], dry_run: bool = False, o
     alloc = launch.allocation
     log.info(
         "%d host(s) x %d rank(s) via %s, rendezvous %s:%s: %s",
-        len(alloc.hosts), alloc.slots, launch.via, launch.env["STK_MASTER_ADDR"], launch.env["STK_MASTER_PORT"],
+        len(alloc.hosts),
+        alloc.slots,
+        launch.via,
+        launch.env["STK_MASTER_ADDR"],
+        launch.env["STK_MASTER_PORT"],
         shlex.join(launch.command),
-    )  # fmt: skip
+    )
     if dry_run:
         (out or sys.stdout).write(launch.script())
         return int(ExitCode.OK)

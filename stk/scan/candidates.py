@@ -120,13 +120,25 @@ def _batched_listing(
         if is_image_name(info.key) or info.key.endswith("/"):
             kind = (info.error_kind or "unreadable") if info.error else None
             path, location = name_text(info.key), name_text(info.location)
-            row = (path, None if location == prefix + path else location, info.size, info.mtime, info.etag, kind,
-                   info.error or None, name_text(sidecar_stem(info.key)))  # fmt: skip
+            row = (
+                path,
+                None if location == prefix + path else location,
+                info.size,
+                info.mtime,
+                info.etag,
+                kind,
+                info.error or None,
+                name_text(sidecar_stem(info.key)),
+            )
             for column, value in zip(images, row, strict=True):
                 column.append(value)
         elif sidecar := sidecar_of(info.key, extensions):
-            side = (name_text(sidecar[0]), sidecar[1], name_text(info.location),
-                    f"{info.size}:{info.mtime!r}:{info.etag or ''}")  # fmt: skip
+            side = (
+                name_text(sidecar[0]),
+                sidecar[1],
+                name_text(info.location),
+                f"{info.size}:{info.mtime!r}:{info.etag or ''}",
+            )
             for column, item in zip(sidecars, side, strict=True):
                 column.append(item)
         if count % BATCH == 0:
@@ -272,9 +284,14 @@ def _stat_many(locations: list[str]) -> list[Stat]:
 
 
 def fingerprint(
-    size: int, mtime: float, etag: str | None, caption_fingerprint: str | None, caption: str | None,
-    width: int | None, height: int | None,
-) -> str:  # fmt: skip
+    size: int,
+    mtime: float,
+    etag: str | None,
+    caption_fingerprint: str | None,
+    caption: str | None,
+    width: int | None,
+    height: int | None,
+) -> str:
     """Changes whenever the image or its caption source changes: reuse is keyed on it."""
     table = f"|{caption!r}|{width}|{height}" if caption or width else ""
     return f"{size}:{mtime!r}:{etag or ''}|{caption_fingerprint or ''}{table}"

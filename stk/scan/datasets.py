@@ -149,7 +149,9 @@ def _final_checks(scanned: Sequence[Scanned], total: ScanSummary, base: ScanOpti
     if not short:
         return
     if base.oversubscribe:
-        log.warning("oversubscribed the short bucket(s) of %s; repeats recorded in buckets.json",
-                    ", ".join(repr(name) for name, _ in short))  # fmt: skip
+        log.warning(
+            "oversubscribed the short bucket(s) of %s; repeats recorded in buckets.json",
+            ", ".join(repr(name) for name, _ in short),
+        )
         return
     raise BatchCheckFailed("\n".join([*(line for name, c in short for line in c.short_lines(name)), ways_out(True)]))

@@ -64,9 +64,14 @@ class Filters:
 
 
 ERROR_SCHEMA = pa.schema(
-    [("path", pa.string()), ("location", pa.string()), ("kind", pa.string()), ("reason", pa.string()),
-     ("severity", pa.string())]  # error: the image is not in the table; warning: kept, metadata damaged
-)  # fmt: skip
+    [
+        ("path", pa.string()),
+        ("location", pa.string()),
+        ("kind", pa.string()),
+        ("reason", pa.string()),
+        ("severity", pa.string()),
+    ]  # error: the image is not in the table; warning: kept, metadata damaged
+)
 
 
 @dataclass
@@ -81,8 +86,11 @@ class Tally:
         def add(a: dict[Any, int], b: dict[Any, int]) -> dict[Any, int]:
             return dict(sorted((Counter(a) + Counter(b)).items()))
 
-        return Tally(add(self.counts, other.counts), add(self.error_kinds, other.error_kinds),
-                     add(self.warning_kinds, other.warning_kinds))  # fmt: skip
+        return Tally(
+            add(self.counts, other.counts),
+            add(self.error_kinds, other.error_kinds),
+            add(self.warning_kinds, other.warning_kinds),
+        )
 
     @property
     def images(self) -> int:
@@ -150,8 +158,13 @@ def _judged(records: pa.Table, filters: Filters) -> pa.Table:
 
 
 def _report(records: pa.Table, kind: str, reason: str, severity: str) -> pa.Table:
-    columns = [records.column("path"), records.column("location"), records.column(kind), records.column(reason),
-               pa.array([severity] * records.num_rows, pa.string())]  # fmt: skip
+    columns = [
+        records.column("path"),
+        records.column("location"),
+        records.column(kind),
+        records.column(reason),
+        pa.array([severity] * records.num_rows, pa.string()),
+    ]
     return pa.Table.from_arrays(columns, schema=ERROR_SCHEMA)
 
 
@@ -187,8 +200,13 @@ def assemble(records: pa.Table, index: BucketIndex, filters: Filters) -> Assembl
     bad = pc.is_valid(judged.column("kind"))
     failed, kept = judged.filter(bad), judged.filter(pc.invert(bad))
     warned = kept.filter(pc.is_valid(kept.column("warning_kind")))
-    errors = pa.concat_tables([_report(failed, "kind", "reason", "error"), _report(relisted, "kind", "reason", "error"),
-                               _report(warned, "warning_kind", "warning", "warning")])  # fmt: skip
+    errors = pa.concat_tables(
+        [
+            _report(failed, "kind", "reason", "error"),
+            _report(relisted, "kind", "reason", "error"),
+            _report(warned, "warning_kind", "warning", "warning"),
+        ]
+    )
     rows = _with_buckets(kept, index)
     bucket_ids, counts = np.unique(rows.column("bucket").to_numpy(zero_copy_only=False), return_counts=True)
     tally = Tally(

@@ -78,8 +78,10 @@ def open_scan(scan_dir: str, columns: list[str] | None = None) -> tuple[pq.Parqu
     if root and not storage.is_s3(root) and not os.path.isabs(root):
         log.warning(
             "%s records the relative root %r (an older stk-scan): read from the current directory; "
-            "rerun stk-scan (it reuses unchanged rows) to record it absolutely", storage.join(scan_dir, SUMMARY), root,
-        )  # fmt: skip
+            "rerun stk-scan (it reuses unchanged rows) to record it absolutely",
+            storage.join(scan_dir, SUMMARY),
+            root,
+        )
     missing = (_REQUIRED & set(columns or _REQUIRED)) - set(file.schema_arrow.names)
     if file.metadata.num_rows and missing:
         raise InputError(f"{table_path}: not an stk scan table (missing {sorted(missing)})")
@@ -181,7 +183,8 @@ def _listed_datasets(scan_dir: str) -> list[dict[str, Any]]:
     listed = read_buckets(scan_dir).get("datasets")
     if not isinstance(listed, list) or not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in listed):
         raise damaged(
-            storage.join(scan_dir, BUCKETS), 'no "datasets" list of named datasets for its table\'s dataset column',
+            storage.join(scan_dir, BUCKETS),
+            'no "datasets" list of named datasets for its table\'s dataset column',
             scan_dir,
-        )  # fmt: skip
+        )
     return listed

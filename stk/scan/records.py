@@ -82,8 +82,18 @@ def last_per_path(records: pa.Table) -> pa.Table:
 
 
 # What `stk-scan --jsonl` prints for each image: enough for a shell pipe, without the bookkeeping.
-JSONL_COLUMNS = ("path", "width", "height", "caption", "bucket", "bucket_width", "bucket_height", "format", "bytes",
-                 "mtime")  # fmt: skip
+JSONL_COLUMNS = (
+    "path",
+    "width",
+    "height",
+    "caption",
+    "bucket",
+    "bucket_width",
+    "bucket_height",
+    "format",
+    "bytes",
+    "mtime",
+)
 
 
 def json_lines(table: str) -> Iterator[str]:

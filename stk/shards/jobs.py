@@ -145,9 +145,11 @@ def _latent_keys(batch: pa.Table | pa.RecordBatch, recipe: dict[str, Any], crop:
 
 
 def _keyed(
-    batch: pa.Table | pa.RecordBatch, latent_recipe: dict[str, Any], text_recipe: dict[str, Any],
+    batch: pa.Table | pa.RecordBatch,
+    latent_recipe: dict[str, Any],
+    text_recipe: dict[str, Any],
     crop: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+) -> tuple[np.ndarray, np.ndarray]:
     """Some rows' latent keys (each under its crop: _latent_keys) and their captions' text keys; a caption repeated
     among them is keyed once."""
     key = _latent_keys(batch, latent_recipe, crop)
@@ -182,10 +184,17 @@ class ImageJobs:
         """These rows, in this order."""
         index = pa.array(rows, pa.int64())
         return ImageJobs(
-            self.root, self.path.take(index), self.caption.take(index), self.bucket_width[rows],
-            self.bucket_height[rows], self.key[rows], self.text_key[rows], self.crop[rows], self.dataset[rows],
+            self.root,
+            self.path.take(index),
+            self.caption.take(index),
+            self.bucket_width[rows],
+            self.bucket_height[rows],
+            self.key[rows],
+            self.text_key[rows],
+            self.crop[rows],
+            self.dataset[rows],
             self.seen.take(index) if self.seen is not None else None,
-        )  # fmt: skip
+        )
 
     def rows(self, start: int = 0, stop: int | None = None) -> list[ImageJob]:
         """Rows [start, stop) as ImageJobs."""
@@ -195,20 +204,39 @@ class ImageJobs:
         seen = seen_files(self.seen.slice(start, stop - start)) if self.seen is not None else [None] * len(paths)
         return [
             ImageJob(
-                path, scan.image_location(path), int(w), int(h), caption or "", key.decode(), text.decode(),
-                CROPS[crop] if crop >= 0 else None, file,
+                path,
+                scan.image_location(path),
+                int(w),
+                int(h),
+                caption or "",
+                key.decode(),
+                text.decode(),
+                CROPS[crop] if crop >= 0 else None,
+                file,
             )
             for path, caption, w, h, key, text, crop, file in zip(
-                paths, captions, self.bucket_width[start:stop], self.bucket_height[start:stop],
-                self.key[start:stop], self.text_key[start:stop], self.crop[start:stop].tolist(), seen, strict=True,
+                paths,
+                captions,
+                self.bucket_width[start:stop],
+                self.bucket_height[start:stop],
+                self.key[start:stop],
+                self.text_key[start:stop],
+                self.crop[start:stop].tolist(),
+                seen,
+                strict=True,
             )
-        ]  # fmt: skip
+        ]
 
 
 def job_columns(
-    table: pa.Table, root: str, latent_recipe: dict[str, Any], text_recipe: dict[str, Any],
-    crop: np.ndarray | None = None, dataset: np.ndarray | None = None, seen: bool = False,
-) -> ImageJobs:  # fmt: skip
+    table: pa.Table,
+    root: str,
+    latent_recipe: dict[str, Any],
+    text_recipe: dict[str, Any],
+    crop: np.ndarray | None = None,
+    dataset: np.ndarray | None = None,
+    seen: bool = False,
+) -> ImageJobs:
     """A scan table's rows (JOB_COLUMNS of it), with their crops (as ScanRows.crop) keyed under the given recipes, and
     their datasets (as reader.dataset_rows; None: a scan of one source); with `seen`, the table's SEEN_COLUMNS kept
     to check each image against when it is read."""

@@ -46,9 +46,16 @@ _MAX_CHILDREN = 64  # probes for one name prefix; past it the prefix is one rang
 _MAX_DEPTH = 16  # characters deep that cuts are looked for
 _BATCH = 10_000  # FileInfo made at a time from the table
 _SCHEMA = pa.schema(
-    [("key", pa.binary()), ("location", pa.binary()), ("size", pa.int64()), ("mtime", pa.float64()),
-     ("etag", pa.string()), ("error", pa.string()), ("error_kind", pa.string())]
-)  # fmt: skip
+    [
+        ("key", pa.binary()),
+        ("location", pa.binary()),
+        ("size", pa.int64()),
+        ("mtime", pa.float64()),
+        ("etag", pa.string()),
+        ("error", pa.string()),
+        ("error_kind", pa.string()),
+    ]
+)
 _ROOT = "stk.root"  # a listing's schema metadata: the root its keys are relative to
 _LAST = "\U0010ffff"  # the last character: "ab" + _LAST sorts after every name of "ab" and a few more characters
 

@@ -112,8 +112,13 @@ def _what_is(mode: int) -> str | None:
     """What a non-regular file is, for people; None for a regular file."""
     if stat.S_ISREG(mode):
         return None
-    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]  # fmt: skip
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ]
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 

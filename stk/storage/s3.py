@@ -219,10 +219,15 @@ def list_entries(
     while True:
         page = _call(lambda: client().list_objects_v2(**request), bucket, request["Prefix"])
         entries = [
-            FileInfo(o["Key"][len(prefix) :], f"s3://{bucket}/{o['Key']}", int(o["Size"]),
-                     o["LastModified"].timestamp(), etag=str(o.get("ETag", "")).strip('"'))
+            FileInfo(
+                o["Key"][len(prefix) :],
+                f"s3://{bucket}/{o['Key']}",
+                int(o["Size"]),
+                o["LastModified"].timestamp(),
+                etag=str(o.get("ETag", "")).strip('"'),
+            )
             for o in page.get("Contents", [])
-        ]  # fmt: skip
+        ]
         if levels:  # and each common prefix, of size -1
             common = [p["Prefix"] for p in page.get("CommonPrefixes", [])]
             entries += [FileInfo(key[len(prefix) :], f"s3://{bucket}/{key}", -1, 0.0) for key in common]

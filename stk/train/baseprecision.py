@@ -35,19 +35,24 @@ def check(base_precision: str, adapter: bool, zero_stage: int) -> None:
         return
     flag = f"--base-precision {base_precision}"
     if not adapter:
-        raise InputError(f"{flag} quantises the frozen base of an adapter: add --lora-rank, or drop it to train "
-                         "every weight")  # fmt: skip
+        raise InputError(
+            f"{flag} quantises the frozen base of an adapter: add --lora-rank, or drop it to train every weight"
+        )
     if zero_stage == 3:
-        raise InputError(f"{flag}: ZeRO-3 cannot partition torchao's quantised weights; use --deepspeed zero2 or "
-                         "zero1, where every rank holds the quantised base whole")  # fmt: skip
+        raise InputError(
+            f"{flag}: ZeRO-3 cannot partition torchao's quantised weights; use --deepspeed zero2 or "
+            "zero1, where every rank holds the quantised base whole"
+        )
     if base_precision == "fp8":
         _check_fp8_device()
 
 
 def _check_fp8_device() -> None:
     if not torch.cuda.is_available():
-        raise InputError("--base-precision fp8 needs a GPU of compute capability 8.9 or later (H100, L40S, "
-                         "RTX 4090); this machine has none (cpu): use int8")  # fmt: skip
+        raise InputError(
+            "--base-precision fp8 needs a GPU of compute capability 8.9 or later (H100, L40S, "
+            "RTX 4090); this machine has none (cpu): use int8"
+        )
     check_fp8_gpu("--base-precision fp8", "use int8")
 
 

@@ -361,8 +361,9 @@ def _log_taken(taken: Resume, damaged: list[tuple[Resume, list[str]]]) -> None:
     if damaged:
         log.warning("resuming from %s, the newest checkpoint that verifies", _where(taken))
     if recorded_files(_where(taken)) is None:
-        log.warning("checkpoint %s records no digests (saved by an older stk): resumed without verifying it",
-                    _where(taken))  # fmt: skip
+        log.warning(
+            "checkpoint %s records no digests (saved by an older stk): resumed without verifying it", _where(taken)
+        )
 
 
 def _none_verifies(damaged: list[tuple[Resume, list[str]]], picked: bool) -> None:

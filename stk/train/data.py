@@ -195,8 +195,10 @@ class ImageData:
         self._buckets, self._rows = _path_buckets(jobs, f)
 
     def buckets(self) -> dict[BucketShape, list[str]]:
-        return {hw: [path.decode("utf-8", "surrogateescape") for path in paths.tolist()] for hw, paths in
-                self._buckets.items()}  # fmt: skip
+        return {
+            hw: [path.decode("utf-8", "surrogateescape") for path in paths.tolist()]
+            for hw, paths in self._buckets.items()
+        }
 
     def bucket_keys(self) -> dict[BucketShape, np.ndarray]:
         return dict(self._buckets)

@@ -67,9 +67,15 @@ def _epoch(run: Trainer, loader: BatchLoader) -> Outcome | None:
         dataset = run.sampler.dataset_at(trained_in_epoch)  # every micro-step of the step, on every rank
         try:
             result = train_step(
-                run.model, batches, run.step, run.opts.seed, run.rank, run.sampler.world_size, run.opts.grad_accum,
+                run.model,
+                batches,
+                run.step,
+                run.opts.seed,
+                run.rank,
+                run.sampler.world_size,
+                run.opts.grad_accum,
                 dataset,
-            )  # fmt: skip
+            )
         except Exception as exc:
             if not is_gpu_error(exc) or is_peer_failure(exc):
                 raise
@@ -93,9 +99,13 @@ def _step_boundary(
         hook.after_step(run.step)
     grad_norm = _grad_norm(run)
     agreed = agree(
-        run.signals.received is not None, run.watch.fault is not None, result.loss, result.digest % 2**32,
-        run.model.device, grad_norm,
-    )  # fmt: skip
+        run.signals.received is not None,
+        run.watch.fault is not None,
+        result.loss,
+        result.digest % 2**32,
+        run.model.device,
+        grad_norm,
+    )
     run.loss = agreed.loss if agreed.finite else None
     run.nonfinite.record(run.step, agreed, run.sampler.world_size)
     seconds = time.monotonic() - step_started
@@ -139,9 +149,15 @@ def _grad_norm(run: Trainer) -> float | None:
 
 
 def _record(
-    run: Trainer, loader: BatchLoader, agreed: Agreement, grad_norm: float | None, trained_in_epoch: int,
-    seconds: float, validated: float | None, dataset: str,
-) -> None:  # fmt: skip
+    run: Trainer,
+    loader: BatchLoader,
+    agreed: Agreement,
+    grad_norm: float | None,
+    trained_in_epoch: int,
+    seconds: float,
+    validated: float | None,
+    dataset: str,
+) -> None:
     """The step's metrics row (a value that is not finite is null: JSON has no nan); with several datasets, the
     dataset its loss is of (every rank drew the step from it), and its samples counted for the summary."""
     row = {

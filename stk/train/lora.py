@@ -82,8 +82,10 @@ class LoraSettings:
         if self.dora and self.adapter != "lora":
             raise InputError(f"--dora with --adapter {self.adapter}: DoRA is a kind of LoRA; drop one of them")
         if not self.enabled and (self.dora or self.adapter != "lora"):
-            raise InputError(f"--adapter {self.adapter}{' --dora' if self.dora else ''}: give --lora-rank (at least "
-                             "1); rank 0 trains every weight")  # fmt: skip
+            raise InputError(
+                f"--adapter {self.adapter}{' --dora' if self.dora else ''}: give --lora-rank (at least "
+                "1); rank 0 trains every weight"
+            )
 
     @property
     def scale_alpha(self) -> int:

@@ -150,9 +150,12 @@ def sample_u(settings: LossSettings, sampling: str, batch_size: int, generator: 
         return torch.rand((batch_size,), generator=generator)
     mean = settings.logit_mean if sampling == "logit-normal" else 0.0
     return compute_density_for_timestep_sampling(
-        weighting_scheme="logit_normal", batch_size=batch_size, logit_mean=mean, logit_std=settings.logit_std,
+        weighting_scheme="logit_normal",
+        batch_size=batch_size,
+        logit_mean=mean,
+        logit_std=settings.logit_std,
         generator=generator,
-    )  # fmt: skip
+    )
 
 
 def flow_shift(u: torch.Tensor, shift: float) -> torch.Tensor:

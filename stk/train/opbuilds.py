@@ -245,8 +245,9 @@ def main() -> None:
         sys.exit(int(exc.exit_code))
     directory = os.environ["TORCH_EXTENSIONS_DIR"]
     ready = [name for name, failure in outcome.items() if failure is None]
-    print(f"stk: DeepSpeed's ops {', '.join(ready) or '(none)'} ready in {directory} "
-          f"({time.monotonic() - started:.0f} s)")  # fmt: skip
+    print(
+        f"stk: DeepSpeed's ops {', '.join(ready) or '(none)'} ready in {directory} ({time.monotonic() - started:.0f} s)"
+    )
     for name, failure in outcome.items():
         if failure is not None:
             print(f"stk: DeepSpeed's op {name} did not build ({failure}); stk-train tries again when it needs it")

@@ -156,9 +156,9 @@ def _covered(
     return {hw: keys[wanted[hw]] for hw, keys in buckets.items() if wanted[hw].any()}, jobs
 
 
-def _scan_groups(datasets: list[RunDataset], buckets: dict[BucketShape, np.ndarray], jobs: ImageJobs) -> dict[
-    Group, np.ndarray
-]:  # fmt: skip
+def _scan_groups(
+    datasets: list[RunDataset], buckets: dict[BucketShape, np.ndarray], jobs: ImageJobs
+) -> dict[Group, np.ndarray]:
     """The covered buckets split by the datasets of their scan rows (`jobs`: the rows the cache holds, each with its
     dataset): a key is in a dataset's group when one of the dataset's rows has it (the same image in two datasets is
     in both)."""

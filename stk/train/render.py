@@ -41,8 +41,17 @@ log = get_logger("train")
 
 SAMPLES_DIR = "samples"
 # the pipeline's components that turn text into embeddings or check images: not loaded, the embeddings are given
-_UNUSED = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3",
-           "image_encoder", "feature_extractor", "safety_checker")  # fmt: skip
+_UNUSED = (
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "tokenizer",
+    "tokenizer_2",
+    "tokenizer_3",
+    "image_encoder",
+    "feature_extractor",
+    "safety_checker",
+)
 
 
 @dataclass
@@ -56,9 +65,16 @@ class ValidationRound:
 
 class ValidationRenderer:
     def __init__(
-        self, plan: ValidationPlan, objective: Objective, module: torch.nn.Module, embeddings: Embeddings,
-        device: torch.device, dtype: torch.dtype, rank: int, world: int,
-    ) -> None:  # fmt: skip
+        self,
+        plan: ValidationPlan,
+        objective: Objective,
+        module: torch.nn.Module,
+        embeddings: Embeddings,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int,
+        world: int,
+    ) -> None:
         self.plan, self.module, self.rank, self.world = plan, module, rank, world
         self.device, self.dtype = device, dtype
         self.pipeline = _pipeline(objective, module, device, dtype)

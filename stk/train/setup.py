@@ -102,21 +102,46 @@ def setup(setting: Setting, world: World, signals: StopSignals) -> Trainer:
     step, nonfinite = checkpointer.resume(model.engine, sampler, resume, opts, setting.overridden) if resume else (0, 0)
     checkpointer.hooks = hooks = hooks_for(opts, model.engine.module, env.rank, env.world_size, resume)
     watch = GpuWatch(
-        None, interval=opts.health_interval, notify_urls=opts.notify_urls, notify_config=opts.notify_config,
+        None,
+        interval=opts.health_interval,
+        notify_urls=opts.notify_urls,
+        notify_config=opts.notify_config,
         rank=env.rank,
-    )  # fmt: skip
+    )
     metrics = MetricsLog(opts.output_dir, env.rank == 0, opts.report_to)
     validator = None
     if setting.validation is not None:
-        validator = Validator(setting.validation, model.objective, model.engine.module, embeddings, device,
-                              model.dtype, env.rank, env.world_size, opts.output_dir)  # fmt: skip
+        validator = Validator(
+            setting.validation,
+            model.objective,
+            model.engine.module,
+            embeddings,
+            device,
+            model.dtype,
+            env.rank,
+            env.world_size,
+            opts.output_dir,
+        )
     return Trainer(
-        opts, plan, sampler, model, env.rank, checkpointer, metrics, signals, watch,
-        Progress(world, total_steps - step, "steps", "train"), total_steps, first_step=step, step=step,
-        trainable=setting.trainable, hooks=hooks, validator=validator,
+        opts,
+        plan,
+        sampler,
+        model,
+        env.rank,
+        checkpointer,
+        metrics,
+        signals,
+        watch,
+        Progress(world, total_steps - step, "steps", "train"),
+        total_steps,
+        first_step=step,
+        step=step,
+        trainable=setting.trainable,
+        hooks=hooks,
+        validator=validator,
         nonfinite=NonFiniteSteps(opts.max_nonfinite_steps, env.rank, total=nonfinite),
         hosts=dict(sorted(Counter(world.allgather(world.node)).items())),
-    )  # fmt: skip
+    )
 
 
 def _start_distributed(opts: TrainOptions, world: World) -> tuple[DistEnv, torch.device, str]:
@@ -137,9 +162,15 @@ def dtype_of(precision: str) -> torch.dtype:
 def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketSampler, int]:
     """This rank's sampler and the optimizer steps to train."""
     sampler = BucketSampler(
-        plan.groups, plan.repeats, opts.batch_size, env.world_size, env.rank, opts.grad_accum, opts.seed,
+        plan.groups,
+        plan.repeats,
+        opts.batch_size,
+        env.world_size,
+        env.rank,
+        opts.grad_accum,
+        opts.seed,
         weights=plan.weights,
-    )  # fmt: skip
+    )
     if not sampler.steps_per_epoch:
         raise InputError("no bucket fills one effective batch: nothing to train (see the bucket check above)")
     # --max-steps wins over --epochs either way, as every peer's max_train_steps does: the epochs follow from it
@@ -202,9 +233,16 @@ def _load_model(
     dropouts = caption_dropouts(plan.datasets, opts.loss.caption_dropout)
     empty = embeddings.get(EMPTY_CAPTION) if _drops_captions(opts, plan) else None
     return StepModel(
-        objective, engine, encoders, device, dtype, norm, empty,
-        opts.loss.caption_dropout, dropouts,
-    )  # fmt: skip
+        objective,
+        engine,
+        encoders,
+        device,
+        dtype,
+        norm,
+        empty,
+        opts.loss.caption_dropout,
+        dropouts,
+    )
 
 
 def _drops_captions(opts: TrainOptions, plan: TrainPlan) -> bool:
@@ -213,9 +251,13 @@ def _drops_captions(opts: TrainOptions, plan: TrainPlan) -> bool:
 
 
 def _embeddings(
-    opts: TrainOptions, world: World, plan: TrainPlan, validation: ValidationPlan | None, device: torch.device,
+    opts: TrainOptions,
+    world: World,
+    plan: TrainPlan,
+    validation: ValidationPlan | None,
+    device: torch.device,
     precision: str,
-) -> Embeddings:  # fmt: skip
+) -> Embeddings:
     """The prompts' embeddings and the empty caption's, for validation and --caption-dropout: from the cache, or
     encoded now by the model's text encoders (loaded on every rank, freed after)."""
     captions = list(validation.prompts) if validation is not None else []
@@ -229,8 +271,11 @@ def _embeddings(
 
     def encoders() -> Any:
         check_text_encoders_in_train(plan.family, "the cache lacks a prompt's embedding (or the empty caption's)")
-        log.info("encoding %d prompts with %s's text encoders (stk-cache --validation-prompts stores them)",
-                 len(captions), opts.model)  # fmt: skip
+        log.info(
+            "encoding %d prompts with %s's text encoders (stk-cache --validation-prompts stores them)",
+            len(captions),
+            opts.model,
+        )
         return world.run_everywhere(lambda: load_encoders(opts.model, plan.family, device, dtype))
 
     return embed_captions(captions, plan.data.caption_arrays, encoders)

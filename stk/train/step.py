@@ -54,9 +54,15 @@ class StepResult:
 
 
 def train_step(
-    model: StepModel, batches: Iterator[Batch], step: int, seed: int, rank: int, world_size: int, accum: int,
+    model: StepModel,
+    batches: Iterator[Batch],
+    step: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    accum: int,
     dataset: str = "",
-) -> StepResult | None:  # fmt: skip
+) -> StepResult | None:
     """Optimizer step `step + 1` on this rank: `accum` micro-batches from `batches` (of `dataset`), each forward,
     backward and `engine.step()` (DeepSpeed steps the optimizer after the last). None when `batches` ends first (the
     epoch's end: the sampler cuts an epoch into whole optimizer steps)."""

@@ -69,8 +69,13 @@ class LoraAdapter(Trainable):
 
     def add(self, denoiser: Any, objective: Objective, seed: int) -> None:
         layers = add_lora(denoiser, self.settings, objective.family, seed)
-        log.info("%s of rank %d (alpha %d) on %d layers; the base weights frozen", self.what, self.settings.rank,
-                 self.settings.scale_alpha, layers)  # fmt: skip
+        log.info(
+            "%s of rank %d (alpha %d) on %d layers; the base weights frozen",
+            self.what,
+            self.settings.rank,
+            self.settings.scale_alpha,
+            layers,
+        )
 
     def save_beside(self, engine: Any, objective: Objective, folder: str, rank: int) -> list[str]:
         out = os.path.join(folder, "lora")

@@ -37,14 +37,28 @@ class Validator:
     """Rounds at step 0 (a run from scratch), every `plan.every` steps and after the last, on every rank."""
 
     def __init__(
-        self, plan: ValidationPlan, objective: Objective, module: torch.nn.Module, embeddings: Embeddings,
-        device: torch.device, dtype: torch.dtype, rank: int, world_size: int, output_dir: str,
-    ) -> None:  # fmt: skip
+        self,
+        plan: ValidationPlan,
+        objective: Objective,
+        module: torch.nn.Module,
+        embeddings: Embeddings,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int,
+        world_size: int,
+        output_dir: str,
+    ) -> None:
         self.plan, self.output_dir = plan, output_dir
         self.renderer = ValidationRenderer(plan, objective, module, embeddings, device, dtype, rank, world_size)
-        log.info("samples of %d prompts at %dx%d, %d steps: at step 0, every %d steps and at the end (%s/)",
-                 len(plan.prompts), plan.width, plan.height, plan.steps, plan.every,
-                 os.path.join(output_dir, SAMPLES_DIR))  # fmt: skip
+        log.info(
+            "samples of %d prompts at %dx%d, %d steps: at step 0, every %d steps and at the end (%s/)",
+            len(plan.prompts),
+            plan.width,
+            plan.height,
+            plan.steps,
+            plan.every,
+            os.path.join(output_dir, SAMPLES_DIR),
+        )
 
     def due(self, step: int, last_step: int) -> bool:
         return self.plan.due(step, last_step)

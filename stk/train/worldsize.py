@@ -60,8 +60,14 @@ def accumulation_for(
         )
     if effective % (batch_size * world_size) == 0:
         accum = effective // (batch_size * world_size)
-        log.info("%s: saved on %s, resumed on %d: gradient accumulation %d keeps the effective batch of %d",
-                 where, _ranks(before), world_size, accum, effective)  # fmt: skip
+        log.info(
+            "%s: saved on %s, resumed on %d: gradient accumulation %d keeps the effective batch of %d",
+            where,
+            _ranks(before),
+            world_size,
+            accum,
+            effective,
+        )
         return accum
     fits = [n for n in range(1, effective // batch_size + 1) if effective % (batch_size * n) == 0]
     keeps = (
@@ -77,8 +83,13 @@ def accumulation_for(
     )
     if not override:
         raise InputError(message)
-    log.warning("--override-resume: %s continues on %s with an effective batch of %d (was %d)",
-                where, _ranks(world_size), new, effective)  # fmt: skip
+    log.warning(
+        "--override-resume: %s continues on %s with an effective batch of %d (was %d)",
+        where,
+        _ranks(world_size),
+        new,
+        effective,
+    )
     return grad_accum
 
 

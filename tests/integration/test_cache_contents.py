@@ -69,8 +69,13 @@ def test_cache_holds_what_the_vae_and_text_encoders_give(
     verify = run_cache(["verify", cache.path, "--scan", scanned.scan])
     assert verify.returncode == 0, verify.stderr
     report = summary_of(verify)
-    assert report == {"ok": True, "shards": report["shards"], "latents": 40, "texts": len(scanned.texts),
-                      "bad_input": 1}  # fmt: skip
+    assert report == {
+        "ok": True,
+        "shards": report["shards"],
+        "latents": 40,
+        "texts": len(scanned.texts),
+        "bad_input": 1,
+    }
 
     rows = {row["path"]: row for row in scanned.rows}
     jobs = jobs_of(cache.path, scanned.scan)

@@ -67,8 +67,9 @@ def test_a_missing_scan_a_directory_that_is_no_model_or_of_no_known_family_or_an
 
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n \n")
-    proc = run_cache([scanned.scan, "--model", models[Family.SD], "--out", tmp_path / "cache3",
-                      "--validation-prompts", empty])  # fmt: skip
+    proc = run_cache(
+        [scanned.scan, "--model", models[Family.SD], "--out", tmp_path / "cache3", "--validation-prompts", empty]
+    )
     lines = error_lines(proc)
     assert proc.returncode == 3 and len(lines) == 1 and f"{empty}: no prompts in it (one per line)" in lines[0]
     assert not (tmp_path / "cache3").exists()
@@ -147,8 +148,9 @@ def test_a_wrong_bucket_or_endpoint_is_one_line_and_exit_3_before_the_model_load
             "not-s3": stack.enter_context(web_server()) if endpoint == "not-s3" else "",
         }[endpoint]
         started = time.monotonic()
-        proc = run_cache([scanned.scan, "--model", tmp_path / "no-model", "--out", f"s3://{bucket}/cache",
-                          "--s3-endpoint-url", url])  # fmt: skip
+        proc = run_cache(
+            [scanned.scan, "--model", tmp_path / "no-model", "--out", f"s3://{bucket}/cache", "--s3-endpoint-url", url]
+        )
         seconds = time.monotonic() - started
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -47,8 +47,9 @@ def finished_parts(cache: Path) -> list[dict[str, Any]]:
 
 
 def kill_one_rank_after_a_shard(command: list[str], cache: Path, victim: int) -> None:
-    proc = kill_cache_ranks_when(command, cache_env(), lambda: bool(finished_parts(cache)), "no finished shard",
-                                 (victim,))  # fmt: skip
+    proc = kill_cache_ranks_when(
+        command, cache_env(), lambda: bool(finished_parts(cache)), "no finished shard", (victim,)
+    )
     assert proc.returncode != 0
 
 

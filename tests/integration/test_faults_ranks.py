@@ -156,8 +156,21 @@ def reset_sockets(pid: int, peer: int) -> int:
 
 
 def train_args(model: str, cache: Path, out: Path) -> list[object]:
-    return ["--cache", cache, "--model", model, "--output-dir", out, *TRAIN_ARGS, "--epochs", 50,
-            "--max-steps", STEPS, "--checkpoint-every", 5]  # fmt: skip
+    return [
+        "--cache",
+        cache,
+        "--model",
+        model,
+        "--output-dir",
+        out,
+        *TRAIN_ARGS,
+        "--epochs",
+        50,
+        "--max-steps",
+        STEPS,
+        "--checkpoint-every",
+        5,
+    ]
 
 
 def fault_mid_training(
@@ -165,8 +178,14 @@ def fault_mid_training(
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     """Start the run, apply `fault` once 3 steps are in metrics.jsonl; the ended run and the
     seconds from the fault to its end."""
-    proc = subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        list(map(str, command)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while len(metrics(out)) < 3 and proc.poll() is None and time.monotonic() < deadline:
@@ -257,9 +276,18 @@ def test_stk_launch_returns_69_when_a_rank_stops_answering_and_leaves_no_rank_be
     model, cache = setups(Family.SD)
     out = tmp_path / "run"
     command = [
-        STK_LAUNCH, "--hosts", "localhost", "--slots-per-node", 2, "--master-addr", "127.0.0.1",
-        "--hostfile", tmp_path / "hosts", "--", *train_args(model, cache, out),
-    ]  # fmt: skip
+        STK_LAUNCH,
+        "--hosts",
+        "localhost",
+        "--slots-per-node",
+        2,
+        "--master-addr",
+        "127.0.0.1",
+        "--hostfile",
+        tmp_path / "hosts",
+        "--",
+        *train_args(model, cache, out),
+    ]
     stopped: list[int] = []
 
     def stop_rank_1(proc: subprocess.Popen[str]) -> None:

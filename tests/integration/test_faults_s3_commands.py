@@ -130,9 +130,25 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _scan_args(url: str, out: Path, weed: WeedServer, budget: float) -> list[str]:
-    return [url, "--out", str(out), "--s3-endpoint-url", weed.endpoint, "--s3-retry-seconds", f"{budget:g}",
-            "--threads", "2", "--commit-every", "10", "--resolution", "64", "--batch-size", "1",
-            "--gpus", "1"]  # fmt: skip
+    return [
+        url,
+        "--out",
+        str(out),
+        "--s3-endpoint-url",
+        weed.endpoint,
+        "--s3-retry-seconds",
+        f"{budget:g}",
+        "--threads",
+        "2",
+        "--commit-every",
+        "10",
+        "--resolution",
+        "64",
+        "--batch-size",
+        "1",
+        "--gpus",
+        "1",
+    ]
 
 
 def test_scan_rides_through_an_outage(weed: WeedServer, images: Path, tmp_path: Path):
@@ -189,8 +205,21 @@ def _cache_run(
     scan = tmp_path / "scan"
     _scan_on(weed, images, scan)
     s3_client(weed.endpoint).create_bucket(Bucket="cache")
-    args = [scan, "--model", sd_model, "--out", "s3://cache/c", "--s3-endpoint-url", weed.endpoint,
-            "--s3-retry-seconds", f"{budget:g}", "--threads", "2", "--batch-size", "4"]  # fmt: skip
+    args = [
+        scan,
+        "--model",
+        sd_model,
+        "--out",
+        "s3://cache/c",
+        "--s3-endpoint-url",
+        weed.endpoint,
+        "--s3-retry-seconds",
+        f"{budget:g}",
+        "--threads",
+        "2",
+        "--batch-size",
+        "4",
+    ]
     env = {**cache_env(), "STK_CACHE_WORK_DIR": str(tmp_path / "work")}
     return cache_command(args, mpi=2), env, scan
 
@@ -240,10 +269,39 @@ TRAIN_STEPS = 30
 
 
 def _train_command(weed: WeedServer, scan: Path, model: str, out: Path, budget: float) -> list[str]:
-    args = ["--cache", "s3://train/cache", "--scan", scan, "--model", model, "--output-dir", out,
-            "--epochs", "3", "--max-steps", TRAIN_STEPS, "--checkpoint-every", "4", "--local-cache-size", "1e-6",
-            "--loader-threads", "2", "--prefetch", "1", "--batch-size", "1", "--lr", "1e-3", "--precision", "fp32",
-            "-q", "--s3-endpoint-url", weed.endpoint, "--s3-retry-seconds", f"{budget:g}"]  # fmt: skip
+    args = [
+        "--cache",
+        "s3://train/cache",
+        "--scan",
+        scan,
+        "--model",
+        model,
+        "--output-dir",
+        out,
+        "--epochs",
+        "3",
+        "--max-steps",
+        TRAIN_STEPS,
+        "--checkpoint-every",
+        "4",
+        "--local-cache-size",
+        "1e-6",
+        "--loader-threads",
+        "2",
+        "--prefetch",
+        "1",
+        "--batch-size",
+        "1",
+        "--lr",
+        "1e-3",
+        "--precision",
+        "fp32",
+        "-q",
+        "--s3-endpoint-url",
+        weed.endpoint,
+        "--s3-retry-seconds",
+        f"{budget:g}",
+    ]
     return train_command(list(map(str, args)), mpi=2)
 
 

@@ -50,10 +50,26 @@ def kit(tmp_path_factory: pytest.TempPathFactory) -> Kit:
     for i, parts in enumerate(HALVES):
         results = root / f"RESULTS-{i}.md"
         results.write_text("# Benchmark results\n")
-        command = [sys.executable, str(KIT), "--cpu", "--only", parts, "--record", "--results", str(results),
-                   "--workdir", str(root / f"work-{i}"), "--peak-tflops", "0.05"]  # fmt: skip
-        procs.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env=train_env()), results))  # fmt: skip
+        command = [
+            sys.executable,
+            str(KIT),
+            "--cpu",
+            "--only",
+            parts,
+            "--record",
+            "--results",
+            str(results),
+            "--workdir",
+            str(root / f"work-{i}"),
+            "--peak-tflops",
+            "0.05",
+        ]
+        procs.append(
+            (
+                subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env()),
+                results,
+            )
+        )
     rows: dict[str, list[dict[str, Any]]] = {}
     for proc, _ in procs:
         out, err = proc.communicate(timeout=900)
@@ -179,10 +195,14 @@ def test_record_appends_a_table_headed_by_the_environment(kit):
 
 
 def test_unknown_parts_and_no_gpu_are_usage_errors(tmp_path):
-    for args, message in ((["--cpu", "--only", "train,bake"], "--only bake: choose from"),
-                          ([], "no CUDA device")):  # fmt: skip
-        proc = subprocess.run([sys.executable, str(KIT), *args, "--workdir", str(tmp_path)], capture_output=True,
-                              text=True, env=train_env(), timeout=120)  # fmt: skip
+    for args, message in ((["--cpu", "--only", "train,bake"], "--only bake: choose from"), ([], "no CUDA device")):
+        proc = subprocess.run(
+            [sys.executable, str(KIT), *args, "--workdir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            env=train_env(),
+            timeout=120,
+        )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 

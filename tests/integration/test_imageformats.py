@@ -27,8 +27,13 @@ def test_one_rank_and_two_give_the_same_tables_and_exit_without_gpus(format_corp
     results = {}
     for ranks in (0, 2):
         out = tmp_path / f"scan{ranks}"
-        proc = subprocess.run(scan_command([root, "--out", out, *SCAN_ARGS], mpi=ranks), capture_output=True,
-                              text=True, env=scan_env(), timeout=300)  # fmt: skip
+        proc = subprocess.run(
+            scan_command([root, "--out", out, *SCAN_ARGS], mpi=ranks),
+            capture_output=True,
+            text=True,
+            env=scan_env(),
+            timeout=300,
+        )
         results[ranks] = (proc, out)
     (one, one_out), (two, two_out) = results[0], results[2]
     errors = sum(s.verdict == "error" for s in samples)
@@ -63,8 +68,13 @@ def test_stk_cache_encodes_every_format(format_corpus, tmp_path):
     assert proc.returncode == 0, proc.stderr
     model = build_tiny_model(Family.SD, str(tmp_path / "model"))
     cache = tmp_path / "cache"
-    proc = subprocess.run(cache_command([scan, "--model", model, "--out", cache, "-q"]), capture_output=True,
-                          text=True, env=cache_env(), timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        cache_command([scan, "--model", model, "--out", cache, "-q"]),
+        capture_output=True,
+        text=True,
+        env=cache_env(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["encoded_images"] == sum(s.verdict != "error" for s in samples), summary
@@ -74,7 +84,12 @@ def test_stk_cache_encodes_every_format(format_corpus, tmp_path):
 
 @pytest.mark.integration
 def test_a_bad_formats_list_is_a_usage_error(tmp_path):
-    proc = subprocess.run(scan_command([tmp_path, "--out", tmp_path / "out", "--formats", "jpeg,psd"]),
-                          capture_output=True, text=True, env=scan_env(), timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        scan_command([tmp_path, "--out", tmp_path / "out", "--formats", "jpeg,psd"]),
+        capture_output=True,
+        text=True,
+        env=scan_env(),
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "--formats" in proc.stderr and "psd" in proc.stderr and "Traceback" not in proc.stderr

@@ -16,8 +16,18 @@ pytestmark = pytest.mark.integration
 
 
 def test_scale_bench_reports_the_table_stage(tmp_path: Path) -> None:
-    command = [sys.executable, str(REPO / "bench" / "scale.py"), "--sizes", "100,200", "--ranks", "1",
-               "--only", "table", "--data", str(tmp_path)]  # fmt: skip
+    command = [
+        sys.executable,
+        str(REPO / "bench" / "scale.py"),
+        "--sizes",
+        "100,200",
+        "--ranks",
+        "1",
+        "--only",
+        "table",
+        "--data",
+        str(tmp_path),
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, env=scan_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

@@ -155,8 +155,11 @@ def test_fifos_sockets_unlistable_directories_and_names_not_utf8_are_one_row_eac
     listing = os.fsencode(root) + b"/\xff\xfe.png\n" + os.fsencode(root / "x.jpg") + b"\n"
     listed = subprocess.run(
         scan_command(["-", "--out", tmp_path / "listed", "--max-errors", "1"]),
-        input=listing, capture_output=True, env=scan_env(), timeout=40,
-    )  # fmt: skip
+        input=listing,
+        capture_output=True,
+        env=scan_env(),
+        timeout=40,
+    )
     assert listed.returncode == 0, listed.stderr.decode(errors="replace")
     assert [r["path"] for r in _rows(tmp_path / "listed")] == [f"{root}/\\xff\\xfe.png"]
     assert [(e["path"], e["kind"]) for e in _errors(tmp_path / "listed")] == [(str(root / "x.jpg"), "not_a_file")]

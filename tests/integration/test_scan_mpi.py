@@ -109,8 +109,19 @@ def test_datasets_on_two_ranks_give_the_same_outputs_as_one(tmp_path: Path, run_
         f'[[dataset]]\nname = "a"\nsource = "{tmp_path / "a"}"\nresolution = 96\n\n'
         f'[[dataset]]\nname = "b"\nsource = "{tmp_path / "b"}"\nrepeats = 3\n'
     )
-    args = ["--datasets", listed, "--gpus", "1", "--alignment", "16", "--missing-caption", "empty", "--threads", "2",
-            "--allow-oversubscription"]  # fmt: skip
+    args = [
+        "--datasets",
+        listed,
+        "--gpus",
+        "1",
+        "--alignment",
+        "16",
+        "--missing-caption",
+        "empty",
+        "--threads",
+        "2",
+        "--allow-oversubscription",
+    ]
     one = run_scan([*args, "--out", tmp_path / "one"])
     assert one.returncode == 0, one.stderr
     two = run_scan([*args, "--out", tmp_path / "two"], mpi=2)

@@ -270,5 +270,9 @@ def test_s3_sidecars_of_a_list_come_from_one_listing(s3_server: str, monkeypatch
         storage.configure_s3(None)
     assert listed == one_by_one and asked == []
     assert [(r["caption"], r["caption_source"]) for r in listed] == [
-        ("zero", "sidecar"), ("one", "sidecar"), ("img2", "filename"), ("img3", "filename"), ("img4", "filename")
-    ]  # fmt: skip
+        ("zero", "sidecar"),
+        ("one", "sidecar"),
+        ("img2", "filename"),
+        ("img3", "filename"),
+        ("img4", "filename"),
+    ]

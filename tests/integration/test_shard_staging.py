@@ -32,8 +32,11 @@ def test_killed_s3_build_leaves_staging_files_that_the_next_run_removes(
     scan = tmp_path / "scan"
     scanned = subprocess.run(
         scan_command([data, "--out", scan, "--resolution", "128", "--alignment", "16", "-q"]),
-        capture_output=True, text=True, env=scan_env(), timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=scan_env(),
+        timeout=120,
+    )
     assert scanned.returncode == 0, scanned.stderr
     model = build_tiny_model(Family.FLUX, str(tmp_path / "flux"))
     bucket = f"stk-staging-{uuid.uuid4().hex[:10]}"
@@ -61,7 +64,10 @@ def test_killed_s3_build_leaves_staging_files_that_the_next_run_removes(
     assert summary["encoded_images"] + summary["reused_images"] == IMAGES
     verify = subprocess.run(
         cache_command(["verify", cache, "--scan", scan, "--s3-endpoint-url", s3_server]),
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert verify.returncode == 0, verify.stderr
     assert summary_of(verify)["ok"] is True

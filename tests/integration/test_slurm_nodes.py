@@ -27,8 +27,9 @@ def test_four_idle_nodes_and_srun_reaches_each_by_its_hostname(slurm_nodes: Slur
 
 
 def test_mpi_ranks_under_srun_pmi2_are_one_world_over_four_hosts(slurm_nodes: SlurmNodes):
-    proc = slurm_nodes.run(["timeout", "60", "srun", "--mpi=pmi2", "-N4", "--ntasks-per-node=2", PYTHON, "-c", RANKS],
-                           timeout=70)  # fmt: skip
+    proc = slurm_nodes.run(
+        ["timeout", "60", "srun", "--mpi=pmi2", "-N4", "--ntasks-per-node=2", PYTHON, "-c", RANKS], timeout=70
+    )
     ranks = [line.split() for line in proc.stdout.splitlines()]
     assert sorted(int(rank) for rank, _, _ in ranks) == list(range(8)), proc.stdout
     assert {size for _, size, _ in ranks} == {"8"}, proc.stdout

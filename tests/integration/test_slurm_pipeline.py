@@ -40,13 +40,21 @@ FOUR_NODES_ONE_RANK = ["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", 
 ONE_RANK = {"STK_LAUNCH_SLOTS_PER_NODE": "1"}  # --exclusive hands a job both GPUs of each node
 THREE_NODES = ["--nodes=3", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1", "--time=00:20:00"]
 SETTINGS = {
-    "STK_SCAN_RESOLUTION": "64", "STK_SCAN_ALIGNMENT": "64", "STK_SCAN_BATCH_SIZE": "1",
-    "STK_SCAN_ALLOW_OVERSUBSCRIPTION": "1", "STK_SCAN_QUIET": "1",
-    "STK_CACHE_DTYPE": "float32", "STK_CACHE_QUIET": "1",
-    "STK_TRAIN_BATCH_SIZE": "1", "STK_TRAIN_PRECISION": "fp32", "STK_TRAIN_LR": "1e-3", "STK_TRAIN_MAX_STEPS": "3",
+    "STK_SCAN_RESOLUTION": "64",
+    "STK_SCAN_ALIGNMENT": "64",
+    "STK_SCAN_BATCH_SIZE": "1",
+    "STK_SCAN_ALLOW_OVERSUBSCRIPTION": "1",
+    "STK_SCAN_QUIET": "1",
+    "STK_CACHE_DTYPE": "float32",
+    "STK_CACHE_QUIET": "1",
+    "STK_TRAIN_BATCH_SIZE": "1",
+    "STK_TRAIN_PRECISION": "fp32",
+    "STK_TRAIN_LR": "1e-3",
+    "STK_TRAIN_MAX_STEPS": "3",
     "STK_TRAIN_QUIET": "1",
-    "STK_LAUNCH_NCCL_SOCKET_IFNAME": "eth0", "STK_LAUNCH_GLOO_SOCKET_IFNAME": "eth0",  # each node's one interface
-}  # fmt: skip
+    "STK_LAUNCH_NCCL_SOCKET_IFNAME": "eth0",
+    "STK_LAUNCH_GLOO_SOCKET_IFNAME": "eth0",  # each node's one interface
+}
 GPUS = "/tmp/stk-gpus.json"  # STK_HEALTH_SCRIPT: each node's own file, in its private /tmp
 HEALTH_STATE = "/tmp/stk-health-state.json"  # what a node alerted, on that node
 LOCAL_SHARDS = "/tmp/stk-test-shards"  # --local-cache-dir: each node's own
@@ -63,8 +71,9 @@ def submit(cluster: SlurmNodes, cwd: Path, args: list[str], size: list[str] = SI
     """sbatch/pipeline.sh ARGS -- SIZE from `cwd`; {stage: job id} from its output."""
     full_env = {**train_env(), **SETTINGS, **env, "SLURM_CONF": cluster.env["SLURM_CONF"]}
     full_env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
-    proc = subprocess.run([str(PIPELINE), *args, "--", *size], capture_output=True, text=True, env=full_env,
-                          cwd=cwd, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [str(PIPELINE), *args, "--", *size], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return dict(line.split() for line in proc.stdout.splitlines())
 
@@ -89,6 +98,18 @@ def wait_for(what: str, ready: Any, timeout: float, context: Any = "") -> None:
     while not ready():
         assert time.monotonic() < deadline, f"not {what} after {timeout} s:\n{context() if callable(context) else ''}"
         time.sleep(0.2)
+
+
+def submit_training(cluster: SlurmNodes, run: Run, out: Path, size: list[str], **env: str) -> dict[str, str]:
+    """The pipeline from its train stage, on the run's model, scan and cache, into `out`."""
+    return submit(cluster, run.root, ["--from", "train"], size, MODEL=run.model, RUN=str(run.root), OUT=str(out), **env)
+
+
+def wait_checkpointed(run: Run, out: Path, job: str) -> None:
+    """Until the train job's first checkpoint is in `out`."""
+    wait_for(
+        "checkpointed", lambda: (out / "checkpoints" / "latest").exists(), 240, lambda: log(run.root, "train", job)
+    )
 
 
 def hurry_requeued(cluster: SlurmNodes, job: str, restarts: int) -> bool:
@@ -164,9 +185,16 @@ def test_usr2_checkpoints_every_node_at_one_step_requeues_and_resumes(pipeline: 
     stk-launch, which asks node1's rank; the ranks agree on the step to stop at, so every node
     checkpoints the same step."""
     out = pipeline.root / "train-usr2"
-    jobs = submit(slurm_nodes, pipeline.root, ["--from", "train"], FOUR_NODES_ONE_RANK, MODEL=pipeline.model,
-                  RUN=str(pipeline.root), OUT=str(out), STK_TRAIN_MAX_STEPS="30", STK_TRAIN_EPOCHS="100",
-                  STK_TRAIN_CHECKPOINT_EVERY="0", **ONE_RANK)  # fmt: skip
+    jobs = submit_training(
+        slurm_nodes,
+        pipeline,
+        out,
+        FOUR_NODES_ONE_RANK,
+        STK_TRAIN_MAX_STEPS="30",
+        STK_TRAIN_EPOCHS="100",
+        STK_TRAIN_CHECKPOINT_EVERY="0",
+        **ONE_RANK,
+    )
     job = jobs["train"]
     try:
         wait_for("training", lambda: len(metrics(out)) >= 2, 240, lambda: log(pipeline.root, "train", job))
@@ -196,9 +224,15 @@ def test_a_gpu_fault_on_node3_drains_node3_alone_alerts_once_and_the_job_requeue
     healthy_gpus["node3"].write_text(json.dumps([[gpu(0), gpu(1, ecc_volatile_uncorrectable=4)]]))
     receiver = Receiver(host=slurm_nodes.host_address)
     out = pipeline.root / "train-gated"
-    jobs = submit(slurm_nodes, pipeline.root, ["--from", "train"], THREE_NODES, MODEL=pipeline.model,
-                  RUN=str(pipeline.root), OUT=str(out), STK_HEALTH_SCRIPT=GPUS,
-                  STK_HEALTH_ARGS=f"--state {HEALTH_STATE} --notify {receiver.url()}", **ONE_RANK)  # fmt: skip
+    jobs = submit_training(
+        slurm_nodes,
+        pipeline,
+        out,
+        THREE_NODES,
+        STK_HEALTH_SCRIPT=GPUS,
+        STK_HEALTH_ARGS=f"--state {HEALTH_STATE} --notify {receiver.url()}",
+        **ONE_RANK,
+    )
     job = jobs["train"]
     try:
         hurried = False
@@ -233,15 +267,23 @@ def test_a_gpu_fault_mid_training_on_node2_stops_every_rank_at_one_step_and_the_
     node1, node3 and node4."""
     receiver = Receiver(host=slurm_nodes.host_address)
     out = pipeline.root / "train-gpu-fault"
-    jobs = submit(slurm_nodes, pipeline.root, ["--from", "train"], THREE_NODES, MODEL=pipeline.model,
-                  RUN=str(pipeline.root), OUT=str(out), STK_TRAIN_MAX_STEPS="10", STK_TRAIN_EPOCHS="100",
-                  STK_TRAIN_CHECKPOINT_EVERY="2", STK_TRAIN_HEALTH_INTERVAL="0.2",
-                  STK_TRAIN_NOTIFY_URLS=receiver.url(), STK_HEALTH_SCRIPT=GPUS,
-                  STK_HEALTH_ARGS=f"--state {HEALTH_STATE}", **ONE_RANK)  # fmt: skip
+    jobs = submit_training(
+        slurm_nodes,
+        pipeline,
+        out,
+        THREE_NODES,
+        STK_TRAIN_MAX_STEPS="10",
+        STK_TRAIN_EPOCHS="100",
+        STK_TRAIN_CHECKPOINT_EVERY="2",
+        STK_TRAIN_HEALTH_INTERVAL="0.2",
+        STK_TRAIN_NOTIFY_URLS=receiver.url(),
+        STK_HEALTH_SCRIPT=GPUS,
+        STK_HEALTH_ARGS=f"--state {HEALTH_STATE}",
+        **ONE_RANK,
+    )
     job = jobs["train"]
     try:
-        wait_for("checkpointed", lambda: (out / "checkpoints" / "latest").exists(), 240,
-                 lambda: log(pipeline.root, "train", job))  # fmt: skip
+        wait_checkpointed(pipeline, out, job)
         healthy_gpus["node2"].write_text(json.dumps([[gpu(0, ecc_volatile_uncorrectable=4), gpu(1)]]))
         finish_requeued(slurm_nodes, pipeline.root, job)
     finally:
@@ -268,20 +310,31 @@ def test_a_node_whose_ranks_die_ends_the_job_in_bounded_time_and_the_requeued_jo
     not hang. The run ends within --collective-timeout (15 s here) naming the lost host, the job
     requeues itself (exit 69) and the rerun resumes from the last checkpoint."""
     out = pipeline.root / "train-node-lost"
-    jobs = submit(slurm_nodes, pipeline.root, ["--from", "train"], FOUR_NODES_ONE_RANK, MODEL=pipeline.model,
-                  RUN=str(pipeline.root), OUT=str(out), STK_TRAIN_MAX_STEPS="10", STK_TRAIN_EPOCHS="100",
-                  STK_TRAIN_CHECKPOINT_EVERY="2", STK_TRAIN_COLLECTIVE_TIMEOUT="15", **ONE_RANK)  # fmt: skip
+    jobs = submit_training(
+        slurm_nodes,
+        pipeline,
+        out,
+        FOUR_NODES_ONE_RANK,
+        STK_TRAIN_MAX_STEPS="10",
+        STK_TRAIN_EPOCHS="100",
+        STK_TRAIN_CHECKPOINT_EVERY="2",
+        STK_TRAIN_COLLECTIVE_TIMEOUT="15",
+        **ONE_RANK,
+    )
     job = jobs["train"]
     try:
-        wait_for("checkpointed", lambda: (out / "checkpoints" / "latest").exists(), 240,
-                 lambda: log(pipeline.root, "train", job))  # fmt: skip
+        wait_checkpointed(pipeline, out, job)
         processes = slurm_nodes.node_pids("node4", "stk/cli/rank.py")  # the rank and DeepSpeed's helper above it
         assert processes, log(pipeline.root, "train", job)
         for pid in processes:
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        wait_for("ended", lambda: int(slurm_nodes.job(job).get("Restarts", 0)) >= 1, 120,
-                 lambda: log(pipeline.root, "train", job))  # fmt: skip
+        wait_for(
+            "ended",
+            lambda: int(slurm_nodes.job(job).get("Restarts", 0)) >= 1,
+            120,
+            lambda: log(pipeline.root, "train", job),
+        )
         ended_after = time.monotonic() - killed
         finish_requeued(slurm_nodes, pipeline.root, job)
     finally:
@@ -306,8 +359,13 @@ def test_output_dir_not_shared_by_node4_fails_before_any_model_loads_naming_node
         path.mkdir()
     slurm_nodes.node_exec("node4", ["mount", "--bind", str(private), str(out)])
     try:
-        jobs = submit(slurm_nodes, pipeline.root, ["--from", "train"], FOUR_NODES_ONE_RANK, MODEL=pipeline.model,
-                      RUN=str(pipeline.root), OUT=str(out), **ONE_RANK)  # fmt: skip
+        jobs = submit_training(
+            slurm_nodes,
+            pipeline,
+            out,
+            FOUR_NODES_ONE_RANK,
+            **ONE_RANK,
+        )
         slurm_nodes.wait(jobs["train"], timeout=180)
     finally:
         slurm_nodes.node_exec("node4", ["umount", str(out)])
@@ -330,9 +388,17 @@ def test_each_node_keeps_its_own_copy_of_the_s3_shards_in_its_local_dir(pipeline
     try:
         url = upload_cache(s3_client(server.endpoint), pipeline.root / "cache")
         out = pipeline.root / "train-local-shards"
-        jobs = submit(slurm_nodes, pipeline.root, ["--from", "train"], FOUR_NODES_ONE_RANK, MODEL=pipeline.model,
-                      RUN=str(pipeline.root), OUT=str(out), CACHE=url, STK_TRAIN_S3_ENDPOINT_URL=server.endpoint,
-                      STK_TRAIN_LOCAL_CACHE_DIR=LOCAL_SHARDS, **S3_ENV, **ONE_RANK)  # fmt: skip
+        jobs = submit_training(
+            slurm_nodes,
+            pipeline,
+            out,
+            FOUR_NODES_ONE_RANK,
+            CACHE=url,
+            STK_TRAIN_S3_ENDPOINT_URL=server.endpoint,
+            STK_TRAIN_LOCAL_CACHE_DIR=LOCAL_SHARDS,
+            **S3_ENV,
+            **ONE_RANK,
+        )
         slurm_nodes.wait(jobs["train"], timeout=240)
     finally:
         server.kill()
@@ -356,11 +422,27 @@ def test_scan_and_cache_jobs_requeue_themselves_when_s3_stays_down(pipeline: Run
     down = {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "S3_RETRY_SECONDS": "1"}
     root = slurm_nodes.shared / "s3-down"
     root.mkdir()
-    scan_jobs = submit(slurm_nodes, root, [], FOUR_NODES_ONE_RANK, DATA="s3://stk-gone/images", MODEL=pipeline.model,
-                       RUN=str(root), **{f"STK_SCAN_{k}": v for k, v in down.items()})  # fmt: skip
-    cache_jobs = submit(slurm_nodes, root, ["--from", "cache"], FOUR_NODES_ONE_RANK, MODEL=pipeline.model,
-                        RUN=str(root), SCAN=str(pipeline.root / "scan"), CACHE="s3://stk-gone/cache",
-                        **{f"STK_CACHE_{k}": v for k, v in down.items()})  # fmt: skip
+    scan_jobs = submit(
+        slurm_nodes,
+        root,
+        [],
+        FOUR_NODES_ONE_RANK,
+        DATA="s3://stk-gone/images",
+        MODEL=pipeline.model,
+        RUN=str(root),
+        **{f"STK_SCAN_{k}": v for k, v in down.items()},
+    )
+    cache_jobs = submit(
+        slurm_nodes,
+        root,
+        ["--from", "cache"],
+        FOUR_NODES_ONE_RANK,
+        MODEL=pipeline.model,
+        RUN=str(root),
+        SCAN=str(pipeline.root / "scan"),
+        CACHE="s3://stk-gone/cache",
+        **{f"STK_CACHE_{k}": v for k, v in down.items()},
+    )
     waiting = {"scan": scan_jobs["scan"], "cache": cache_jobs["cache"]}
     try:
         deadline = time.monotonic() + 240
@@ -391,7 +473,13 @@ def test_scan_and_cache_jobs_requeue_themselves_when_s3_stays_down(pipeline: Run
     ],
 )
 def test_pipeline_refuses_bad_arguments_before_submitting_anything(args, env, message, tmp_path):
-    proc = subprocess.run([str(PIPELINE), *args], capture_output=True, text=True, cwd=tmp_path, timeout=30,
-                          env={"PATH": os.environ["PATH"], **env})  # fmt: skip
+    proc = subprocess.run(
+        [str(PIPELINE), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=30,
+        env={"PATH": os.environ["PATH"], **env},
+    )
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert proc.stdout == "" and not (tmp_path / "logs").exists()

@@ -27,10 +27,27 @@ def test_scripted_gpu_fault_stops_every_rank_with_the_gpu_code_and_one_alert(set
     script.write_text(json.dumps([healthy] * 6 + [[gpu(0), gpu(1, ecc_volatile_uncorrectable=3)]]))
     out = tmp_path / "run"
     proc = run_train(
-        ["--cache", cache, "--model", model, "--output-dir", out, "--deepspeed", "zero2", "--epochs", "50",
-         "--health-interval", "0.2", "--notify", hook.url(), "--lora-rank", "4", *FAST],  # a LoRA stops the same
+        [
+            "--cache",
+            cache,
+            "--model",
+            model,
+            "--output-dir",
+            out,
+            "--deepspeed",
+            "zero2",
+            "--epochs",
+            "50",
+            "--health-interval",
+            "0.2",
+            "--notify",
+            hook.url(),
+            "--lora-rank",
+            "4",
+            *FAST,
+        ],  # a LoRA stops the same
         env={"STK_HEALTH_SCRIPT": str(script), "SLURM_JOB_ID": "4242"},
-    )  # fmt: skip
+    )
     assert proc.returncode == ExitCode.GPU_FAULT, proc.stderr
     summary = summary_of(proc)
     assert summary["outcome"] == "gpu_fault" and summary["final"] is None

@@ -55,11 +55,29 @@ def test_two_ranks_share_one_local_shard_dir_under_a_limit_that_forces_evictions
     stale.write_bytes(b"\0" * 4096)
     started = time.monotonic()
     proc = run_train(
-        ["--cache", url, "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "8",
-         "--local-cache-dir", local, "--local-cache-size", "0.000001", "--loader-threads", "3",
-         "--s3-endpoint-url", s3_server, *LOUD],
+        [
+            "--cache",
+            url,
+            "--scan",
+            scan,
+            "--model",
+            model,
+            "--output-dir",
+            out,
+            "--max-steps",
+            "8",
+            "--local-cache-dir",
+            local,
+            "--local-cache-size",
+            "0.000001",
+            "--loader-threads",
+            "3",
+            "--s3-endpoint-url",
+            s3_server,
+            *LOUD,
+        ],
         env=S3_ENV,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - started < 300
     assert not error_lines(proc.stderr), proc.stderr
@@ -191,9 +209,21 @@ def test_the_model_a_cache_was_made_with_trains_from_it(setups, scan, tmp_path) 
     moved = tmp_path / "moved-model"
     shutil.copytree(model, moved)
     proc = run_train(
-        ["--cache", cache, "--scan", scan, "--model", moved, "--output-dir", tmp_path / "run", "--max-steps", "1",
-         *FAST], mpi=0,
-    )  # fmt: skip
+        [
+            "--cache",
+            cache,
+            "--scan",
+            scan,
+            "--model",
+            moved,
+            "--output-dir",
+            tmp_path / "run",
+            "--max-steps",
+            "1",
+            *FAST,
+        ],
+        mpi=0,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -221,9 +251,22 @@ def test_a_damaged_scan_table_or_shard_is_exit_6_naming_the_file_and_what_rebuil
     else:
         damaged.write_bytes(b"")
     proc = run_train(
-        ["--cache", cache, "--scan", scan_copy, "--model", model, "--output-dir", tmp_path / "run", "--max-steps", "1",
-         *FAST], mpi=0, timeout=180,
-    )  # fmt: skip
+        [
+            "--cache",
+            cache,
+            "--scan",
+            scan_copy,
+            "--model",
+            model,
+            "--output-dir",
+            tmp_path / "run",
+            "--max-steps",
+            "1",
+            *FAST,
+        ],
+        mpi=0,
+        timeout=180,
+    )
     assert proc.returncode == ExitCode.INCOMPLETE, proc.stderr
     (line,) = error_lines(proc.stderr)
     assert f"{damaged} is damaged" in line, line

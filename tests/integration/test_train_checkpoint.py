@@ -63,8 +63,11 @@ def test_a_disk_that_fills_while_the_ema_is_saved_is_exit_69_on_every_rank_and_l
     (disk / "filler").write_bytes(b"\0" * (free - deepspeed_files - ema_one_rank - 64 * 1024))
     proc = subprocess.run(
         train_command([*args, "--output-dir", out, "--max-steps", "6"], 2),
-        capture_output=True, text=True, env=train_env(), timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=train_env(),
+        timeout=300,
+    )
     line = one_error(proc, 69, "no space left on the device", str(step_dir(out, 6)))
     assert "stopping all" not in line  # agreed by every rank, not one rank's abort
     assert (out / "checkpoints" / LATEST).read_text() == "step-00000004"

@@ -21,8 +21,9 @@ STYLE, PHOTOS, REPEATS = 4, 6, 5  # images of each, the style set's repeats
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(command, capture_output=True, text=True, env={**scan_env(), "OMP_NUM_THREADS": "1"},
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env={**scan_env(), "OMP_NUM_THREADS": "1"}, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -36,16 +37,50 @@ def test_one_epoch_trains_each_dataset_times_its_repeats_at_its_own_resolution(t
         f'[[dataset]]\nname = "photos"\nsource = "{tmp_path / "photos"}"\nresolution = 128\n'
     )
     scan, cache = tmp_path / "scan", tmp_path / "cache"
-    _run(scan_command(["--datasets", listed, "--out", scan, "--resolution", 64, "--alignment", 64, "--batch-size", 2,
-                       "--gpus", 1, "--missing-caption", "empty", "-q"]))  # fmt: skip
+    _run(
+        scan_command(
+            [
+                "--datasets",
+                listed,
+                "--out",
+                scan,
+                "--resolution",
+                64,
+                "--alignment",
+                64,
+                "--batch-size",
+                2,
+                "--gpus",
+                1,
+                "--missing-caption",
+                "empty",
+                "-q",
+            ]
+        )
+    )
     model = build_tiny_model(Family.SD, str(tmp_path / "sd"))
     _run(cache_command([scan, "--model", model, "--out", cache, "--dtype", "float32", "-q"]))
     with CacheReader(str(cache)) as reader:  # each dataset at its own resolution: one latent shape each
         assert sorted((hw, len(keys)) for hw, keys in reader.bucket_keys().items()) == [((8, 8), STYLE), ((16, 16), 6)]
 
     out = tmp_path / "run"
-    proc = run_train(["--cache", cache, "--scan", scan, "--model", model, "--output-dir", out, "--no-validation",
-                      *FAST[:-1], "--batch-size", 2], mpi=0)  # fmt: skip
+    proc = run_train(
+        [
+            "--cache",
+            cache,
+            "--scan",
+            scan,
+            "--model",
+            model,
+            "--output-dir",
+            out,
+            "--no-validation",
+            *FAST[:-1],
+            "--batch-size",
+            2,
+        ],
+        mpi=0,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
     assert summary["samples_per_dataset"] == {"photos": PHOTOS, "style": STYLE * REPEATS}

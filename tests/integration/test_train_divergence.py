@@ -21,17 +21,38 @@ pytestmark = pytest.mark.integration
 def test_a_run_that_diverges_stops_every_rank_keeping_the_checkpoints_from_before(setups, tmp_path):
     model, cache = setups(Family.SD)
     out = tmp_path / "run"
-    args = ["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "12", "--no-validation",
-            *FAST, "--lr", "1e30", "--warmup-steps", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2",
-            "--max-nonfinite-steps", "2"]  # fmt: skip
+    args = [
+        "--cache",
+        cache,
+        "--model",
+        model,
+        "--output-dir",
+        out,
+        "--max-steps",
+        "12",
+        "--no-validation",
+        *FAST,
+        "--lr",
+        "1e30",
+        "--warmup-steps",
+        "2",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
+        "--max-nonfinite-steps",
+        "2",
+    ]
     proc = run_train([a for a in map(str, args) if a != "-q"])  # warnings shown: one per non-finite step
     step2 = f"{out}/checkpoints/step-00000002"
     one_error(
-        proc, ExitCode.DIVERGED,
+        proc,
+        ExitCode.DIVERGED,
         "training diverged at step 5: 3 steps in a row were not finite, more than --max-nonfinite-steps 2",
         "(the first: step 3: the loss on rank 0 (2 of 2 ranks) and the gradient norm not finite (nan or inf))",
-        f"the newest checkpoint, {step2}, is from before it", f"--resume-from {step2} --override-resume",
-    )  # fmt: skip
+        f"the newest checkpoint, {step2}, is from before it",
+        f"--resume-from {step2} --override-resume",
+    )
     warned = [line for line in proc.stderr.splitlines() if "not checkpointed" in line]
     assert [line.split(" WARNING ")[1][:7] for line in warned] == ["step 3:", "step 4:", "step 5:"], proc.stderr
     assert sum("training diverged" in line for line in proc.stderr.splitlines()) == 1  # said once, by rank 0

@@ -24,9 +24,22 @@ def test_vae_on_the_fly_trains_from_the_scan_and_images(setups, scan, tmp_path):
     model, _ = setups(Family.SDXL)
     out = tmp_path / "run"
     proc = run_train(
-        ["--vae-on-the-fly", "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "2",
-         "--caption-dropout", "0.5", *FAST], mpi=2,
-    )  # fmt: skip
+        [
+            "--vae-on-the-fly",
+            "--scan",
+            scan,
+            "--model",
+            model,
+            "--output-dir",
+            out,
+            "--max-steps",
+            "2",
+            "--caption-dropout",
+            "0.5",
+            *FAST,
+        ],
+        mpi=2,
+    )
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in metrics(out)] == [1, 2] and summary_of(proc)["final"] == str(out / "final")
     check_final(out / "final", Family.SDXL)
@@ -59,10 +72,25 @@ def test_trains_from_an_s3_cache_through_a_local_shard_directory(setups, scan, t
     url = upload_cache(s3_client(s3_server), cache)
     local, out = tmp_path / "shards", tmp_path / "run"
     proc = run_train(
-        ["--cache", url, "--scan", scan, "--model", model, "--output-dir", out, "--max-steps", "2",
-         "--local-cache-dir", local, "--s3-endpoint-url", s3_server, *FAST],
+        [
+            "--cache",
+            url,
+            "--scan",
+            scan,
+            "--model",
+            model,
+            "--output-dir",
+            out,
+            "--max-steps",
+            "2",
+            "--local-cache-dir",
+            local,
+            "--s3-endpoint-url",
+            s3_server,
+            *FAST,
+        ],
         env=S3_ENV,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     shards = sorted(p.name.split("-", 1)[1] for p in local.iterdir() if p.suffix == ".h5")
     assert shards == sorted(p.name for p in (cache / "shards").iterdir())  # whole shards, fetched once per node

@@ -35,10 +35,27 @@ def wait_for_steps(out: Path, steps: int, proc: subprocess.Popen[str], limit: fl
 def start_long_run(setups, out: Path, checkpoint_every: int) -> tuple[list[object], subprocess.Popen[str]]:
     """A 2-rank run long enough to be interfered with, in its own session (killpg ends every rank)."""
     model, cache = setups(Family.SD)
-    args = ["--cache", cache, "--model", model, "--output-dir", out, "--epochs", "100",
-            "--checkpoint-every", str(checkpoint_every), *FAST]  # fmt: skip
-    proc = subprocess.Popen(train_command(args, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=train_env(), start_new_session=True)  # fmt: skip
+    args = [
+        "--cache",
+        cache,
+        "--model",
+        model,
+        "--output-dir",
+        out,
+        "--epochs",
+        "100",
+        "--checkpoint-every",
+        str(checkpoint_every),
+        *FAST,
+    ]
+    proc = subprocess.Popen(
+        train_command(args, 2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=train_env(),
+        start_new_session=True,
+    )
     return args, proc
 
 

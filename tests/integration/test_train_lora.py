@@ -27,8 +27,24 @@ from stk.train.lora import LORA_WEIGHTS
 @pytest.mark.integration
 def test_ten_lora_steps_equal_five_then_resume_five(setups, tmp_path):
     model, cache = setups(Family.SDXL)
-    common = ["--cache", cache, "--model", model, "--deepspeed", "zero3", "--epochs", "2", "--lora-rank", 4,
-              "--ema-decay", "0.8", *FAST, *SAMPLING, "--validation-every", "5"]  # fmt: skip
+    common = [
+        "--cache",
+        cache,
+        "--model",
+        model,
+        "--deepspeed",
+        "zero3",
+        "--epochs",
+        "2",
+        "--lora-rank",
+        4,
+        "--ema-decay",
+        "0.8",
+        *FAST,
+        *SAMPLING,
+        "--validation-every",
+        "5",
+    ]
     straight, split = tmp_path / "straight", tmp_path / "split"
     every_step = ["--checkpoint-every", "1", "--keep-checkpoints", "10"]  # each step's adapter, for the EMA below
     assert run_train([*common, "--output-dir", straight, "--max-steps", "10", *every_step]).returncode == 0
@@ -104,8 +120,9 @@ def test_a_lora_on_an_int8_base_follows_the_unquantised_loss_curve_and_resume_ke
     model, cache = setups(Family.FLUX)
     args = ["--cache", cache, "--model", model, "--lora-rank", 4, "--no-validation", *FAST]
     for precision in ("bf16", "int8"):
-        proc = run_train([*args, "--output-dir", tmp_path / precision, "--max-steps", 6, "--base-precision", precision],
-                         mpi=0)  # fmt: skip
+        proc = run_train(
+            [*args, "--output-dir", tmp_path / precision, "--max-steps", 6, "--base-precision", precision], mpi=0
+        )
         assert proc.returncode == 0, proc.stderr
     curves = {out: [r["loss"] for r in metrics(tmp_path / out) if "loss" in r] for out in ("bf16", "int8")}
     assert len(curves["int8"]) == 6

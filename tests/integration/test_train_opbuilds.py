@@ -78,8 +78,9 @@ def test_stale_batons_left_by_killed_builds_do_not_stop_the_next_run(setups, tmp
 @pytest.mark.integration
 def test_a_run_waits_for_a_live_build_beside_it_then_trains(setups, tmp_path):
     args = train_args(setups, tmp_path, "--max-steps", "1")
-    proc = subprocess.Popen(train_command(args, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=train_env())  # fmt: skip
+    proc = subprocess.Popen(
+        train_command(args, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env()
+    )
     try:
         with building() as live:
             wait_until_waiting(rank_pids(proc, 2), proc)
@@ -95,8 +96,13 @@ def test_a_run_waits_for_a_live_build_beside_it_then_trains(setups, tmp_path):
 
 @pytest.mark.integration
 def test_a_wait_past_the_bound_is_exit_69_naming_the_directory(setups, tmp_path):
-    proc = subprocess.Popen(train_command(train_args(setups, tmp_path)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**train_env(), WAIT_ENV: "2"})  # fmt: skip
+    proc = subprocess.Popen(
+        train_command(train_args(setups, tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**train_env(), WAIT_ENV: "2"},
+    )
     try:
         with building():
             _, stderr = proc.communicate(timeout=240)
@@ -109,8 +115,13 @@ def test_a_wait_past_the_bound_is_exit_69_naming_the_directory(setups, tmp_path)
 
 @pytest.mark.integration
 def test_sigterm_while_waiting_for_a_build_ends_the_run_at_once_for_requeue(setups, tmp_path):
-    proc = subprocess.Popen(train_command(train_args(setups, tmp_path), 2), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=train_env())  # fmt: skip
+    proc = subprocess.Popen(
+        train_command(train_args(setups, tmp_path), 2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=train_env(),
+    )
     try:
         with building():
             ranks = rank_pids(proc, 2)
@@ -132,8 +143,9 @@ def test_make_installs_step_builds_the_ops_stk_uses(tmp_path):
     """`python -m stk.train.opbuilds` (make install) into the session's directory: the shared-memory op and CPU
     Adam, where TORCH_EXTENSIONS_DIR says, not in the default directory."""
     env = {**train_env(), "XDG_CACHE_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "stk.train.opbuilds"], capture_output=True, text=True, env=env,
-                          timeout=540)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "stk.train.opbuilds"], capture_output=True, text=True, env=env, timeout=540
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"stk: DeepSpeed's ops {SHM_OP}, cpu_adam ready in {EXTENSIONS_DIR} (" in proc.stdout, proc.stdout
     assert all((EXTENSIONS_DIR / op / f"{op}.so").is_file() for op in (SHM_OP, "cpu_adam"))

@@ -31,9 +31,24 @@ def test_loss_falls_on_a_fixed_dataset(setups, scan, tmp_path):
     model, cache = setups(Family.SD)
     out = tmp_path / "run"
     proc = run_train(
-        ["--cache", cache, "--model", model, "--output-dir", out, "--deepspeed", "zero2", "--max-steps", "50",
-         "--epochs", "10", "--checkpoint-every", "0", *FAST],
-    )  # fmt: skip
+        [
+            "--cache",
+            cache,
+            "--model",
+            model,
+            "--output-dir",
+            out,
+            "--deepspeed",
+            "zero2",
+            "--max-steps",
+            "50",
+            "--epochs",
+            "10",
+            "--checkpoint-every",
+            "0",
+            *FAST,
+        ],
+    )
     assert proc.returncode == 0, proc.stderr
     losses = [r["loss"] for r in metrics(out)]
     assert len(losses) == 50
@@ -45,8 +60,22 @@ def test_ten_steps_equal_five_then_resume_five(setups, scan, tmp_path):
     """Also: gradient checkpointing (on by default) changes no bit. The straight run keeps its
     activations, the split runs recompute them."""
     model, cache = setups(Family.SDXL)
-    common = ["--cache", cache, "--model", model, "--deepspeed", "zero2", "--epochs", "2", "--ema-decay", "0.8", *FAST,
-              *SAMPLING, "--validation-every", "5"]  # fmt: skip
+    common = [
+        "--cache",
+        cache,
+        "--model",
+        model,
+        "--deepspeed",
+        "zero2",
+        "--epochs",
+        "2",
+        "--ema-decay",
+        "0.8",
+        *FAST,
+        *SAMPLING,
+        "--validation-every",
+        "5",
+    ]
     loud = [a for a in common if a != "-q"]  # rank 0's set-up line says whether checkpointing is on
     straight, split = tmp_path / "straight", tmp_path / "split"
     every_step = ["--checkpoint-every", "1", "--keep-checkpoints", "10"]  # each step's weights, for the EMA below

@@ -169,10 +169,25 @@ def test_zero_stage_trains_checkpoints_and_exports(preset, family, extra, setups
     model, cache = setups(family)
     out = tmp_path / "run"
     proc = run_train(
-        ["--cache", cache, "--scan", scan, "--model", model, "--output-dir", out, "--deepspeed", preset,
-         "--max-steps", "3", *[a for a in FAST if a != "-q"], *SAMPLING, *extra],
+        [
+            "--cache",
+            cache,
+            "--scan",
+            scan,
+            "--model",
+            model,
+            "--output-dir",
+            out,
+            "--deepspeed",
+            preset,
+            "--max-steps",
+            "3",
+            *[a for a in FAST if a != "-q"],
+            *SAMPLING,
+            *extra,
+        ],
         env={"WANDB_MODE": "offline"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
     assert summary["outcome"] == "finished" and summary["steps"] == 3 and summary["final"] == str(out / "final")

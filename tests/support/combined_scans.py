@@ -33,16 +33,36 @@ def _dataset(where: Path, index: int, images: int) -> tuple[list[dict[str, Any]]
     for i in range(images):
         path = folder / f"im{i}.png"
         make_image(width, height, seed=10 * index + i).save(path)
-        rows.append({
-            "path": str(path), "filename": str(path), "width": width, "height": height, "caption": f"{name} {i % 2}",
-            "bucket": index, "bucket_width": bucket_w, "bucket_height": bucket_h, "format": "png",
-            "bytes": path.stat().st_size, "mtime": path.stat().st_mtime, "caption_source": "test", "dataset": name,
-        })  # fmt: skip
+        rows.append(
+            {
+                "path": str(path),
+                "filename": str(path),
+                "width": width,
+                "height": height,
+                "caption": f"{name} {i % 2}",
+                "bucket": index,
+                "bucket_width": bucket_w,
+                "bucket_height": bucket_h,
+                "format": "png",
+                "bytes": path.stat().st_size,
+                "mtime": path.stat().st_mtime,
+                "caption_source": "test",
+                "dataset": name,
+            }
+        )
     bucket = {"id": index, "width": bucket_w, "height": bucket_h, "count": images, "repeats": 1, "dataset": name}
     entry = {
-        "name": name, "source": str(folder), "repeats": 1, "weight": None, "crop": crop, "caption_dropout": None,
-        "resolution": bucket_w, "resolution_type": "side", "images": images, "buckets": [index],
-    }  # fmt: skip
+        "name": name,
+        "source": str(folder),
+        "repeats": 1,
+        "weight": None,
+        "crop": crop,
+        "caption_dropout": None,
+        "resolution": bucket_w,
+        "resolution_type": "side",
+        "images": images,
+        "buckets": [index],
+    }
     return rows, bucket, entry
 
 

@@ -28,9 +28,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "reference" / "diffusers_exampl
 REQUIRED = {
     "train_text_to_image": ["--pretrained_model_name_or_path", "model", "--train_data_dir", "images"],
     "train_dreambooth": [
-        "--pretrained_model_name_or_path", "model", "--instance_data_dir", "images", "--instance_prompt", "a photo",
+        "--pretrained_model_name_or_path",
+        "model",
+        "--instance_data_dir",
+        "images",
+        "--instance_prompt",
+        "a photo",
     ],
-}  # fmt: skip
+}
 
 
 class InterpolationMode(enum.Enum):
@@ -104,11 +109,15 @@ def example_sigmas(script: str, args: argparse.Namespace, model: str, count: int
     args = copy.copy(args)
     args.pretrained_model_name_or_path, args.revision = model, None
     namespace: dict[str, Any] = {
-        "FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler, "copy": copy, "torch": torch, "args": args,
+        "FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler,
+        "copy": copy,
+        "torch": torch,
+        "args": args,
         "compute_density_for_timestep_sampling": compute_density_for_timestep_sampling,
-        "accelerator": SimpleNamespace(device=torch.device("cpu")), "bsz": count,
+        "accelerator": SimpleNamespace(device=torch.device("cpu")),
+        "bsz": count,
         "model_input": torch.zeros(count, 1, 1, 1),
-    }  # fmt: skip
+    }
     lines = [
         *_statements(main, "noise_scheduler", "noise_scheduler_copy"),
         _function(main, "get_sigmas"),

@@ -185,9 +185,22 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     generate_dataset(str(data), count=TRAIN_IMAGES, seed=7, min_side=64, max_side=80)
     out = tmp_path_factory.mktemp("train-scan") / "scan"
     command = [
-        str(Path(TRAIN[0])), "-m", "stk.cli.scan", data, "--out", out, "--resolution", "64", "--alignment", "64",
-        "--batch-size", "1", "--gpus", "2", "-q",
-    ]  # fmt: skip
+        str(Path(TRAIN[0])),
+        "-m",
+        "stk.cli.scan",
+        data,
+        "--out",
+        out,
+        "--resolution",
+        "64",
+        "--alignment",
+        "64",
+        "--batch-size",
+        "1",
+        "--gpus",
+        "2",
+        "-q",
+    ]
     proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=scan_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     return out
@@ -257,8 +270,20 @@ def trained(
     """(the run's arguments less --output-dir and --max-steps, its output): 4 steps on 2 ranks, checkpoints at 2
     and 4 (both kept), an EMA sharded over the ranks."""
     model, cache = setups(Family.SD)
-    args = ["--cache", cache, "--model", model, "--checkpoint-every", "2", "--keep-checkpoints", "2",
-            "--ema-decay", "0.8", "--no-validation", *LOUD]  # fmt: skip
+    args = [
+        "--cache",
+        cache,
+        "--model",
+        model,
+        "--checkpoint-every",
+        "2",
+        "--keep-checkpoints",
+        "2",
+        "--ema-decay",
+        "0.8",
+        "--no-validation",
+        *LOUD,
+    ]
     out = tmp_path_factory.mktemp("trained") / "run"
     proc = run_train([*args, "--output-dir", out, "--max-steps", "4"])
     assert proc.returncode == 0, proc.stderr

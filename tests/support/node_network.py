@@ -48,8 +48,12 @@ def make_network(tag: str, subnet: ipaddress.IPv4Network, netns: dict[str, str],
     veths = [f"stk{tag}v{i}" for i in range(1, len(netns) + 1)]
     lines = [f"link add {bridge} type bridge", f"addr add {host} dev {bridge}", f"link set {bridge} up"]
     for veth, ns in zip(veths, netns.values(), strict=True):
-        lines += [f"netns add {ns}", f"link add {veth} type veth peer name eth0 netns {ns}",
-                  f"link set {veth} master {bridge}", f"link set {veth} up"]  # fmt: skip
+        lines += [
+            f"netns add {ns}",
+            f"link add {veth} type veth peer name eth0 netns {ns}",
+            f"link set {veth} master {bridge}",
+            f"link set {veth} up",
+        ]
     _ip("-batch", "-", stdin="\n".join(lines) + "\n")
     for i, ns in enumerate(netns.values(), start=11):
         batch = f"link set lo up\naddr add {subnet[i]}/{subnet.prefixlen} dev eth0\nlink set eth0 up\n"

@@ -43,8 +43,23 @@ from support.slurm_cluster import CONF_COMMON, SlurmClient, _stop, free_ports
 
 __all__ = ["SlurmNodes", "slurm_nodes", "start_nodes"]
 
-BINARIES = ("slurmctld", "slurmd", "munged", "munge", "unmunge", "scontrol", "sinfo", "sbatch", "squeue", "srun",
-            "ip", "nsenter", "unshare", "mount", "mknod")  # fmt: skip
+BINARIES = (
+    "slurmctld",
+    "slurmd",
+    "munged",
+    "munge",
+    "unmunge",
+    "scontrol",
+    "sinfo",
+    "sbatch",
+    "squeue",
+    "srun",
+    "ip",
+    "nsenter",
+    "unshare",
+    "mount",
+    "mknod",
+)
 NODES = 4
 GPUS_PER_NODE, CPUS_PER_NODE = 2, 4
 SHARED_MEMORY = Path("/dev/shm")
@@ -173,8 +188,12 @@ def _remove_node_segments(before: set[str]) -> None:
 def _munge_answers(socket_path: Path) -> bool:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         cred = subprocess.run(["munge", "-n", "-S", str(socket_path)], capture_output=True, timeout=5, check=True)
-        return subprocess.run(["unmunge", "-S", str(socket_path)], input=cred.stdout, capture_output=True,
-                              timeout=5).returncode == 0  # fmt: skip
+        return (
+            subprocess.run(
+                ["unmunge", "-S", str(socket_path)], input=cred.stdout, capture_output=True, timeout=5
+            ).returncode
+            == 0
+        )
     return False
 
 
@@ -189,8 +208,16 @@ def _start_munged(root: Path) -> tuple[subprocess.Popen[bytes], Path]:
     for path in (home, key):
         shutil.chown(path, "munge", "munge")
     socket_path = home / "munge.socket"
-    command = ["munged", "--foreground", "-S", str(socket_path), f"--key-file={key}", f"--pid-file={home}/munged.pid",
-               f"--seed-file={home}/munged.seed", f"--log-file={home}/munged.log"]  # fmt: skip
+    command = [
+        "munged",
+        "--foreground",
+        "-S",
+        str(socket_path),
+        f"--key-file={key}",
+        f"--pid-file={home}/munged.pid",
+        f"--seed-file={home}/munged.seed",
+        f"--log-file={home}/munged.log",
+    ]
     with open(root / "logs" / "munged.out", "wb") as out:
         proc = subprocess.Popen(command, user="munge", group="munge", stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
@@ -259,9 +286,28 @@ def _shared_paths(root: Path) -> list[str]:
 
 def _start_slurmd(cluster: SlurmNodes, node: str, binds: list[str]) -> None:
     root = cluster.shared
-    command = ["nsenter", f"--net=/run/netns/{cluster.netns[node]}", "unshare", "--uts", "--mount",
-               "--propagation", "private", "/bin/sh", "-c", NODE_INIT, "node-init", node, str(root / "hosts"),
-               str(root / "stage" / node), *binds, "--", "slurmd", "-D", "-f", str(cluster.conf)]  # fmt: skip
+    command = [
+        "nsenter",
+        f"--net=/run/netns/{cluster.netns[node]}",
+        "unshare",
+        "--uts",
+        "--mount",
+        "--propagation",
+        "private",
+        "/bin/sh",
+        "-c",
+        NODE_INIT,
+        "node-init",
+        node,
+        str(root / "hosts"),
+        str(root / "stage" / node),
+        *binds,
+        "--",
+        "slurmd",
+        "-D",
+        "-f",
+        str(cluster.conf),
+    ]
     with open(root / "logs" / f"slurmd-{node}.out", "wb") as out:
         cluster.daemons[f"slurmd-{node}"] = subprocess.Popen(
             command, env=cluster.env, stdout=out, stderr=subprocess.STDOUT, cwd="/"

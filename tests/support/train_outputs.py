@@ -43,8 +43,9 @@ def wandb_history(output_dir: Path) -> list[dict[str, Any]]:
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})  # fmt: skip
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows
 
 
@@ -83,8 +84,14 @@ def samples_match(pipe: Any, pngs: dict[str, bytes], guidance: float, steps: int
 
     torch.set_num_threads(1)  # as each rank runs
     for k, prompt in enumerate(PROMPTS):
-        image = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, width=64, height=64,
-                     generator=torch.Generator().manual_seed(k)).images[0]  # fmt: skip
+        image = pipe(
+            prompt,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            width=64,
+            height=64,
+            generator=torch.Generator().manual_seed(k),
+        ).images[0]
         sample = next(png for name, png in pngs.items() if name.startswith(f"{k}-"))
         difference = np.abs(np.asarray(image, dtype=int) - np.asarray(Image.open(io.BytesIO(sample)), dtype=int))
         if difference.max() > 1 or (difference > 0).mean() >= 0.01:

@@ -234,8 +234,11 @@ def test_stk_cache_info_and_verify_take_the_cache_table(tmp_path: Path) -> None:
     for args in (["info", "s3://b/cache"], ["verify", "s3://b/cache"]):
         proc = subprocess.run(
             [sys.executable, "-m", "stk.cli.cache", *args, "--config", str(config)],
-            capture_output=True, text=True, env=scan_env(), timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=scan_env(),
+            timeout=120,
+        )
         assert proc.returncode == ExitCode.INFRA, proc.stderr
         assert endpoint in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -244,6 +247,9 @@ def test_stk_cache_rejects_a_key_no_subcommand_has(tmp_path: Path) -> None:
     config = write_toml(tmp_path / "stk.toml", "[cache]\nbatch-sise = 2\n")
     proc = subprocess.run(
         [sys.executable, "-m", "stk.cli.cache", "info", str(tmp_path), "--config", str(config)],
-        capture_output=True, text=True, env=scan_env(), timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=scan_env(),
+        timeout=120,
+    )
     assert proc.returncode == 2 and "unknown key(s) in [cache]: batch-sise" in proc.stderr, proc.stderr

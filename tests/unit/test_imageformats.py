@@ -84,8 +84,19 @@ def test_jpeg_xl_sizes_every_header_encoding(tmp_path, size):
 
 
 @pytest.mark.parametrize("fraction", [1 / 3, 2 / 3, 0.95])
-@pytest.mark.parametrize("name", ["avif/o6.avif", "heif/o6.heic", "jxl/o6.jxl", "jpeg2000/o1.jp2",
-                                  "jpeg2000/codestream.j2k", "tga/o1.tga", "ppm/o1.ppm", "ppm/grey.pgm"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "avif/o6.avif",
+        "heif/o6.heic",
+        "jxl/o6.jxl",
+        "jpeg2000/o1.jp2",
+        "jpeg2000/codestream.j2k",
+        "tga/o1.tga",
+        "ppm/o1.ppm",
+        "ppm/grey.pgm",
+    ],
+)
 def test_a_file_cut_short_is_an_error(format_corpus, tmp_path, name, fraction):
     data = (format_corpus[0] / name).read_bytes()
     cut = tmp_path / Path(name).name
@@ -95,9 +106,14 @@ def test_a_file_cut_short_is_an_error(format_corpus, tmp_path, name, fraction):
     assert raised.value.kind in ("truncated", "corrupt"), raised.value.reason
 
 
-@pytest.mark.parametrize(("damage", "expected"), [
-    ("cut", "entries do not fit"), ("garbage", "no TIFF header"), ("value", "runs past the end"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("cut", "entries do not fit"),
+        ("garbage", "no TIFF header"),
+        ("value", "runs past the end"),
+    ],
+)
 def test_damaged_exif_keeps_the_image_with_orientation_1_and_a_warning(tmp_path, damage, expected):
     exif = Image.Exif()
     exif[0x0112] = 6

@@ -58,6 +58,11 @@ def test_the_import_graph_is_read_and_has_no_cycle() -> None:
 def test_stk_train_imports_nothing_from_stk_cache() -> None:
     """stk-train depends on the cache's format (stk/shards), not on the stk-cache command."""
     graph = import_graph()
-    wrong = sorted(f"{m} -> {i}" for m, imports in graph.items() if m.startswith("stk.train") for i in imports
-                   if i.startswith("stk.cache"))  # fmt: skip
+    wrong = sorted(
+        f"{m} -> {i}"
+        for m, imports in graph.items()
+        if m.startswith("stk.train")
+        for i in imports
+        if i.startswith("stk.cache")
+    )
     assert not wrong

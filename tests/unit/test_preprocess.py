@@ -90,8 +90,9 @@ def test_a_plugin_that_raises_not_implemented_error_is_a_preprocess_error_naming
     with pytest.raises(PreprocessError) as info:
         preprocess(io.BytesIO(unimplemented_dds()), 64, 64, CropMode.CENTER, "k")
     assert (info.value.kind, str(info.value)) == (
-        "decode_failed", "cannot decode: NotImplementedError: Unimplemented DXGI format 93"
-    )  # fmt: skip
+        "decode_failed",
+        "cannot decode: NotImplementedError: Unimplemented DXGI format 93",
+    )
 
 
 @pytest.mark.parametrize(

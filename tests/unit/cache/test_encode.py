@@ -11,7 +11,8 @@ import pytest
 from support.combined_scans import CENTER_OFFSET, STYLE, one_source, write_scan
 
 from stk.cache.inspect import verify_cache
-from stk.cache.pipeline import CacheOptions, run_cache
+from stk.cache.options import CacheOptions
+from stk.cache.pipeline import run_cache
 from stk.datagen import make_image
 from stk.errors import CacheIncomplete
 from stk.models import Family, build_tiny_model

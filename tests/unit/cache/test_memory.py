@@ -56,8 +56,10 @@ def test_the_check_passes_on_this_host_and_an_out_of_memory_load_names_the_fix(q
     )
     need = Footprint(int(48e9), int(0.2e9))
     gpu = str(load_failure("m", torch.device("cuda", 0), need, two_pass=False))
-    assert gpu == "m: out of memory on cuda:0 while loading its encoders (48.0 GB of text encoders, a 0.2 GB VAE): " \
-        "rerun with --two-pass (one model on the device at a time)"  # fmt: skip
+    assert (
+        gpu == "m: out of memory on cuda:0 while loading its encoders (48.0 GB of text encoders, a 0.2 GB VAE): "
+        "rerun with --two-pass (one model on the device at a time)"
+    )
     assert "GPU with more memory" in str(load_failure("m", torch.device("cuda", 0), need, two_pass=True))
 
 

@@ -103,16 +103,24 @@ def test_plan_on_keys_matches_sorting_the_table_by_bucket_and_path(tmp_path: Pat
     # the order and captions a plan made from the whole table's strings (bucket, then path; the first row of each
     # caption) come out the same from keys and integers, for a table in path order or not, across batches of rows
     random = np.random.default_rng(0)
-    rows = [{**ROW, "path": f"d{i % 7}/{i:05d}.jpg", "bucket_width": int(random.choice([32, 48, 64])),
-             "bucket_height": int(random.choice([32, 64])), "caption": f"c{random.integers(50)}"}
-            for i in range(3000)]  # fmt: skip
+    rows = [
+        {
+            **ROW,
+            "path": f"d{i % 7}/{i:05d}.jpg",
+            "bucket_width": int(random.choice([32, 48, 64])),
+            "bucket_height": int(random.choice([32, 64])),
+            "caption": f"c{random.integers(50)}",
+        }
+        for i in range(3000)
+    ]
     for name, table in (("sorted", sorted(rows, key=lambda r: str(r["path"]))), ("shuffled", rows)):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("stk.shards.jobs._KEY_CHUNK", 2999)  # the last batch one row
             keys, _, texts = read_keys(_scan(tmp_path / name, table), RECIPE, RECIPE)
         whole = pa.Table.from_pylist(table)
-        wanted = pc.sort_indices(whole, [("bucket_height", "ascending"), ("bucket_width", "ascending"),
-                                         ("path", "ascending")]).to_numpy()  # fmt: skip
+        wanted = pc.sort_indices(
+            whole, [("bucket_height", "ascending"), ("bucket_width", "ascending"), ("path", "ascending")]
+        ).to_numpy()
         assert latent_batches(keys, 16)[0].tolist() == wanted.tolist(), name
         assert (keys.path_rank is None) == (name == "sorted")
         captions = distinct_captions(texts, ["", "c3"], RECIPE)

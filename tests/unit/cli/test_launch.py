@@ -47,8 +47,10 @@ def option(command: list[str], name: str) -> str:
 
 def test_dry_run_in_a_slurm_job_writes_the_hostfile_and_prints_environment_and_deepspeed_command(tmp_path):
     config = tmp_path / "stk.toml"
-    config.write_text('[launch]\nnccl-socket-ifname = "ib0"\nnccl-ib-hca = "mlx5_0"\ngloo-socket-ifname = "eth0"\n'
-                      'mpi-impl = "mpich"\n')  # fmt: skip
+    config.write_text(
+        '[launch]\nnccl-socket-ifname = "ib0"\nnccl-ib-hca = "mlx5_0"\ngloo-socket-ifname = "eth0"\n'
+        'mpi-impl = "mpich"\n'
+    )
     hostfile = tmp_path / "hosts"
     env = launch_env({**SLURM, "NCCL_DEBUG": "WARN", "HDF5_USE_FILE_LOCKING": "TRUE"})
     variables, command = dry_run(
@@ -71,18 +73,42 @@ def test_dry_run_in_a_slurm_job_writes_the_hostfile_and_prints_environment_and_d
 def test_dry_run_for_one_host_with_openmpi_names_what_mpirun_must_pass(tmp_path):
     env = launch_env({"AWS_SECRET_ACCESS_KEY": "s3cr3t", "STK_TRAIN_MAX_STEPS": "9", "NCCL_IB_HCA": "mlx5_2"})
     variables, command = dry_run(
-        ["--hosts", "node7", "--slots-per-node", "4", "--mpi-impl", "openmpi", "--master-port", "29999",
-         "--nccl-socket-ifname", "eth1", "--gloo-socket-ifname", "eth1", "--hostfile", tmp_path / "h", "--cache", "C"],
+        [
+            "--hosts",
+            "node7",
+            "--slots-per-node",
+            "4",
+            "--mpi-impl",
+            "openmpi",
+            "--master-port",
+            "29999",
+            "--nccl-socket-ifname",
+            "eth1",
+            "--gloo-socket-ifname",
+            "eth1",
+            "--hostfile",
+            tmp_path / "h",
+            "--cache",
+            "C",
+        ],
         env,
-    )  # fmt: skip
+    )
     assert (tmp_path / "h").read_text() == "node7 slots=4\n"
     assert variables["STK_MASTER_ADDR"] == "node7" and variables["STK_MASTER_PORT"] == "29999"
     assert variables["NCCL_IB_HCA"] == "mlx5_2"  # no option: the environment's value is kept
     assert "--force_multi" in command  # one host: DeepSpeed would start the ranks itself, without MPI
     launcher_args = next(a for a in command if a.startswith("--launcher_args=")).split()
-    for name in ("STK_MASTER_ADDR", "STK_MASTER_PORT", "STK_TRAIN_MAX_STEPS", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA",
-                 "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "HDF5_USE_FILE_LOCKING",
-                 "AWS_SECRET_ACCESS_KEY"):  # fmt: skip
+    for name in (
+        "STK_MASTER_ADDR",
+        "STK_MASTER_PORT",
+        "STK_TRAIN_MAX_STEPS",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_HCA",
+        "GLOO_SOCKET_IFNAME",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "HDF5_USE_FILE_LOCKING",
+        "AWS_SECRET_ACCESS_KEY",
+    ):
         assert name in launcher_args
     assert "eth1" in launcher_args  # btl_tcp_if_include, instead of DeepSpeed's eth0
     assert not any("s3cr3t" in arg for arg in command)  # names only: no value in argv
@@ -94,9 +120,18 @@ def test_dry_run_via_srun(tmp_path):
     variables, command = dry_run(["stk-train", "--cache", "C"], env)
     assert variables["STK_MASTER_ADDR"] == "gpu01"
     assert command == [
-        "srun", "--mpi=pmix", "--nodes=2", "--ntasks-per-node=8", "--ntasks=16", "--cpus-per-task=8",
-        sys.executable, "-m", "stk.cli.train", "--cache", "C",
-    ]  # fmt: skip
+        "srun",
+        "--mpi=pmix",
+        "--nodes=2",
+        "--ntasks-per-node=8",
+        "--ntasks=16",
+        "--cpus-per-task=8",
+        sys.executable,
+        "-m",
+        "stk.cli.train",
+        "--cache",
+        "C",
+    ]
 
 
 def test_outside_an_allocation_it_fails_with_one_line():

@@ -94,8 +94,10 @@ def test_two_datasets_make_one_scan_directory_with_each_ones_settings(sources: P
     for row in rows:
         bucket = by_id[row["bucket"]]
         assert (bucket["dataset"], bucket["width"], bucket["height"]) == (
-            row["dataset"], row["bucket_width"], row["bucket_height"]
-        )  # fmt: skip
+            row["dataset"],
+            row["bucket_width"],
+            row["bucket_height"],
+        )
     assert all(by_id[i]["repeats"] >= 10 for i in style["buckets"])
     assert sum(b["count"] for b in document["buckets"]) == STYLE + PHOTOS
 
@@ -268,12 +270,26 @@ def test_simpletuners_filename_captions_textfile_and_square_crops(tmp_path: Path
     _image(tmp_path / "texts", "lone", 64, 64, caption="not read: textfile reads .txt only")
     entries = [
         # no caption_strategy (SimpleTuner's default, filename), crop without crop_aspect (its default, square)
-        {"id": "named", "type": "local", "instance_data_dir": str(tmp_path / "named"), "crop": True,
-         "crop_style": "center", "resolution": 64, "resolution_type": "pixel", "repeats": 0},
-        {"id": "texts", "type": "local", "instance_data_dir": str(tmp_path / "texts"), "caption_strategy": "textfile",
-         "resolution": 64, "resolution_type": "pixel"},
+        {
+            "id": "named",
+            "type": "local",
+            "instance_data_dir": str(tmp_path / "named"),
+            "crop": True,
+            "crop_style": "center",
+            "resolution": 64,
+            "resolution_type": "pixel",
+            "repeats": 0,
+        },
+        {
+            "id": "texts",
+            "type": "local",
+            "instance_data_dir": str(tmp_path / "texts"),
+            "caption_strategy": "textfile",
+            "resolution": 64,
+            "resolution_type": "pixel",
+        },
         {"id": "text-embeds", "dataset_type": "text_embeds", "default": True, "type": "local", "cache_dir": "cache"},
-    ]  # fmt: skip
+    ]
     config = tmp_path / "multidatabackend.json"
     config.write_text(json.dumps(entries))
     out = tmp_path / "out"

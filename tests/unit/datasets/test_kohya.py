@@ -159,13 +159,28 @@ def test_settings_inherit_down_and_one_directory_in_two_datasets_gets_two_names(
     # kohya's default .caption for the others
     captions = {"missing_caption": MissingCaption.EMPTY}
     assert found.specs == [
-        DatasetSpec("image_dir", "/path/to/image_dir", 1, None, 1024 * 1024 / 1e6, area, **captions,
-                    caption_extension=".txt"),
-        DatasetSpec("hoge", "/data/hoge", 1, resolution=512 * 512 / 1e6, resolution_type=area, **captions,
-                    caption_extension=".caption"),
-        DatasetSpec("hoge-2", "/data/hoge", 1, resolution=768 * 768 / 1e6, resolution_type=area, **captions,
-                    caption_extension=".caption"),
-    ]  # fmt: skip
+        DatasetSpec(
+            "image_dir", "/path/to/image_dir", 1, None, 1024 * 1024 / 1e6, area, **captions, caption_extension=".txt"
+        ),
+        DatasetSpec(
+            "hoge",
+            "/data/hoge",
+            1,
+            resolution=512 * 512 / 1e6,
+            resolution_type=area,
+            **captions,
+            caption_extension=".caption",
+        ),
+        DatasetSpec(
+            "hoge-2",
+            "/data/hoge",
+            1,
+            resolution=768 * 768 / 1e6,
+            resolution_type=area,
+            **captions,
+            caption_extension=".caption",
+        ),
+    ]
     first = f"{path}, [[datasets]] 1"
     assert found.warnings == [
         f"{path}, [general]: flip_aug is not supported by stk; ignored",

@@ -29,9 +29,16 @@ from stk.train.objectives import objective_for
 # FLUX.1's reader (diffusers' _convert_kohya_flux_lora_to_diffusers) splits the single blocks' `linear1` at FLUX.1's
 # published widths (3072, 12288), which a tiny transformer does not have: its LoRA is on the double blocks there.
 DOUBLE_BLOCKS = (
-    "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v",
-    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.2", "ff_context.net.0.proj",
-)  # fmt: skip
+    "transformer_blocks.0.attn.to_q",
+    "transformer_blocks.0.attn.to_k",
+    "transformer_blocks.0.attn.to_v",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+)
 TARGETS: dict[Family, tuple[str, ...]] = {Family.FLUX: DOUBLE_BLOCKS, Family.CHROMA: DOUBLE_BLOCKS}
 READ_BACK = [f for f in Family if f is not Family.SD3]
 

@@ -131,8 +131,15 @@ def test_the_check_finds_a_family_named_in_each_way() -> None:
         "    return family is Family.SD or family == 'sdxl' or name == 'FluxPipeline' or config == 'flux-dev'\n"
     )
     found = {what for _, what in _namings(source)}
-    assert found == {"import of stk.models.families.flux", "import of stk.models.families", "is_flux", "Family.SD",
-                     "'sdxl'", "'FluxPipeline'", "'flux-dev'"}  # fmt: skip
+    assert found == {
+        "import of stk.models.families.flux",
+        "import of stk.models.families",
+        "is_flux",
+        "Family.SD",
+        "'sdxl'",
+        "'FluxPipeline'",
+        "'flux-dev'",
+    }
     assert _namings('"""Flux, SDXL"""\nx = spec.denoiser.flow and Family(name)\n') == []
 
 

@@ -55,8 +55,9 @@ def test_a_per_channel_normalisation_that_differs_is_named_with_both_values(
     (difference,) = identity_differences(cached, model)
     std = cached["vae"]["latents_std"]
     assert difference.startswith(f"vae: latents_std [{std[0]:.4g}, {std[1]:.4g}, {std[2]:.4g}, ... (16 values)] ")
-    assert difference.endswith(f"in the cache, [{2 * std[0]:.4g}, {2 * std[1]:.4g}, {2 * std[2]:.4g}, ... "
-                               "(16 values)] in the model")  # fmt: skip
+    assert difference.endswith(
+        f"in the cache, [{2 * std[0]:.4g}, {2 * std[1]:.4g}, {2 * std[2]:.4g}, ... (16 values)] in the model"
+    )
 
 
 def test_config_changes_when_weights_change_in_place(tmp_path: Path) -> None:

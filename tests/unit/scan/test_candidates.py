@@ -24,8 +24,20 @@ def _table(paths: list[str | None]) -> pa.Table:
 
 
 def test_table_paths_plain_and_odd_are_checked_alike() -> None:
-    given = ["b/c.jpg", "a//b.jpg", "./b/c.jpg", "a/b.jpg", "../up.jpg", "/abs.jpg", "s3://x/y.jpg", "", "d\\e.jpg",
-             "a/./b.jpg", "<empty>", "ok/"]  # fmt: skip
+    given = [
+        "b/c.jpg",
+        "a//b.jpg",
+        "./b/c.jpg",
+        "a/b.jpg",
+        "../up.jpg",
+        "/abs.jpg",
+        "s3://x/y.jpg",
+        "",
+        "d\\e.jpg",
+        "a/./b.jpg",
+        "<empty>",
+        "ok/",
+    ]
     found = from_table(_table(given), "/root")
     rows = [(r["path"], r["location"], r["error_kind"]) for r in found.to_pylist()]
     assert rows == [

@@ -129,9 +129,14 @@ def test_duplicate_path_keeps_the_later_record() -> None:
         ("c.jpg", "caption of c.jpg", 120),
     ]
     assert out.errors == [
-        {"path": "b.jpg", "location": "/data/b.jpg", "kind": "truncated", "reason": "truncated reason",
-         "severity": "error"}
-    ]  # fmt: skip
+        {
+            "path": "b.jpg",
+            "location": "/data/b.jpg",
+            "kind": "truncated",
+            "reason": "truncated reason",
+            "severity": "error",
+        }
+    ]
     assert out.error_kinds == {"truncated": 1}
     assert out.faults == 1
 
@@ -181,8 +186,10 @@ def test_damaged_metadata_keeps_the_image_and_adds_a_warning_row() -> None:
     out = assembled(records, BUCKETS_256, Filters(min_size=50), 1, 1)
     assert [r["path"] for r in out.rows] == ["a.jpg"]
     assert [(e["path"], e["kind"], e["severity"]) for e in out.errors] == [
-        ("a.jpg", "exif_unreadable", "warning"), ("b.jpg", "corrupt", "error"), ("c.jpg", "too_small", "error"),
-    ]  # fmt: skip
+        ("a.jpg", "exif_unreadable", "warning"),
+        ("b.jpg", "corrupt", "error"),
+        ("c.jpg", "too_small", "error"),
+    ]
     assert out.warning_kinds == {"exif_unreadable": 1} and out.warnings == 1
     assert out.fault_kinds == {"corrupt": 1}  # what --max-errors counts: not the warning
 
@@ -274,8 +281,9 @@ def test_write_outputs(tmp_path: Path) -> None:
     assert table.column("bucket").to_pylist() == [bucket_of(512, 256).id, bucket_of(256, 256).id]
     assert "kind" not in table.column_names
     errors = [json.loads(line) for line in (tmp_path / ERRORS).read_text().splitlines()]
-    assert errors == [{"path": "c.jpg", "location": "/data/c.jpg", "kind": "corrupt", "reason": "corrupt reason",
-                       "severity": "error"}]  # fmt: skip
+    assert errors == [
+        {"path": "c.jpg", "location": "/data/c.jpg", "kind": "corrupt", "reason": "corrupt reason", "severity": "error"}
+    ]
     assert json.loads((tmp_path / BUCKETS).read_text()) == doc
     assert json.loads((tmp_path / SUMMARY).read_text()) == {"files": 3}
 

@@ -35,8 +35,12 @@ def test_a_recorded_cache_config_reads_back_to_the_same_json_and_the_same_keys()
     assert config.settings == EncodeSettings(CropMode.CENTER, store_logvar=False, dtype="float16", trim_padding=True)
     assert (config.family, config.norm.scaling_factor, config.norm.shift_factor) == ("flux", 0.3611, 0.1159)
     assert json.dumps(config.to_json(), indent=1) == json.dumps(recorded, indent=1)  # key order included
-    assert Manifest.new(config).header() == {"version": 1, "config": recorded, "scaling_factor": 0.3611,
-                                             "validation_prompts": []}  # fmt: skip
+    assert Manifest.new(config).header() == {
+        "version": 1,
+        "config": recorded,
+        "scaling_factor": 0.3611,
+        "validation_prompts": [],
+    }
     # the keys the recipes give, pinned: a change here would orphan every cache made so far
     row = {"path": "a/b.jpg", "bytes": 1000, "mtime": 1.5, "bucket_width": 64, "bucket_height": 48}
     assert latent_key(row, config.latent_recipe()) == "66282d140925c1f94a1e0923c1285fbaa50d0f50"

@@ -31,9 +31,13 @@ def make_shards(root: Path, count: int) -> list[dict[str, Any]]:
         data = random.Random(i).randbytes(SHARD_BYTES)
         (root / f"r0-{i:05d}.h5").write_bytes(data)
         entries.append(
-            {"name": f"r0-{i:05d}.h5", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-             "location": str(root / f"r0-{i:05d}.h5")}
-        )  # fmt: skip
+            {
+                "name": f"r0-{i:05d}.h5",
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "location": str(root / f"r0-{i:05d}.h5"),
+            }
+        )
     return entries
 
 

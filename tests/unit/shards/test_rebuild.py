@@ -23,8 +23,12 @@ def test_a_damaged_manifest_is_rebuilt_from_the_intact_shards(cache: str) -> Non
     """Each shard carries the manifest's header: a truncated manifest.json is rebuilt from the shards that
     read back whole, listing every one of their samples; a truncated shard and an older stk's shard (no
     header) are dropped and deleted."""
-    header = Manifest(config={"family": "sd", "model": {"vae": "v1"}}, scaling_factor=0.18215,
-                      validation_prompts=["a cat"], extra={"created_by": "test"}).header()  # fmt: skip
+    header = Manifest(
+        config={"family": "sd", "model": {"vae": "v1"}},
+        scaling_factor=0.18215,
+        validation_prompts=["a cat"],
+        extra={"created_by": "test"},
+    ).header()
     latents = [make_latent(i) for i in range(20)]
     texts = [make_text(i, 3 + i) for i in range(4)]
     rank0 = Rank0(cache)

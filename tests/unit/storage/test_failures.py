@@ -203,8 +203,23 @@ def test_stk_train_on_a_full_output_disk_is_exit_69_naming_the_checkpoint_and_a_
     model, cache = setups(Family.SD)
     disk = mount("disk", "size=2m")  # metrics fit; the first checkpoint (weights and Adam state) does not
     out = disk / "run"
-    args = ["--cache", cache, "--model", model, "--output-dir", out, "--max-steps", "4", "--checkpoint-every", "2",
-            "--batch-size", "2", "--precision", "fp32", "-q"]  # fmt: skip
+    args = [
+        "--cache",
+        cache,
+        "--model",
+        model,
+        "--output-dir",
+        out,
+        "--max-steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--batch-size",
+        "2",
+        "--precision",
+        "fp32",
+        "-q",
+    ]
     started = time.monotonic()
     proc = subprocess.run(train_command(args), capture_output=True, text=True, env=train_env(), timeout=300)
     seconds = time.monotonic() - started

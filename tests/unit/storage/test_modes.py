@@ -65,9 +65,11 @@ def test_a_scan_is_0644_and_read_by_another_user(shared: Path) -> None:
     generate_dataset(str(shared / "images"), 6, seed=3)
     (shared / "images" / "broken.png").write_bytes(b"not a png")  # a row in errors.jsonl
     result = CliRunner().invoke(
-        scan_main, [str(shared / "images"), "--out", str(shared / "scan"), "-q", "--max-errors", "5"],
-        env=clean_env(), catch_exceptions=False,
-    )  # fmt: skip
+        scan_main,
+        [str(shared / "images"), "--out", str(shared / "scan"), "-q", "--max-errors", "5"],
+        env=clean_env(),
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     modes = _modes(shared / "scan")
     assert {"metadata.parquet", "errors.jsonl", "buckets.json", "summary.json"} <= set(modes)

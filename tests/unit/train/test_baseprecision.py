@@ -77,11 +77,20 @@ def test_an_adapter_trained_on_an_int8_base_loads_into_the_pipeline(tmp_path: Pa
     assert any(type(b).__name__ == "Int8Tensor" for b in trained.buffers())
     g = torch.Generator().manual_seed(2)
     assert_pipeline_loads_it(
-        Family.FLUX, model, tmp_path / "lora", trained, rtol=0.05, atol=0.05,
-        hidden_states=torch.randn(1, 12, 64, generator=g), encoder_hidden_states=torch.randn(1, 5, 48, generator=g),
-        pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]), guidance=torch.tensor([3.5]),
-        txt_ids=torch.zeros(5, 3), img_ids=torch.zeros(12, 3),
-    )  # fmt: skip
+        Family.FLUX,
+        model,
+        tmp_path / "lora",
+        trained,
+        rtol=0.05,
+        atol=0.05,
+        hidden_states=torch.randn(1, 12, 64, generator=g),
+        encoder_hidden_states=torch.randn(1, 5, 48, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g),
+        timestep=torch.tensor([0.4]),
+        guidance=torch.tensor([3.5]),
+        txt_ids=torch.zeros(5, 3),
+        img_ids=torch.zeros(12, 3),
+    )
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(model)

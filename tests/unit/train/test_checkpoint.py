@@ -366,8 +366,10 @@ def test_a_lora_checkpoint_resumed_with_other_adapter_weights_is_refused_even_wi
         checkpoints.check_settings(resume, settings(lora=lora), override=True)
 
 
-@pytest.mark.parametrize(("lora", "differs"), [(LoraSettings(rank=16, adapter="lokr"), "adapter lora -> lokr"),
-                                               (LoraSettings(rank=16), None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("lora", "differs"),
+    [(LoraSettings(rank=16, adapter="lokr"), "adapter lora -> lokr"), (LoraSettings(rank=16), None)],
+)
 def test_a_record_from_before_adapter_kinds_holds_a_plain_lora(saved, tmp_path, lora, differs):
     checkpoints, resume = saved
     record = settings(lora=LoraSettings(rank=16))

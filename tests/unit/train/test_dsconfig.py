@@ -32,8 +32,16 @@ def test_the_etc_presets_are_the_packaged_ones():
 
 def test_user_config_settings_owned_by_stk_are_overridden(tmp_path, caplog):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": 999,
-                                "train_micro_batch_size_per_gpu": 16, "scheduler": {"type": "WarmupLR"}}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3},
+                "train_batch_size": 999,
+                "train_micro_batch_size_per_gpu": 16,
+                "scheduler": {"type": "WarmupLR"},
+            }
+        )
+    )
     config = training_config(
         load_deepspeed_config(str(path)), 2, 1, 0.5, "fp32", optimizer_section(OptimizerSettings())
     )
@@ -51,9 +59,12 @@ def test_a_user_config_that_names_an_optimizer_lets_deepspeed_build_it(tmp_path)
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("[1, 2]", "is a JSON object, not list"), ('{"fp16": {"enabled": true}}', "fp16 is not supported"),
-     ("{", "not valid JSON")],
-)  # fmt: skip
+    [
+        ("[1, 2]", "is a JSON object, not list"),
+        ('{"fp16": {"enabled": true}}', "fp16 is not supported"),
+        ("{", "not valid JSON"),
+    ],
+)
 def test_bad_deepspeed_files(tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(content)

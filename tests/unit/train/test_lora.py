@@ -54,9 +54,20 @@ def test_flux_default_targets_are_diffusers_and_leave_the_final_projection_alone
     from stk.models import build_tiny_model
 
     # transcribed from diffusers' examples/dreambooth/train_dreambooth_lora_flux.py (target_modules, no --lora_layers)
-    diffusers_flux = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
-                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                      "ff_context.net.2"]  # fmt: skip
+    diffusers_flux = [
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ]
     assert sorted(spec_for(Family.FLUX).denoiser.lora_targets) == sorted(diffusers_flux)
     model = build_tiny_model(Family.FLUX, str(tmp_path / "model"))
     denoiser = objective_for(Family.FLUX, model).load_denoiser(torch.float32)

@@ -45,8 +45,9 @@ def sd_step(model: str, settings: LossSettings, seed: int = 3) -> tuple[torch.Te
     inputs = StepInputs(
         latents=torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1)),
         text={"prompt_embeds": torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(2))},
-        original_size=torch.zeros(3, 2, dtype=torch.int64), crop_top_left=torch.zeros(3, 2, dtype=torch.int64),
-    )  # fmt: skip
+        original_size=torch.zeros(3, 2, dtype=torch.int64),
+        crop_top_left=torch.zeros(3, 2, dtype=torch.int64),
+    )
     return objective.loss(unet, inputs, torch.Generator().manual_seed(seed)).detach(), unet, inputs
 
 

@@ -118,8 +118,9 @@ HOLDER = textwrap.dedent(
 @contextlib.contextmanager
 def holder(directory: Path, seconds: float) -> Iterator[subprocess.Popen[str]]:
     """Another process that takes the build lock and starts a build (a torch baton held open) for `seconds`."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), str(seconds)], stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory), str(seconds)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "building\n"
         yield proc
@@ -217,8 +218,9 @@ BLOCKED_IN_CPP = textwrap.dedent(
 
 
 def test_a_stop_signal_ends_a_process_blocked_in_the_rendezvous_at_once():
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_IN_CPP], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BLOCKED_IN_CPP], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "waiting\n"
         time.sleep(0.5)

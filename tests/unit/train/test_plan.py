@@ -48,11 +48,31 @@ def combined_scan(out: Path, weighted: bool = False, unlisted: bool = False) -> 
         {"id": 2, "width": 96, "height": 64, "count": 4, "repeats": 1, "dataset": "photos"},
     ]
     datasets: list[dict[str, Any]] = [
-        {"name": "style", "source": "/data/style", "repeats": 10, "weight": 3.0 if weighted else None, "crop": None,
-         "caption_dropout": 0.2, "resolution": 64, "resolution_type": "pixel_area", "images": 4, "buckets": [0]},
-        {"name": "photos", "source": "/data/photos", "repeats": 1, "weight": None, "crop": "center",
-         "caption_dropout": None, "resolution": 64, "resolution_type": "pixel_area", "images": 10, "buckets": [1, 2]},
-    ]  # fmt: skip
+        {
+            "name": "style",
+            "source": "/data/style",
+            "repeats": 10,
+            "weight": 3.0 if weighted else None,
+            "crop": None,
+            "caption_dropout": 0.2,
+            "resolution": 64,
+            "resolution_type": "pixel_area",
+            "images": 4,
+            "buckets": [0],
+        },
+        {
+            "name": "photos",
+            "source": "/data/photos",
+            "repeats": 1,
+            "weight": None,
+            "crop": "center",
+            "caption_dropout": None,
+            "resolution": 64,
+            "resolution_type": "pixel_area",
+            "images": 10,
+            "buckets": [1, 2],
+        },
+    ]
     document = {"buckets": buckets, "datasets": datasets, "weighted": weighted}
     (out / "buckets.json").write_text(json.dumps(document))
     (out / "summary.json").write_text(json.dumps({"root": "", "rows": len(rows)}))

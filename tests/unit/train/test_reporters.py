@@ -59,5 +59,7 @@ def test_a_run_of_several_datasets_shows_a_loss_curve_per_dataset(tmp_path):
     assert board_tags(board) == ["train/loss", "train/loss/photos", "train/loss/style"]
     assert board_scalars(board, "train/loss/style") == [(1, 1.0), (3, 3.0)]
     assert [json.loads(line)["dataset"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
-        "style", "photos", "style"
-    ]  # fmt: skip
+        "style",
+        "photos",
+        "style",
+    ]

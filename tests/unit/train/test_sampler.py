@@ -204,8 +204,17 @@ def test_invalid_settings() -> None:
         BucketSampler(BUCKETS, 1, 0, 1, 0)
 
 
-def _list_plan(buckets: dict[tuple[int, int], list[str]], repeats: int, batch: int, world: int, rank: int,
-               accum: int, seed: int, epoch: int, drop_last: bool) -> list[list[str]]:  # fmt: skip
+def _list_plan(
+    buckets: dict[tuple[int, int], list[str]],
+    repeats: int,
+    batch: int,
+    world: int,
+    rank: int,
+    accum: int,
+    seed: int,
+    epoch: int,
+    drop_last: bool,
+) -> list[list[str]]:
     """The epoch as a shuffle of the key lists themselves: what the positions must reproduce."""
     effective, steps = batch * world * accum, []
     for hw in sorted(buckets):
@@ -248,8 +257,10 @@ DATASET_OF = {key: g[0] for g, keys in GROUPS.items() for key in keys}
 
 def dataset_ranks(world: int, weights=None, accum: int = 1, seed: int = 4) -> list[BucketSampler]:
     """4 // world samples a rank: an effective batch of 4 on any number of ranks."""
-    return [BucketSampler(GROUPS, GROUP_REPEATS, 4 // world // accum, world, r, accum, seed, weights=weights)
-            for r in range(world)]  # fmt: skip
+    return [
+        BucketSampler(GROUPS, GROUP_REPEATS, 4 // world // accum, world, r, accum, seed, weights=weights)
+        for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2])

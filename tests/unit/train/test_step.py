@@ -39,15 +39,24 @@ def direct_loss(model: StepModel, micro: Batch, step: int, slot: int) -> float:
 def test_train_step_runs_the_objective_on_the_engine_and_steps_the_optimizer(one_rank, tmp_path: Path) -> None:
     model_dir = build_tiny_model(Family.SD, str(tmp_path / "model"))
     opts = TrainOptions(
-        model=model_dir, output_dir=str(tmp_path / "out"), batch_size=2, grad_accum=2, seed=SEED,
-        optimizer=OptimizerSettings(lr=1e-2), gradient_checkpointing=False,
-    )  # fmt: skip
+        model=model_dir,
+        output_dir=str(tmp_path / "out"),
+        batch_size=2,
+        grad_accum=2,
+        seed=SEED,
+        optimizer=OptimizerSettings(lr=1e-2),
+        gradient_checkpointing=False,
+    )
     objective = objective_for(Family.SD, model_dir)
     config = engine_config(opts, load_deepspeed_config("zero2"), "fp32")
     engine = build_engine(objective.load_denoiser(torch.float32), opts, config, "fp32", total_steps=2)
     model = StepModel(objective, engine, None, torch.device("cpu"), torch.float32, LatentNorm(SCALE))
-    micro = [cached_batch(["a", "b"], 0), cached_batch(["c", "d"], 1), cached_batch(["e", "f"], 2),
-             cached_batch(["g", "h"], 3)]  # fmt: skip
+    micro = [
+        cached_batch(["a", "b"], 0),
+        cached_batch(["c", "d"], 1),
+        cached_batch(["e", "f"], 2),
+        cached_batch(["g", "h"], 3),
+    ]
     before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
     expected = [direct_loss(model, micro[0], 0, 0), direct_loss(model, micro[1], 0, 1)]  # slot: micro x ranks + rank
@@ -73,8 +82,17 @@ def test_a_dataset_s_own_caption_dropout_replaces_the_option_for_its_batches() -
     batch = cached_batch(["a", "b", "c"], 0)
     assert batch.text is not None
     empty = {name: torch.zeros(values.shape[1:]) for name, values in batch.text.items()}
-    model = StepModel(None, None, None, torch.device("cpu"), torch.float32, LatentNorm(SCALE), empty, 0.0,  # type: ignore[arg-type]
-                      {"style": 1.0, "photos": 0.0})  # fmt: skip
+    model = StepModel(
+        None,
+        None,
+        None,
+        torch.device("cpu"),
+        torch.float32,
+        LatentNorm(SCALE),
+        empty,
+        0.0,  # type: ignore[arg-type]
+        {"style": 1.0, "photos": 0.0},
+    )
     for dataset, dropped in [("style", True), ("photos", False), ("", False)]:
         text = step_inputs(batch, model, step_generator(SEED, 0, 0), dataset).text
         for name, values in text.items():

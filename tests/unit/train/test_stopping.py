@@ -27,8 +27,10 @@ def test_out_of_memory_on_the_gpu_or_the_host_is_one_line_about_the_batch():
         torch.empty(1 << 50, dtype=torch.uint8)  # the CPU allocator refuses 1 PiB with a RuntimeError
     except RuntimeError as exc:
         host = exc
-    for exc, where, detail in ((cuda, "GPU", "CUDA out of memory. Tried to allocate 2.00 GiB"),
-                               (host, "host", "DefaultCPUAllocator: can't allocate memory")):  # fmt: skip
+    for exc, where, detail in (
+        (cuda, "GPU", "CUDA out of memory. Tried to allocate 2.00 GiB"),
+        (host, "host", "DefaultCPUAllocator: can't allocate memory"),
+    ):
         assert is_out_of_memory(exc) and not is_gpu_error(exc)
         error = out_of_memory(exc, 16)
         message = str(error)

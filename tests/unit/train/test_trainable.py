@@ -49,8 +49,9 @@ def engine_for(model: str, settings: LoraSettings) -> tuple[Trainable, StepModel
     ZeRO-3 as stk-train builds it. The adapter's weights are under the preset's persistence threshold, as a real
     adapter's are: DeepSpeed fetches them at their module's first forward (after a resume too), not when another
     module reads them, which DoRA does (lora_A's shape)."""
-    opts = TrainOptions(model=model, output_dir="unused", batch_size=1, seed=SEED, lora=settings,
-                        optimizer=OptimizerSettings(lr=1e-2))  # fmt: skip
+    opts = TrainOptions(
+        model=model, output_dir="unused", batch_size=1, seed=SEED, lora=settings, optimizer=OptimizerSettings(lr=1e-2)
+    )
     trainable, objective = trainable_for(opts), objective_for(Family.SD, model)
     config = engine_config(opts, load_deepspeed_config("zero3"), "fp32")
     denoiser = objective.load_denoiser(torch.float32, World(), config)
@@ -73,8 +74,11 @@ def export(trainable: Trainable, model: StepModel, source: str, out: Path) -> di
 def denoiser_call() -> dict[str, Any]:
     """The tiny SD UNet's arguments for one fixed input."""
     inputs = step_inputs(Family.SD, batch=1)
-    return {"sample": inputs.latents, "timestep": torch.tensor([500]),
-            "encoder_hidden_states": inputs.text["prompt_embeds"]}  # fmt: skip
+    return {
+        "sample": inputs.latents,
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": inputs.text["prompt_embeds"],
+    }
 
 
 def prediction(denoiser: Any) -> torch.Tensor:

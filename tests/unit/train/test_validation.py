@@ -54,9 +54,7 @@ def test_prompt_slugs_are_short_safe_file_names() -> None:
 # --- the plan ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("text", "size"), [("1024x768", (1024, 768)), ("512", (512, 512)), ("64X32", (64, 32))]
-)  # fmt: skip
+@pytest.mark.parametrize(("text", "size"), [("1024x768", (1024, 768)), ("512", (512, 512)), ("64X32", (64, 32))])
 def test_resolutions_are_width_by_height(text: str, size: tuple[int, int]) -> None:
     assert parse_resolution(text) == size
 

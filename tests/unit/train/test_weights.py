@@ -91,15 +91,25 @@ def test_each_linear_layer_is_quantised_as_soon_as_it_is_filled(tmp_path, monkey
     from stk.train.baseprecision import quantizer
 
     torch.manual_seed(0)  # FLUX.1's layout at a width of 512
-    FluxTransformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=4,
-                           joint_attention_dim=512, pooled_projection_dim=512, axes_dims_rope=(32, 48, 48),
-                           guidance_embeds=True).to(torch.bfloat16).save_pretrained(tmp_path)  # fmt: skip
+    FluxTransformer2DModel(
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=4,
+        joint_attention_dim=512,
+        pooled_projection_dim=512,
+        axes_dims_rope=(32, 48, 48),
+        guidance_embeds=True,
+    ).to(torch.bfloat16).save_pretrained(tmp_path)
     config, files = FluxTransformer2DModel.load_config(tmp_path), weight_files(tmp_path)
     assert files is not None
     built: list[torch.nn.Module] = []  # the module load_weights fills, seen from the hook
     from_config = FluxTransformer2DModel.from_config
-    monkeypatch.setattr(FluxTransformer2DModel, "from_config",
-                        classmethod(lambda cls, *a, **k: built.append(from_config(*a, **k)) or built[0]))  # fmt: skip
+    monkeypatch.setattr(
+        FluxTransformer2DModel,
+        "from_config",
+        classmethod(lambda cls, *a, **k: built.append(from_config(*a, **k)) or built[0]),
+    )
     quantise, unquantised = quantizer("int8"), []
 
     def on_layer(layer: torch.nn.Module) -> None:

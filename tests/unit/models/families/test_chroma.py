@@ -97,9 +97,11 @@ def reference_step(pipeline: ChromaPipeline, vae_scale_factor: int) -> Reference
             return_dict=False,
         )[0]
         model_pred = ChromaPipeline._unpack_latents(
-            model_pred, height=height * vae_scale_factor, width=width * vae_scale_factor,
+            model_pred,
+            height=height * vae_scale_factor,
+            width=width * vae_scale_factor,
             vae_scale_factor=vae_scale_factor,
-        )  # fmt: skip
+        )
         return example_flow_loss(model_pred, noise, model_input, sigmas)
 
     return reference

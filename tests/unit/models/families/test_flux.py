@@ -49,9 +49,11 @@ def test_one_step_is_train_dreambooth_flux(tmp_path) -> None:
             return_dict=False,
         )[0]
         model_pred = FluxPipeline._unpack_latents(
-            model_pred, height=height * vae_scale_factor, width=width * vae_scale_factor,
+            model_pred,
+            height=height * vae_scale_factor,
+            width=width * vae_scale_factor,
             vae_scale_factor=vae_scale_factor,
-        )  # fmt: skip
+        )
         weighting = compute_loss_weighting_for_sd3(weighting_scheme="logit_normal", sigmas=sigmas)
         target = noise - model_input
         loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(bsz, -1), 1)

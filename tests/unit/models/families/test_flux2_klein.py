@@ -50,10 +50,11 @@ def test_the_embeddings_are_the_pipelines_encode_prompt(model: str) -> None:
     assert ours.shape == prompt_embeds.shape == (2, 512, 48)
     torch.testing.assert_close(ours, prompt_embeds, rtol=1e-5, atol=1e-5)
     chats = [
-        pipe.tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
-                                           add_generation_prompt=True, enable_thinking=False)
+        pipe.tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
         for c in CAPTIONS
-    ]  # fmt: skip
+    ]
     assert [e.length for e in embeddings] == [len(pipe.tokenizer(chat)["input_ids"]) for chat in chats]
     assert embeddings[0].length != embeddings[1].length
 

@@ -116,16 +116,30 @@ def test_text_is_the_pipelines_encode_prompt_and_trimming_drops_t5_padding_only(
 
 def test_a_trained_lora_loads_with_the_pipelines_load_lora_weights(model: str, tmp_path: Path) -> None:
     # transcribed from train_dreambooth_lora_sd3.py (target_modules without --lora_layers)
-    example = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
-               "attn.to_out.0", "attn.to_q", "attn.to_v"]  # fmt: skip
+    example = [
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "attn.to_k",
+        "attn.to_out.0",
+        "attn.to_q",
+        "attn.to_v",
+    ]
     assert sorted(SPEC.denoiser.lora_targets) == sorted(example)
     trained = saved_lora(Family.SD3, model, tmp_path)
     assert not hasattr(trained.transformer_blocks[0].attn2.to_q, "lora_A")  # Medium's second attention: as there
     inputs = step_inputs(Family.SD3)
     assert_pipeline_loads_it(
-        Family.SD3, model, tmp_path, trained, hidden_states=inputs.latents, timestep=torch.tensor([500.0, 250.0]),
-        encoder_hidden_states=inputs.text["prompt_embeds"], pooled_projections=inputs.text["pooled_prompt_embeds"],
-    )  # fmt: skip
+        Family.SD3,
+        model,
+        tmp_path,
+        trained,
+        hidden_states=inputs.latents,
+        timestep=torch.tensor([500.0, 250.0]),
+        encoder_hidden_states=inputs.text["prompt_embeds"],
+        pooled_projections=inputs.text["pooled_prompt_embeds"],
+    )
 
 
 def test_samples_come_from_cached_embeddings_with_the_empty_caption_as_negative(model: str) -> None:
@@ -136,8 +150,9 @@ def test_samples_come_from_cached_embeddings_with_the_empty_caption_as_negative(
     prompt, empty = encoders.encode_text(["a photo of a cat", ""])
     embeddings = {name: torch.from_numpy(array)[None] for name, array in prompt.arrays.items()}
     embeddings |= {f"negative_{name}": torch.from_numpy(array)[None] for name, array in empty.arrays.items()}
-    unused = dict.fromkeys(["text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2",
-                            "tokenizer_3"])  # fmt: skip
+    unused = dict.fromkeys(
+        ["text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"]
+    )
     pipeline = SPEC.pipeline_class.from_pretrained(model, **unused)
     pipeline.set_progress_bar_config(disable=True)
     images = pipeline(

@@ -39,10 +39,18 @@ def test_one_step_is_train_text_to_image_sdxl(tmp_path) -> None:
         crops = [tuple(c.tolist()) for c in batch.crop_top_left]
         add_time_ids = torch.cat([compute_time_ids(s, c) for s, c in zip(sizes, crops, strict=True)])
         unet_added_conditions = {"time_ids": add_time_ids, "text_embeds": batch.text["pooled_prompt_embeds"]}
-        model_pred = unet(noisy_model_input, timesteps, batch.text["prompt_embeds"],
-                          added_cond_kwargs=unet_added_conditions, return_dict=False)[0]  # fmt: skip
-        target = noise if scheduler.config.prediction_type == "epsilon" else scheduler.get_velocity(
-            model_input, noise, timesteps)  # fmt: skip
+        model_pred = unet(
+            noisy_model_input,
+            timesteps,
+            batch.text["prompt_embeds"],
+            added_cond_kwargs=unet_added_conditions,
+            return_dict=False,
+        )[0]
+        target = (
+            noise
+            if scheduler.config.prediction_type == "epsilon"
+            else scheduler.get_velocity(model_input, noise, timesteps)
+        )
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
 
     assert_matches_reference(objective, unet, reference)
