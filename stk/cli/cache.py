@@ -87,12 +87,13 @@ def _defaults(name: str) -> Any:
 @click.option("--latents", type=click.Choice(["mean", "params"]), show_envvar=True,
               help="Store the latent mean, or mean and log-variance (stk-train then samples the latent anew each "
                    "time it sees the image) [default: as the family's diffusers training example: params where "
-                   "it trains on a sample of the latent distribution, mean where on its mode; README, "
+                   "it trains on a sample of the latent distribution, mean where on its mode; docs/families, "
                    "'Training defaults']")  # fmt: skip
 @click.option("--dtype", type=click.Choice(["float16", "float32"]), default=default_of(EncodeSettings, "dtype"),
               show_envvar=True, help="How latents and embeddings are stored.")  # fmt: skip
 @click.option("--trim-padding", is_flag=True, show_envvar=True,
-              help="Store only the real tokens of sequence embeddings (see README for when it is exact).")  # fmt: skip
+              help="Store only the real tokens of sequence embeddings (exact only for a denoiser that masks "
+                   "padding: docs/commands/stk-cache.md).")  # fmt: skip
 @click.option("--validation-prompts", default=None, show_envvar=True,
               help="A file of prompts, one per line, to embed for stk-train's sample images: a run on this "
                    "cache then loads no text encoder (Flux's T5: 9 GB) [default: keep the cache's].")  # fmt: skip

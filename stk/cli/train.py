@@ -172,7 +172,7 @@ def _default(name: str) -> Any:
               default=default_of(LossSettings, "timestep_sampling"),
               help="Flow families: how u is drawn (sigma is about 1 - u): sigmoid(N(--logit-mean, --logit-std)), "
                    "sigmoid(--logit-std * N(0,1)) (kohya's), or uniform [default: the family's diffusers "
-                   "example's; README, 'Training defaults'].")  # fmt: skip
+                   "example's; docs/families, 'Training defaults'].")  # fmt: skip
 @click.option("--logit-mean", default=default_of(LossSettings, "logit_mean"), type=FiniteFloat(), show_envvar=True,
               help="Flow families, logit-normal: the mean, as diffusers' --logit_mean (> 0 favours less "
                    "noise).")  # fmt: skip
