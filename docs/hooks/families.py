@@ -80,9 +80,19 @@ def prose(spec: Any) -> str:
     source = Path(spec_module(spec).__file__)
     readme = source.parent / "README.md"
     if source.name == "__init__.py" and readme.is_file():
-        return readme.read_text()
+        return nested(readme.read_text())
     docstring = ast.get_docstring(ast.parse(source.read_text())) or ""
     return docstring
+
+
+def nested(markdown: str, levels: int = 2) -> str:
+    """`markdown`'s headings moved `levels` down, outside code fences: a README's own "# Title" then sits under
+    the page's "## About" instead of competing with the page's title."""
+    lines, fenced = [], False
+    for line in markdown.splitlines():
+        fenced ^= line.lstrip().startswith("```")
+        lines.append("#" * levels + line if line.startswith("#") and not fenced else line)
+    return "\n".join(lines) + "\n"
 
 
 TABLE_ROWS = [
