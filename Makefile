@@ -1,4 +1,4 @@
-# stk: make install | demo | test | lint | bench | lock | test-latest | gpu-wheels, then gpu-check on a GPU machine
+# stk: make install | demo | test | docs | lint | bench | lock | test-latest | gpu-wheels, then gpu-check on a GPU machine
 #
 # MPI=pip  (default) installs MPICH from PyPI next to mpi4py: works on any machine.
 # MPI=site builds mpi4py against the site's MPI (the mpicc on PATH, or MPICC=/path/mpicc),
@@ -13,7 +13,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(MPI)
 export DS_BUILD_OPS := 0
 
-.PHONY: install lock demo test test-latest test-deps test-unit test-integration lint bench gpu-wheels gpu-check clean
+.PHONY: install lock demo test test-latest test-deps test-unit test-integration docs lint bench gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -52,7 +52,7 @@ demo: install
 # STK_PYTHON: the checkout's bin/ scripts (stk-launch, the sbatch templates) run the python under test too
 TEST_ENV = STK_PYTHON=$(abspath $(PY))
 
-test: install test-deps
+test: install test-deps docs
 	$(TEST_ENV) $(PY) -m pytest -q -ra --durations=25 tests
 
 # Debian packages the integration tests drive (a real one-node Slurm), installed only when missing.
@@ -62,6 +62,12 @@ test-deps:
 	  ($(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y --no-install-recommends slurm-wlm munge iproute2)
 
+# The documentation site (mkdocs.yml, docs/): --strict fails on a broken link or a page missing from it. The
+# option tables and the family pages are generated from stk's code, so the build imports this checkout's stk.
+DOCS_DIR ?= site
+docs: install
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d $(DOCS_DIR)
+
 test-unit: install
 	$(TEST_ENV) $(PY) -m pytest -q -m "not integration" tests
 
@@ -69,8 +75,8 @@ test-integration: install test-deps
 	$(TEST_ENV) $(PY) -m pytest -q -m integration tests
 
 lint: install
-	$(VENV)/bin/ruff check stk tests bench
-	$(VENV)/bin/ruff format --check stk tests bench
+	$(VENV)/bin/ruff check stk tests bench docs/hooks
+	$(VENV)/bin/ruff format --check stk tests bench docs/hooks
 	$(VENV)/bin/mypy stk
 
 bench: install
@@ -79,7 +85,7 @@ bench: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/memory.py
 
-# The GPU proof kit (bench/gpu.py; docs/DEVELOPMENT.md, "On a GPU machine"). A lent GPU machine has a python3
+# The GPU proof kit (bench/gpu.py; docs/development/gpu-kit.md). A lent GPU machine has a python3
 # with torch, transformers, peft, h5py, pyarrow and nvidia-ml-py, reaches no registry, and gets only the working
 # tree: `make gpu-wheels` here puts the rest of stk's dependencies (this venv's versions) into .whl/ for it to
 # carry; `make gpu-check` there installs them beside its torch and runs every part (GPU_CHECK_ARGS: --only PART).
@@ -107,4 +113,4 @@ gpu-check:
 	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 bench/gpu.py --record $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .whl
+	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .whl site

@@ -1,7 +1,7 @@
 """bench/gpu.py's profile part: where one stk-train step's time goes, measured inside stk-train itself.
 
 The first GPU run found stk-train's SDXL step 0.45 s longer than the UNet's forward and backward, whatever the ZeRO
-stage and whatever trained (bench/RESULTS.md, "The GPU proof kit"). This part runs stk-train (LoRA rank 16,
+stage and whatever trained (bench/RESULTS-archive.md, "The GPU proof kit"). This part runs stk-train (LoRA rank 16,
 checkpointing, ZeRO-2, bf16) in a process whose step loop is wrapped: each optimizer step's `train_step` and step
 boundary are timed (the step ends in `float(loss)`, so `train_step` includes the GPU's work) and labelled for
 torch.profiler, which records a few steps after the warm-up; cProfile then records a few more. What it writes to

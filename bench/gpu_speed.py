@@ -12,7 +12,7 @@ on the same cached batch at the kit's resolution, each a process of its own:
 One row per config, batch and variant: each run's samples/s, and the ratios the targets are set on: eager / plain
 (>= 1.0), compiled / eager (>= 1.25), fp8 / compiled bf16 (>= 1.2, set for FLUX.1). Each row takes four to five minutes
 on an H100 (most of it loading and compiling), so a 15-minute device slot runs two or three rows: pick them with
---speed-configs, --batch-sizes and --variants, most important first (docs/DEVELOPMENT.md, "On a GPU machine").
+--speed-configs, --batch-sizes and --variants, most important first (docs/development/gpu-kit.md).
 --cpu leaves the compiled run out and runs fp8 eager (tests/integration/test_train_compile.py covers --compile on
 the CPU): its numbers mean nothing, its keys and arithmetic do.
 """

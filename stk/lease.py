@@ -12,7 +12,7 @@ unreliable or absent. Rank 0 renews it (rewrites it, which moves its mtime) ever
 `HEARTBEAT_SECONDS` while the run lives.
 
 An s3:// --out has no lease: a takeover needs an atomic rename or a conditional delete, which not
-every S3-compatible store has. Run one stk-cache per s3:// --out (README).
+every S3-compatible store has. Run one stk-cache per s3:// --out (docs/commands/stk-cache.md).
 
 A lease whose holder is gone is taken over: an earlier attempt of the same Slurm job (a requeued
 job never runs twice at once), a process on this host that no longer exists, or a lease not

@@ -124,7 +124,7 @@ def _defaults(name: str) -> Any:
     show_envvar=True,
     help="Store the latent mean, or mean and log-variance (stk-train then samples the latent anew each "
     "time it sees the image) [default: as the family's diffusers training example: params where "
-    "it trains on a sample of the latent distribution, mean where on its mode; README, "
+    "it trains on a sample of the latent distribution, mean where on its mode; docs/families, "
     "'Training defaults']",
 )
 @click.option(
@@ -138,7 +138,8 @@ def _defaults(name: str) -> Any:
     "--trim-padding",
     is_flag=True,
     show_envvar=True,
-    help="Store only the real tokens of sequence embeddings (see README for when it is exact).",
+    help="Store only the real tokens of sequence embeddings (exact only for a denoiser that masks "
+    "padding: docs/commands/stk-cache.md).",
 )
 @click.option(
     "--validation-prompts",

@@ -341,7 +341,7 @@ def test_a_node_whose_ranks_die_ends_the_job_in_bounded_time_and_the_requeued_jo
         slurm_nodes.run(["scancel", job], check=False)
         slurm_nodes.wait(job)
     text = log(pipeline.root, "train", job)
-    print(f"the run ended {ended_after:.1f} s after node4's rank was killed")  # the figure the README quotes (-rP)
+    print(f"the run ended {ended_after:.1f} s after node4's rank was killed")  # the Slurm page quotes it (-rP)
     assert ended_after < 15 + 30, f"{ended_after:.0f} s:\n{text}"
     lost = text.split("requeueing job")[0]
     assert "exit 69" in lost and "node4" in lost, text

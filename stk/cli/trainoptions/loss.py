@@ -48,7 +48,7 @@ loss_options = option_group(
         default=default_of(LossSettings, "timestep_sampling"),
         help="Flow families: how u is drawn (sigma is about 1 - u): sigmoid(N(--logit-mean, --logit-std)), "
         "sigmoid(--logit-std * N(0,1)) (kohya's), or uniform [default: the family's diffusers "
-        "example's; README, 'Training defaults'].",
+        "example's; docs/families, 'Training defaults'].",
     ),
     click.option(
         "--logit-mean",
