@@ -35,6 +35,7 @@ from stk.cache.plan import (
     token_counts,
 )
 from stk.errors import InputError, check_max_errors, parse_max_errors
+from stk.failures import is_out_of_memory
 from stk.lease import leased
 from stk.log import get_logger
 from stk.metadata import to_json_lines
@@ -50,7 +51,6 @@ from stk.shards.jobs import ERRORS, ScanRows, read_keys
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
-from stk.train.stopping import is_out_of_memory
 from stk.world import World, split_work
 
 __all__ = ["run_cache"]

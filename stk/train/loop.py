@@ -13,13 +13,14 @@ import time
 from enum import StrEnum
 
 from stk.errors import ExitCode
+from stk.failures import is_gpu_error, is_peer_failure
 from stk.log import get_logger
 from stk.train.data import BatchLoader
 from stk.train.divergence import weights_finite
 from stk.train.metrics import peak_gpu_memory
 from stk.train.setup import Trainer
 from stk.train.step import StepResult, train_step
-from stk.train.stopping import Agreement, agree, is_gpu_error, is_peer_failure
+from stk.train.stopping import Agreement, agree
 
 __all__ = ["Outcome", "train"]
 

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from stk.failures import is_out_of_memory, is_peer_failure
 from stk.log import get_logger
 from stk.prompts import EMPTY_CAPTION, prompt_slug
 from stk.train.embeddings import Embeddings
 from stk.train.export import replaced_on_success
 from stk.train.objectives import Objective
-from stk.train.stopping import is_out_of_memory, is_peer_failure
 from stk.train.validation import ValidationPlan
 
 __all__ = ["SAMPLES_DIR", "ValidationRenderer", "ValidationRound", "write_round"]

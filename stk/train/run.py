@@ -14,6 +14,7 @@ import time
 import torch
 
 from stk.errors import ExitCode
+from stk.failures import is_out_of_memory, is_peer_failure, out_of_memory, peer_failed
 from stk.lease import Lease, leased
 from stk.train.baseprecision import check as check_base
 from stk.train.cachemodel import check_cache_model, note_latents
@@ -30,7 +31,7 @@ from stk.train.plan import TrainPlan, plan_training
 from stk.train.preflight import check_gpu_layout, check_shared_output
 from stk.train.reporters import check_reporter
 from stk.train.setup import Setting, setup
-from stk.train.stopping import StopSignals, is_out_of_memory, is_peer_failure, out_of_memory, peer_failed
+from stk.train.stopping import StopSignals
 from stk.train.trainable import trainable_for
 from stk.train.validation import ValidationPlan
 from stk.train.validator import planned

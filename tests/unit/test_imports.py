@@ -57,12 +57,34 @@ def test_the_import_graph_is_read_and_has_no_cycle() -> None:
 
 def test_stk_train_imports_nothing_from_stk_cache() -> None:
     """stk-train depends on the cache's format (stk/shards), not on the stk-cache command."""
-    graph = import_graph()
-    wrong = sorted(
+    assert not _crossings(import_graph(), "stk.train", "stk.cache")
+
+
+def _crossings(graph: dict[str, set[str]], importer: str, imported: str) -> list[str]:
+    """Every import from a module under `importer` of one under `imported`."""
+    return sorted(
         f"{m} -> {i}"
         for m, imports in graph.items()
-        if m.startswith("stk.train")
+        if m.startswith(importer)
         for i in imports
-        if i.startswith("stk.cache")
+        if i.startswith(imported)
     )
-    assert not wrong
+
+
+@pytest.mark.parametrize(
+    ("lower", "upper"),
+    [
+        ("stk.models", "stk.train"),  # a family reads the trainer's types from stk.models.interface
+        ("stk.models", "stk.cache"),
+        ("stk.models", "stk.cli"),
+        ("stk.shards", "stk.train"),  # the cache's format knows neither command
+        ("stk.shards", "stk.cache"),
+        ("stk.train", "stk.cli"),
+        ("stk.cache", "stk.cli"),
+        ("stk.cache", "stk.train"),
+    ],
+)
+def test_the_layers_import_downwards_only(lower: str, upper: str) -> None:
+    """The packages are layers: the CLI over the commands' libraries (stk.train, stk.cache) over the models and the
+    cache's format; no module of a lower layer imports one of a higher, even only for its types."""
+    assert not _crossings(import_graph(), lower, upper)
