@@ -31,7 +31,7 @@ ifeq ($(MPI),site)
 else
 	$(PIP) install -q $(PINS) -e '.[dev,mpich]'
 endif
-	$(if $(shell command -v nvidia-smi),,DS_ACCELERATOR=cpu) $(PY) -m stk.train.opbuilds
+	$(if $(shell command -v nvidia-smi),,DS_ACCELERATOR=cpu) $(PY) -m stk.train.deepspeed.opbuilds
 	touch $@
 
 # The lock for every platform and Python stk supports (markers where versions differ), with the install tools.

@@ -60,10 +60,10 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from stk.slurm import free_port
-    from stk.train.checkpoint import CheckpointDir
-    from stk.train.digests import hash_files, listed_files
-    from stk.world import World
+    from stk.cluster.slurm import free_port
+    from stk.cluster.world import World
+    from stk.train.checkpoint.digests import hash_files, listed_files
+    from stk.train.checkpoint.store import CheckpointDir
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo")

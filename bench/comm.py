@@ -38,8 +38,8 @@ def child(model: str, preset: str, overlap: bool, bucket: int) -> dict[str, Any]
     """One rank of the run: three warm-up steps, one traced; rank 0's row."""
     from torch.profiler import ProfilerActivity, profile
 
-    from stk.train.distributed import init_distributed, resolve_dist_env
-    from stk.world import get_world
+    from stk.cluster.world import get_world
+    from stk.train.deepspeed.distributed import init_distributed, resolve_dist_env
 
     torch.set_num_threads(1)
     world = get_world()

@@ -107,7 +107,7 @@ def step_inputs(
 
 
 def training_forward(config: str, model: torch.nn.Module, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The family's training forward as stk.train.objectives runs it, at a fixed noise level (flow: sigma 0.5;
+    """The family's training forward as stk.train.objective.objectives runs it, at a fixed noise level (flow: sigma 0.5;
     DDPM: timestep 500): the denoiser's prediction and the target of its MSE."""
     spec = spec_for(PUBLISHED[config])
     latents = inputs.latents

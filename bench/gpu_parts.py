@@ -34,7 +34,7 @@ from gpu_setup import (
 )
 from projection import Fabric, zero_comm
 
-from stk.train.dsconfig import load_deepspeed_config
+from stk.train.deepspeed.config import load_deepspeed_config
 
 TARGETS = {
     "health_s": 1.0,
@@ -112,8 +112,8 @@ def part_cache(scale: Scale, work: Path, args: argparse.Namespace) -> Iterator[d
 
 def one_image_per_call(scale: Scale, work: Path) -> float:
     """The seed trainer's cache loop: decode, fit to the bucket, encode, one image at a time."""
+    from stk.images.preprocess import CropMode, preprocess
     from stk.models import load_encoders
-    from stk.preprocess import CropMode, preprocess
     from stk.scan.reader import read_scan
 
     table = read_scan(str(scanned(scale, work)))
@@ -192,7 +192,7 @@ def baseline_child(spec: dict[str, Any]) -> dict[str, Any]:
     from peft import LoraConfig
 
     from stk.models import detect_family
-    from stk.train.objectives import objective_for
+    from stk.train.objective.objectives import objective_for
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     family = detect_family(spec["model"])
@@ -346,7 +346,7 @@ def project(
 def trainable_params(name: str, variant: str) -> int:
     """The published denoiser's trainable parameters: all of them, or stk's LoRA rank 16 (counted on meta)."""
     from stk.models.published import PUBLISHED, build_published, published_config
-    from stk.train.lora import LoraSettings, add_lora
+    from stk.train.trainable.lora import LoraSettings, add_lora
 
     denoiser = build_published(published_config(name, "denoiser"))
     if variant.startswith("lora"):

@@ -259,7 +259,7 @@ def step_inputs(batch: Any, norm: Any, device: Any, dtype: torch.dtype):
 
 def cached_batch(cache: Path, size: int) -> Any:
     """The first `size` samples of the cache's largest bucket: the shapes stk-train trains on."""
-    from stk.train.data import CacheData
+    from stk.train.data.loader import CacheData
 
     with CacheData(str(cache)) as data:
         keys = max(data.buckets().values(), key=len)
@@ -276,7 +276,7 @@ def step_flops(model_dir: str, cache: Path, batch_size: int, denoiser_overrides:
 
     from stk.models import detect_family
     from stk.models.published import build_published
-    from stk.train.objectives import objective_for
+    from stk.train.objective.objectives import objective_for
 
     objective = objective_for(detect_family(model_dir), model_dir)
     config = {

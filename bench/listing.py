@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from stk import storage
+from stk.cluster.world import World, get_world
 from stk.storage import s3
 from stk.storage.listing import list_sorted
-from stk.world import World, get_world
 
 
 def _make(url: str, count: int) -> None:

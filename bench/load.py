@@ -57,14 +57,14 @@ def status():
 
 import torch, deepspeed
 from stk.models.families import Family, spec_for
-from stk.train.objectives import objective_for
-from stk.world import get_world
+from stk.train.objective.objectives import objective_for
+from stk.cluster.world import get_world
 
 world, zero3 = get_world(), None
 if how == "zero3":
-    from stk.train.distributed import init_distributed, resolve_dist_env
-    from stk.train.dsconfig import load_deepspeed_config
-    from stk.train.engine import engine_config
+    from stk.train.deepspeed.distributed import init_distributed, resolve_dist_env
+    from stk.train.deepspeed.config import load_deepspeed_config
+    from stk.train.deepspeed.engine import engine_config
     from stk.train.options import TrainOptions
 
     init_distributed(resolve_dist_env(world, os.environ), backend="gloo")

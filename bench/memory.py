@@ -14,12 +14,13 @@ and every configuration runs in a fresh process of this script, which reports it
      grows with the image between the two resolutions; (c) autograd's own count of the tensors it saves (exact).
      Target: checkpointing cuts activations >= 3x. The step time with and without is the price of fitting: one
      more process alternates the two, --steps rounds after a warm-up round, so that load from elsewhere hits both.
-  2. Gradients + AdamW state of LoRA rank 16 (stk.train.lora.add_lora) against full fine-tuning: one real AdamW step
-     on the full-width UNet with the adapter; full fine-tuning does not fit this machine's RAM (5 GB weights, 5 GB
-     gradients, 10 GB state), so its real step runs on a reduced UNet (full width, one transformer layer per block)
-     and the bytes per parameter it measures are scaled to the full UNet's exact parameter count. Target: <= 2%.
+  2. Gradients + AdamW state of LoRA rank 16 (stk.train.trainable.lora.add_lora) against full fine-tuning: one
+     real AdamW step on the full-width UNet with the adapter; full fine-tuning does not fit this machine's RAM (5 GB
+     weights, 5 GB gradients, 10 GB state), so its real step runs on a reduced UNet (full width, one transformer layer
+     per block) and the bytes per parameter it measures are scaled to the full UNet's exact parameter count.
+     Target: <= 2%.
   3. --table: per-GPU memory of every flow family's published config (stk.models.published; --configs names some)
-     and the SDXL UNet at 1024 px, batch 8 per GPU, on 32 GPUs, for each preset in stk/train/presets,
+     and the SDXL UNet at 1024 px, batch 8 per GPU, on 32 GPUs, for each preset in stk/train/deepspeed/presets,
      checkpointing off and on, full fine-tune and LoRA, bf16 under DeepSpeed, and the largest batch that fits. Model
      states: the ZeRO paper's accounting and the presets' bucket sizes. Activations: autograd's count at two sizes
      (a transformer: one block of each kind at full width, bench/denoisers.py, at 256 and 512 px with the text
@@ -139,8 +140,9 @@ def part_lora(args: argparse.Namespace, sdxl: Runs) -> None:
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     print(f"\n## 2. Gradients + AdamW state: LoRA rank {LORA_RANK} against full fine-tuning, SDXL UNet")
     print(
-        f"LoRA (stk.train.lora.add_lora): {lora['lora_layers']} layers adapted, {lora['trainable']:,} trainable "
-        f"parameters ({lora['trainable_dtype']}) = {share * 100:.3f}% of the UNet's {full_params:,}"
+        f"LoRA (stk.train.trainable.lora.add_lora): {lora['lora_layers']} layers adapted, "
+        f"{lora['trainable']:,} trainable parameters ({lora['trainable_dtype']}) = {share * 100:.3f}% of the UNet's "
+        f"{full_params:,}"
     )
     print(
         f"one real AdamW step on the full-width UNet with the adapter ({args.resolution} px, "

@@ -188,7 +188,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec)
     layers = 0
     if spec["mode"] == "lora":
-        from stk.train.lora import LoraSettings, add_lora
+        from stk.train.trainable.lora import LoraSettings, add_lora
 
         layers = add_lora(model, LoraSettings(rank=LORA_RANK), PUBLISHED[config_of(spec)[0]], seed=0)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -56,7 +56,7 @@ class Model:
 def counts(name: str, config: dict[str, Any], threshold: int) -> tuple[int, int, int, int, int]:
     """Parameters, LoRA rank-16 parameters, the largest parameter and the ZeRO-3-persistent ones (of the model, of
     the adapter), counted on the meta device."""
-    from stk.train.lora import LoraSettings, add_lora
+    from stk.train.trainable.lora import LoraSettings, add_lora
 
     model = build_published(config)
     sizes = [p.numel() for p in model.parameters()]
@@ -193,7 +193,7 @@ def sdpa_backward() -> str:
 
 def part_table(args: argparse.Namespace, sdxl: Runs) -> None:
     """Part 3: the memory table of the reference run."""
-    from stk.train.dsconfig import load_deepspeed_config
+    from stk.train.deepspeed.config import load_deepspeed_config
 
     presets = {name: load_deepspeed_config(name) for name in PRESETS}
     threshold = presets["zero3"]["zero_optimization"]["stage3_param_persistence_threshold"]

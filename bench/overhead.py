@@ -81,8 +81,8 @@ def cached_batch(config: str, model: str, resolution: int) -> Any:
     """One sample as the cache hands it to stk-train: the VAE's latent mean and the text embeddings."""
     from stk.models.components import latent_channels
     from stk.models.model_json import scale_factor_of
-    from stk.train.batch import Batch
-    from stk.train.objectives import objective_for
+    from stk.train.data.batch import Batch
+    from stk.train.objective.objectives import objective_for
 
     family = PUBLISHED[config]
     objective = objective_for(family, model)
@@ -101,8 +101,8 @@ def cached_batch(config: str, model: str, resolution: int) -> Any:
 
 def one_rank_world() -> Iterator[None]:
     """This process as a torch.distributed world of one rank, started as stk-train starts it."""
-    from stk.slurm import free_port
-    from stk.train.distributed import DistEnv, init_distributed
+    from stk.cluster.slurm import free_port
+    from stk.train.deepspeed.distributed import DistEnv, init_distributed
 
     with mock.patch.dict(os.environ, DS_ACCELERATOR="cpu"):
         init_distributed(DistEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "here"), backend="gloo")
@@ -117,15 +117,15 @@ def stk_step(
 ) -> Callable[[int], None]:
     """stk-train's optimizer step `step` (train_step on its engine), as stk.train.setup builds it; `zero` overrides
     keys of the preset's zero_optimization."""
+    from stk.cluster.world import World
     from stk.models.latents import LatentNorm
-    from stk.train.dsconfig import load_deepspeed_config, zero_stage
-    from stk.train.engine import build_engine, engine_config
-    from stk.train.lora import LoraSettings
-    from stk.train.objectives import objective_for
+    from stk.train.deepspeed.config import load_deepspeed_config, zero_stage
+    from stk.train.deepspeed.engine import build_engine, engine_config
+    from stk.train.objective.objectives import objective_for
     from stk.train.options import TrainOptions
     from stk.train.step import StepModel, train_step
-    from stk.train.trainable import trainable_for
-    from stk.world import World
+    from stk.train.trainable.kinds import trainable_for
+    from stk.train.trainable.lora import LoraSettings
 
     lora = LoraSettings(rank=LORA_RANK if variant == "lora" else 0)
     opts = TrainOptions(model=model, output_dir=tempfile.mkdtemp(), batch_size=1, lora=lora)
@@ -148,9 +148,9 @@ def stk_step(
 def plain_step(config: str, model: str, variant: str, batch: Any) -> Callable[[int], None]:
     """The example's loop: fp32 weights under bf16 autocast (full), or a bf16 base with the adapter in fp32 (LoRA)."""
     from stk.models.latents import LatentNorm
-    from stk.train.lora import LoraSettings, add_lora
-    from stk.train.objectives import objective_for
+    from stk.train.objective.objectives import objective_for
     from stk.train.step import StepModel, step_generator, step_inputs
+    from stk.train.trainable.lora import LoraSettings, add_lora
 
     family = PUBLISHED[config]
     objective = objective_for(family, model)

@@ -1,7 +1,7 @@
 """The quantised frozen base (stk-train --base-precision) against bf16 on the CPU: a FLUX.1-dev transformer at full
 width (3072) with --blocks (double, single) blocks, random bf16 weights, loaded as stk-train loads it
-(stk.train.weights.load_weights, each linear layer quantised as it is read), a LoRA of rank 16 added as stk-train
-adds it, then LoRA training steps (forward, MSE, backward) at --resolution px, with gradient checkpointing as
+(stk.train.trainable.weights.load_weights, each linear layer quantised as it is read), a LoRA of rank 16 added as
+stk-train adds it, then LoRA training steps (forward, MSE, backward) at --resolution px, with gradient checkpointing as
 stk-train's default (--no-gradient-checkpointing: without).
 
     python bench/quant.py [--blocks 1,1] [--resolution 256] [--tokens 64] [--steps 3] [--threads 2]
@@ -53,9 +53,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     from stk.models.families import Family, spec_for
     from stk.models.weightfiles import weight_files
-    from stk.train.baseprecision import quantizer
-    from stk.train.lora import LoraSettings, add_lora
-    from stk.train.weights import load_weights
+    from stk.train.trainable.baseprecision import quantizer
+    from stk.train.trainable.lora import LoraSettings, add_lora
+    from stk.train.trainable.weights import load_weights
 
     torch.set_num_threads(spec["threads"])
     folder = Path(spec["folder"])

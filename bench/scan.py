@@ -44,8 +44,8 @@ from scan_dataset import ensure_dataset, list_images, pool_plan, textured_image
 from scan_measure import STK_DEFAULT_THREADS, Measurement, Results, load_average, measure, stk_version
 
 from stk.datagen import FORMAT_SAMPLES, FORMATS, save
-from stk.imageformats import open_image, ready_pillow
-from stk.imageinfo import read_header
+from stk.images.formats import open_image, ready_pillow
+from stk.images.info import read_header
 
 TARGETS = {"full_decode": 50.0, "limit": 0.5, "ranks": 1.7}
 

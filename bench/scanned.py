@@ -3,9 +3,9 @@
     python bench/scanned.py [--images 300] [--side 512]
 
 One run, on the same generated JPEGs in a temporary folder, warm page cache: each image decoded and fitted to its
-bucket as stk-cache does it (stk.preprocess), then through stk.shards.scanned.read_as_scanned (a stat, the size and
-mtime compared, the same decode, the decoded size compared). Prints both times per image and their ratio. Exits 0:
-a report.
+bucket as stk-cache does it (stk.images.preprocess), then through stk.shards.scanned.read_as_scanned (a stat, the size
+and mtime compared, the same decode, the decoded size compared). Prints both times per image and their ratio. Exits 0: a
+report.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from stk.preprocess import CropMode, preprocess
+from stk.images.preprocess import CropMode, preprocess
 from stk.shards.scanned import SeenFile, read_as_scanned
 
 
@@ -56,7 +56,7 @@ def main() -> None:
         plain = min(_per_image(images, args.side, checked=False) for _ in range(3))
         checked = min(_per_image(images, args.side, checked=True) for _ in range(3))
     print(f"{args.images} JPEGs {args.side}x{args.side}, best of 3 passes, ms per image:")
-    print(f"  decode + fit (stk.preprocess):        {plain * 1e3:.3f}")
+    print(f"  decode + fit (stk.images.preprocess):        {plain * 1e3:.3f}")
     print(f"  checked against the scan row first:   {checked * 1e3:.3f}")
     print(f"  ratio checked / plain:                {checked / plain:.3f}x")
 

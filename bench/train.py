@@ -47,9 +47,9 @@ from torch.utils.data import DataLoader, Dataset
 from stk.datagen import generate_dataset
 from stk.models import Family, build_tiny_model
 from stk.shards.layout import file_sha256
-from stk.train.data import BatchLoader, CacheData
-from stk.train.metrics import MetricsLog
-from stk.train.sampler import BucketSampler
+from stk.train.data.loader import BatchLoader, CacheData
+from stk.train.data.sampler import BucketSampler
+from stk.train.report.metrics import MetricsLog
 
 TARGETS = {"wait_fraction": 0.01, "loader_vs_step": 5.0, "check_wait_change": 0.01, "tensorboard": 0.01, "ema": 0.01}
 PYTHON = sys.executable
@@ -202,8 +202,8 @@ def tensorboard_cost(workdir: Path, rows: int = 300) -> float:
 def ema_cost(model: str, updates: int = 50) -> tuple[float, int, int]:
     """Seconds per update of one rank's EMA share (2 ranks) of the denoiser, that share's bytes, and a full fp32
     copy's bytes (what an EMA model on every rank holds)."""
-    from stk.train.ema import ShardedEma
-    from stk.train.objectives import objective_for
+    from stk.train.objective.objectives import objective_for
+    from stk.train.trainable.ema import ShardedEma
 
     denoiser = objective_for(Family.SDXL, model).load_denoiser(torch.float32)
     ema = ShardedEma(denoiser, decay=0.999, every=1, rank=0, world=2)

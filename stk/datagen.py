@@ -112,7 +112,7 @@ class FormatSample:
 def generate_format_samples(root: str, width: int = 72, height: int = 48) -> list[FormatSample]:
     """One file per format and orientation, plus the variants (J2K codestream, RLE TGA, PGM, PBM),
     damaged EXIF blocks, and formats stk does not train on; with what a scan must make of each."""
-    from stk.imageformats import ready_pillow
+    from stk.images.formats import ready_pillow
 
     ready_pillow()
     made: list[FormatSample] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from stk.world import World
+from stk.cluster.world import World
 
 __all__ = ["get_logger", "setup_logging"]
 

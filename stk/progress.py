@@ -9,8 +9,8 @@ from types import TracebackType
 
 from tqdm import tqdm
 
+from stk.cluster.world import World
 from stk.log import get_logger
-from stk.world import World
 
 __all__ = ["Progress"]
 

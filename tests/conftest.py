@@ -28,4 +28,4 @@ from support.scan_outputs import corpus  # noqa: F401  (a tree with every kind o
 from support.slurm_cluster import slurm_cluster  # noqa: F401  (the real one-node Slurm)
 from support.slurm_nodes import slurm_nodes  # noqa: F401  (the real four-node Slurm)
 from support.tiny_models import tiny_encoders, tiny_model  # noqa: F401  (each family's tiny pipeline and encoders)
-from support.train_caches import train_data_built  # noqa: F401  (the cache stk.train.data is tested on)
+from support.train_caches import train_data_built  # noqa: F401  (the cache stk.train.data.loader is tested on)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from stk.cache.memory import TextPass
+from stk.images.preprocess import CropMode, Preprocessed, PreprocessError
 from stk.models import Encoders
-from stk.preprocess import CropMode, Preprocessed, PreprocessError
 from stk.shards import LatentRecord, ShardWriter, TextRecord
 from stk.shards.config import EncodeSettings
 from stk.shards.jobs import ImageJob

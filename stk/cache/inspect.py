@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 
 from stk import storage
+from stk.cluster.lease import Lease, leased
 from stk.errors import CacheIncomplete, InputError
-from stk.lease import Lease, leased
 from stk.log import get_logger
 from stk.shards import CacheReader, Manifest, VerifyReport, shard_location, verify
 from stk.shards.jobs import ScanRows, expected_keys
@@ -37,7 +37,7 @@ def _unlist_bad_shards(cache: str, report: VerifyReport) -> list[str]:
 
 def cache_lease(cache: str) -> Lease | None:
     """The one-writer lease of a cache directory (stk-cache, `verify --repair`); an s3:// cache has
-    none (stk/lease.py says why)."""
+    none (stk/cluster/lease.py says why)."""
     return None if storage.is_s3(cache) else Lease(cache, "stk-cache", "--out")
 
 

@@ -34,9 +34,10 @@ from stk.cache.plan import (
     text_costs,
     token_counts,
 )
+from stk.cluster.lease import leased
+from stk.cluster.world import World, split_work
 from stk.errors import InputError, check_max_errors, parse_max_errors
 from stk.failures import is_out_of_memory
-from stk.lease import leased
 from stk.log import get_logger
 from stk.metadata import to_json_lines
 from stk.models import Encoders, detect_family, load_encoders
@@ -51,7 +52,6 @@ from stk.shards.jobs import ERRORS, ScanRows, read_keys
 from stk.shards.manifest import shard_entry
 from stk.shards.staging import STAGED_SUFFIX
 from stk.storage.failures import as_stk_error
-from stk.world import World, split_work
 
 __all__ = ["run_cache"]
 
@@ -334,7 +334,7 @@ def run_cache(opts: CacheOptions, world: World) -> CacheSummary:
     Planning and listing happen on rank 0 only, so the manifest has one writer; the batches do not
     depend on the rank count, so 1 and N ranks write the same tensors. A rerun after a kill keeps
     every finished shard and encodes only the rest. One run per cache directory: rank 0 holds its
-    lease (stk/lease.py) from before anything is written there until the manifest lists the shards."""
+    lease (stk/cluster/lease.py) from before anything is written there until the manifest lists the shards."""
     started = time.monotonic()
     parse_max_errors(opts.max_errors, 0)  # a bad value fails now, not after the encoding
     file = opts.validation_prompts

@@ -19,11 +19,11 @@ from stk.cli.common import (
     run_command,
     run_process,
 )
+from stk.cluster.world import World
+from stk.images.preprocess import CropMode
 from stk.models import Family, quiet_model_libraries
 from stk.models.families import family_names
-from stk.preprocess import CropMode
 from stk.shards.config import EncodeSettings
-from stk.world import World
 
 EPILOG = """\b
 Examples:

@@ -12,11 +12,11 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from stk import storage
+from stk.cluster.world import World, exit_now, failed_rank, get_world, raised_on_every_rank
 from stk.config import load_command_config
 from stk.errors import ExitCode, StkError
 from stk.log import get_logger, setup_logging
 from stk.storage.failures import storage_errors
-from stk.world import World, exit_now, failed_rank, get_world, raised_on_every_rank
 
 __all__ = [
     "CONFIG_FILE",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 
 from stk.cli.common import CONTEXT, default_of, run_command, run_process, verbosity_options
+from stk.cluster.world import World
 from stk.export import FORMATS, ExportOptions, Format, export
 from stk.export.single import single_file_families
 from stk.models.families import Family, family_names
-from stk.world import World
 
 EPILOG = f"""\b
 Examples:

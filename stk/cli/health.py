@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from stk.cli.common import CONTEXT, FiniteFloat, config_option, quiet_option, run_command, set_option_defaults
+from stk.cluster.world import World
 from stk.config import load_command_config
 from stk.errors import StkError
 from stk.health.check import expected_gpus_from_env, report_json_lines, report_text
@@ -18,7 +19,6 @@ from stk.health.devices import backend_from_env
 from stk.health.report import Severity
 from stk.health.rules import Thresholds
 from stk.health.run import HealthPass, PassSettings, default_state_path
-from stk.world import World
 
 EPILOG = """\b
 Examples:

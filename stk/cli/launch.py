@@ -10,10 +10,10 @@ from click.core import ParameterSource
 
 from stk.cli import rank
 from stk.cli.common import CONTEXT, common_options, default_of, options_from, run_command, run_process
+from stk.cluster.world import World
 from stk.launch.allocation import read_allocation
 from stk.launch.plan import MPI_IMPLS, VIAS, LaunchSettings, RankEntry, plan_launch
 from stk.launch.supervise import execute
-from stk.world import World
 
 # What the ranks run: this package's rank script under DeepSpeed's MPI launcher, stk-train under srun.
 RANK_ENTRY = RankEntry(script=os.path.abspath(rank.__file__), module="stk.cli.train")

@@ -22,10 +22,11 @@ from stk.cli.common import (
     run_command,
     run_process,
 )
+from stk.cluster.lease import Lease, leased
+from stk.cluster.world import World
 from stk.datasets import DatasetSpec, datasets_in_config, datasets_toml, read_datasets
 from stk.errors import InputError
-from stk.imageformats import FORMAT_NAMES, accepted_formats
-from stk.lease import Lease, leased
+from stk.images.formats import FORMAT_NAMES, accepted_formats
 from stk.log import get_logger
 from stk.models.families import Family, family_names
 from stk.scan import ScanOptions, run_scan
@@ -34,7 +35,6 @@ from stk.scan.gpus import training_gpus
 from stk.scan.outputs import METADATA
 from stk.scan.probe import ProbeOptions
 from stk.scan.records import json_lines
-from stk.world import World
 
 log = get_logger("scan")
 

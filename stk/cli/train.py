@@ -21,9 +21,9 @@ from stk.cli.trainoptions.loss import caption_dropout_option, guidance_option, l
 from stk.cli.trainoptions.optimizer import batch_options, optimizer_options
 from stk.cli.trainoptions.validation import report_option, validation_options
 from stk.cli.trainsettings import settings_of
+from stk.cluster.world import World
 from stk.models import Family
 from stk.train.options import TrainOptions
-from stk.world import World
 
 EPILOG = """\b
 Examples:

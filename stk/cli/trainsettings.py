@@ -9,10 +9,10 @@ import click
 
 from stk.cli.common import FiniteFloat
 from stk.errors import InputError
-from stk.train.lora import LoraSettings
-from stk.train.losses import FLOW_SHIFTS, LossSettings
-from stk.train.optim import OptimizerSettings
-from stk.train.validation import ValidationSettings, parse_resolution
+from stk.train.deepspeed.optim import OptimizerSettings
+from stk.train.objective.losses import FLOW_SHIFTS, LossSettings
+from stk.train.trainable.lora import LoraSettings
+from stk.train.validation.plan import ValidationSettings, parse_resolution
 
 __all__ = ["betas", "flow_shift", "resolution", "settings_of"]
 

@@ -15,8 +15,8 @@ from typing import Any
 from stk.buckets import Aspect, ResolutionType
 from stk.captions import CaptionSource, MissingCaption
 from stk.errors import InputError
-from stk.imageinfo import is_image_name
-from stk.preprocess import CropMode
+from stk.images.info import is_image_name
+from stk.images.preprocess import CropMode
 
 __all__ = ["FIELDS", "DatasetSpec", "check_datasets", "dataset_from_table"]
 

@@ -12,16 +12,16 @@ from pathlib import Path
 from stk.errors import CheckpointDamaged, InputError
 from stk.log import get_logger
 from stk.models.families import Family, detect_family, family_hint, spec_for
-from stk.train.digests import SETTINGS as RUN_SETTINGS
-from stk.train.digests import damage_of
+from stk.train.checkpoint.digests import SETTINGS as RUN_SETTINGS
+from stk.train.checkpoint.digests import damage_of
 
 __all__ = ["Source", "check_whole", "read_source"]
 
 log = get_logger("export")
 
-ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # stk.train.lora.LORA_WEIGHTS: what save_lora writes
-PEFT_FILE = "adapter_model.safetensors"  # peft's: what stk.train.lora.save_peft writes for LoHa and LoKr
-CHECKPOINT_ADAPTER = "lora"  # the adapter's folder in a checkpoint (stk.train.trainable.LoraAdapter.save_beside)
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # stk.train.trainable.lora.LORA_WEIGHTS: what save_lora writes
+PEFT_FILE = "adapter_model.safetensors"  # peft's: what stk.train.trainable.lora.save_peft writes for LoHa and LoKr
+CHECKPOINT_ADAPTER = "lora"  # the adapter's folder in a checkpoint (stk.train.trainable.kinds.LoraAdapter.save_beside)
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def check_whole(files: Iterable[Path]) -> None:
 
 
 def _verify(checkpoint: Path) -> None:
-    """The checkpoint's files against the sha256 of its record, as a resume checks them (stk.train.checkpoint)."""
+    """The checkpoint's files against the sha256 of its record, as a resume checks them (stk.train.checkpoint.store)."""
     found = damage_of(str(checkpoint))
     if found is None:
         log.warning(

@@ -1,6 +1,6 @@
 """The pipeline a full fine-tune's weights make: OUTPUT/final as it is, or, from a checkpoint (DeepSpeed's ZeRO shards
 of the denoiser alone), the fp32 weights DeepSpeed's own `zero_to_fp32` consolidates, put into `--model`'s pipeline
-as stk-train's final/ is made (`stk.train.export.export_pipeline`), in the export's scratch folder."""
+as stk-train's final/ is made (`stk.train.trainable.pipeline.export_pipeline`), in the export's scratch folder."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def pipeline_of(source: Source, model: str | None, scratch: Path) -> Path:
             f"{source.path}: a full fine-tune's checkpoint holds the denoiser alone; give --model, the pipeline the "
             "run trained (its --model), for the other components"
         )
-    from stk.train.export import export_pipeline
+    from stk.train.trainable.pipeline import export_pipeline
 
     spec = spec_for(source.family)
     if (given := detect_family(model)) is not source.family:
@@ -44,9 +44,9 @@ def pipeline_of(source: Source, model: str | None, scratch: Path) -> Path:
 def _weights_of(
     state: dict[str, torch.Tensor], denoiser_class: Any, config: dict[str, Any], checkpoint: Path
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights one per weight: a run's flat parameters (stk.train.flatweights) cut back into the
-    weights of the denoiser `config` makes (built on the meta device: names and shapes only)."""
-    from stk.train.flatweights import unflattened
+    """The checkpoint's weights one per weight: a run's flat parameters (stk.train.trainable.flatweights) cut back into
+    the weights of the denoiser `config` makes (built on the meta device: names and shapes only)."""
+    from stk.train.trainable.flatweights import unflattened
 
     with torch.device("meta"):
         denoiser = denoiser_class.from_config(config)

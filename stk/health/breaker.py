@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
+from stk.cluster.slurm import job_id
 from stk.errors import InputError
 from stk.health.alerts import apply, plan_events, send
 from stk.health.devices import DeviceBackend, NoDriver, NvmlFailed, backend_from_env
@@ -29,7 +30,6 @@ from stk.health.report import Finding, GpuSample, Report, Severity
 from stk.health.rules import Thresholds, evaluate
 from stk.health.state import AlertState, locked
 from stk.log import get_logger
-from stk.slurm import job_id
 
 __all__ = ["GpuWatch", "local_gpu_index"]
 
@@ -39,7 +39,7 @@ _DEFAULT_THRESHOLDS = Thresholds()  # frozen: one instance serves every watch
 
 
 def local_gpu_index(environ: dict[str, str] | None = None) -> int:
-    """The NVML index of this rank's GPU: visible device LOCAL_RANK (stk.world's local rank when
+    """The NVML index of this rank's GPU: visible device LOCAL_RANK (stk.cluster.world's local rank when
     unset), mapped through CUDA_VISIBLE_DEVICES when that lists indices. CUDA numbers devices
     fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID; on a node of identical GPUs both orders
     are NVML's (PCI bus) order."""
@@ -48,7 +48,7 @@ def local_gpu_index(environ: dict[str, str] | None = None) -> int:
     if local.isdigit():
         position = int(local)
     else:
-        from stk.world import get_world
+        from stk.cluster.world import get_world
 
         position = get_world().local_rank
     visible = env.get("CUDA_VISIBLE_DEVICES")

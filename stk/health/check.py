@@ -8,10 +8,10 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 
+from stk.cluster.slurm import gpus_per_node, job_id
 from stk.health.devices import DeviceBackend, NoDriver, NvmlFailed
 from stk.health.report import Finding, GpuSample, Report, Severity
 from stk.health.rules import Thresholds, evaluate
-from stk.slurm import gpus_per_node, job_id
 
 __all__ = ["expected_gpus_from_env", "report_json_lines", "report_text", "run_check"]
 

@@ -11,10 +11,10 @@ import re
 import socket
 from dataclasses import dataclass
 
+from stk.cluster.slurm import scontrol
 from stk.errors import InputError
 from stk.health.check import report_text
 from stk.health.report import Report, Severity
-from stk.slurm import scontrol
 
 __all__ = [
     "REASON_PREFIX",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from stk import slurm
+from stk.cluster import slurm
 from stk.errors import InputError
 
 __all__ = ["Allocation", "read_allocation"]

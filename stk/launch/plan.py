@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from stk import slurm
+from stk.cluster import slurm
 from stk.errors import InputError
 from stk.launch.allocation import Allocation
 

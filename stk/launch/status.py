@@ -9,9 +9,9 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from stk.cluster.world import on_abort
 from stk.errors import ExitCode
 from stk.log import get_logger
-from stk.world import on_abort
 
 __all__ = ["RANK_STATUS_ENV", "RankStatus", "job_exit_code", "read_ranks", "run_rank"]
 

@@ -15,11 +15,11 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from stk.cluster.slurm import STOP_SIGNALS
 from stk.errors import ExitCode, InfraError
 from stk.launch.plan import Launch
 from stk.launch.status import RANK_STATUS_ENV, job_exit_code, read_ranks
 from stk.log import get_logger
-from stk.slurm import STOP_SIGNALS
 from stk.storage import write_atomic
 
 __all__ = ["execute", "run_ranks", "supervise"]

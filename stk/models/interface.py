@@ -25,7 +25,7 @@ class StepInputs:
 
 
 class DenoiseSettings(Protocol):
-    """What a family's forward pass reads of the objective that calls it (stk.train.objectives.Objective)."""
+    """What a family's forward pass reads of the objective that calls it (stk.train.objective.objectives.Objective)."""
 
     @property
     def guidance_scale(self) -> float:

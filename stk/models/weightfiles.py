@@ -1,6 +1,6 @@
 """A pipeline component's safetensors files, and a digest of its weights read from them without loading the model.
 
-stk-train checks that a cache was made by --model's VAE and text encoders (stk/train/cachemodel.py) without loading
+stk-train checks that a cache was made by --model's VAE and text encoders (stk/train/data/cachemodel.py) without loading
 a text encoder, which may be 24B parameters: the text encoders' identity is a digest of a strided sample of each
 tensor in their files, which stk-cache records and stk-train recomputes alike, reading a few kilobytes per tensor.
 """

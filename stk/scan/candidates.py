@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from stk import storage
 from stk.captions import CAPTION_EXTENSIONS, sidecar_of, sidecar_stem
-from stk.imageinfo import is_image_name
+from stk.images.info import is_image_name
 from stk.storage import name_text, text_name
 
 __all__ = [

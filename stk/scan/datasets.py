@@ -17,15 +17,15 @@ import pyarrow.parquet as pq
 from stk import storage
 from stk.buckets import ways_out
 from stk.captions import CaptionSource
+from stk.cluster.world import World
 from stk.datasets import DatasetSpec
 from stk.errors import BatchCheckFailed, InputError, check_max_errors, parse_max_errors
-from stk.imageinfo import is_image_name
+from stk.images.info import is_image_name
 from stk.log import get_logger
 from stk.scan.combine import Scanned, combined_checks, write_combined
 from stk.scan.outputs import ERRORS, Tally
 from stk.scan.pipeline import ScanOptions, ScanSummary, bucket_settings, run_scan
 from stk.scan.reader import read_buckets
-from stk.world import World
 
 __all__ = ["DATASETS_DIR", "check_sources", "dataset_options", "run_datasets"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
+from stk.cluster.slurm import gpu_count
 from stk.health.devices import node_gpu_count
-from stk.slurm import gpu_count
 
 __all__ = ["training_gpus"]
 

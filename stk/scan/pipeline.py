@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 
 from stk import metadata, storage
 from stk.buckets import BucketIndex, BucketSpec, check_batches, effective_batch_size, make_buckets
+from stk.cluster.world import World, split_work
 from stk.errors import BatchCheckFailed, InputError, check_max_errors, parse_max_errors
 from stk.log import get_logger
 from stk.progress import Progress
@@ -29,7 +30,6 @@ from stk.scan.records import RECORD_SCHEMA, Record, records_to_table
 from stk.scan.sidecars import Sidecars, listed_for
 from stk.scan.state import Journal, clear_previous, load_previous, save_state
 from stk.storage.listing import file_infos, list_sorted
-from stk.world import World, split_work
 
 __all__ = ["ScanOptions", "ScanSummary", "bucket_settings", "run_scan", "split_by_bytes"]
 

@@ -17,9 +17,9 @@ from stk.captions import (
     decode_caption,
 )
 from stk.errors import StkError, described
-from stk.imageformats import ACCEPTED
-from stk.imageheaders import MetadataWarning
-from stk.imageinfo import ImageError, read_header
+from stk.images.formats import ACCEPTED
+from stk.images.headers import MetadataWarning
+from stk.images.info import ImageError, read_header
 from stk.scan.records import Record, error_record
 from stk.scan.sidecars import Sidecars
 

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 
 from stk import storage
 from stk.errors import CacheIncomplete, InputError
+from stk.images.preprocess import CropMode
 from stk.log import get_logger
 from stk.metadata import parquet_file
-from stk.preprocess import CropMode
 from stk.scan.outputs import BUCKETS, METADATA, SUMMARY
 
 __all__ = [

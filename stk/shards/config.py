@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stk.errors import InputError
+from stk.images.preprocess import CropMode
 from stk.models.families import Family, spec_for
 from stk.models.latents import LatentNorm
-from stk.preprocess import CropMode
 from stk.shards.keys import digest
 
 __all__ = ["CacheConfig", "EncodeSettings"]

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
-from stk.preprocess import CropMode, Preprocessed
+from stk.images.preprocess import CropMode, Preprocessed
 from stk.scan.reader import CROPS, ScanTable, dataset_rows, open_scan, read_scan_columns, row_crops
 from stk.shards.config import CacheConfig
 from stk.shards.keys import KEY_CHARS, latent_keys, text_key

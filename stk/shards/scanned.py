@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from stk import storage
-from stk.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
+from stk.images.preprocess import CropMode, Preprocessed, PreprocessError, preprocess
 from stk.storage import FileInfo
 
 __all__ = ["CHANGED", "SEEN_COLUMNS", "ChangedSinceScan", "SeenFile", "read_as_scanned", "seen_files"]
@@ -68,8 +68,8 @@ def seen_files(table: pa.Table) -> list[SeenFile]:
 def read_as_scanned(
     location: str, seen: SeenFile | None, bucket_width: int, bucket_height: int, crop: CropMode, seed: str
 ) -> Preprocessed:
-    """The image at `location` fitted to its bucket (stk.preprocess), refused with ChangedSinceScan when it is not
-    what `seen` records. The stat is the one a read needs anyway on S3 (the object's size); a non-file is left to
+    """The image at `location` fitted to its bucket (stk.images.preprocess), refused with ChangedSinceScan when it is
+    not what `seen` records. The stat is the one a read needs anyway on S3 (the object's size); a non-file is left to
     open_read to refuse."""
     info = storage.stat(location)
     change = seen.file_change(info) if seen is not None and info.error is None else None

@@ -30,11 +30,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stk import storage
+from stk.cluster.world import World, split_work
 from stk.log import get_logger
 from stk.storage import s3
 from stk.storage.base import FileInfo
 from stk.storage.local import LocalBackend
-from stk.world import World, split_work
 
 __all__ = ["file_infos", "list_sorted"]
 

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stk.log import get_logger
-from stk.train.checkpoint import Resume
+from stk.train.checkpoint.store import Resume
 from stk.train.loop import Outcome
-from stk.train.metrics import peak_gpu_memory
+from stk.train.report.metrics import peak_gpu_memory
 from stk.train.setup import Trainer
 
 __all__ = ["TrainSummary", "export_final", "summary"]

@@ -11,9 +11,9 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 from typing import Any
 
 from stk.log import get_logger
-from stk.train.checkpoint import Resume
-from stk.train.ema import ShardedEma
+from stk.train.checkpoint.store import Resume
 from stk.train.options import TrainOptions
+from stk.train.trainable.ema import ShardedEma
 
 __all__ = ["EmaHook", "TrainHook", "hooks_applied", "hooks_for"]
 
@@ -39,8 +39,8 @@ class TrainHook:
 
 
 class EmaHook(TrainHook):
-    """The sharded EMA (stk.train.ema): updated after each step, saved in each checkpoint, swapped in for validation
-    rounds, and exported as final/ with the raw weights in final-no-ema/ (as diffusers' examples save it)."""
+    """The sharded EMA (stk.train.trainable.ema): updated after each step, saved in each checkpoint, swapped in for
+    validation rounds, and exported as final/ with the raw weights in final-no-ema/ (as diffusers' examples save it)."""
 
     def __init__(self, ema: ShardedEma) -> None:
         self.ema = ema

@@ -3,7 +3,7 @@
 Each optimizer step ends at a boundary where every rank agrees (one all-reduce: `stopping.agree`) on whether to
 stop for a signal or a GPU fault and whether the step was finite, so ranks never disagree about the step they stop
 at. There the hooks, the validator and the checkpointer each decide for themselves whether to act; a non-finite step
-is never checkpointed (stk.train.divergence).
+is never checkpointed (stk.train.report.divergence).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from enum import StrEnum
 from stk.errors import ExitCode
 from stk.failures import is_gpu_error, is_peer_failure
 from stk.log import get_logger
-from stk.train.data import BatchLoader
-from stk.train.divergence import weights_finite
-from stk.train.metrics import peak_gpu_memory
+from stk.train.data.loader import BatchLoader
+from stk.train.report.divergence import weights_finite
+from stk.train.report.metrics import peak_gpu_memory
 from stk.train.setup import Trainer
 from stk.train.step import StepResult, train_step
 from stk.train.stopping import Agreement, agree
@@ -126,7 +126,13 @@ def _step_boundary(
         elif not weights_finite(run.model.engine.module, run.model.device):
             return _diverged(run, "the trained weights are not finite (nan or inf)")
         else:
-            run.checkpointer.save(run.model, run.step, run.sampler.state_dict(trained_in_epoch), run.nonfinite.total)
+            run.checkpointer.save(
+                run.model.engine,
+                run.model.objective,
+                run.step,
+                run.sampler.state_dict(trained_in_epoch),
+                run.nonfinite.total,
+            )
     if agreed.stop:
         return Outcome.REQUEUE
     if run.step >= run.total_steps:

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stk.models import Family
-from stk.train.distributed import COLLECTIVE_TIMEOUT_S
-from stk.train.lora import LoraSettings
-from stk.train.losses import LossSettings
-from stk.train.optim import OptimizerSettings
-from stk.train.validation import ValidationSettings
+from stk.train.deepspeed.distributed import COLLECTIVE_TIMEOUT_S
+from stk.train.deepspeed.optim import OptimizerSettings
+from stk.train.objective.losses import LossSettings
+from stk.train.trainable.lora import LoraSettings
+from stk.train.validation.plan import ValidationSettings
 
 __all__ = ["TrainOptions"]
 
@@ -44,10 +44,11 @@ class TrainOptions:
     gradient_checkpointing: bool = True  # recompute activations in the backward pass: less memory, same math
     lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: train every weight
     base_precision: str = "bf16"  # an adapter's frozen base: bf16 (the training dtype) | int8 | fp8 (baseprecision)
-    fp8_matmuls: bool = False  # the repeated blocks' linear layers multiply in float8 (stk.train.fp8)
+    fp8_matmuls: bool = False  # the repeated blocks' linear layers multiply in float8 (stk.train.trainable.fp8)
     loss: LossSettings = field(default_factory=LossSettings)  # min-SNR, noise offset, Flux timestep sampling
     validation: ValidationSettings = field(default_factory=ValidationSettings)  # the --validation-* options
-    ema_decay: float = 0.0  # 0: no EMA; else the decay of a sharded EMA of the trained weights (stk.train.ema)
+    # 0: no EMA; else the decay of a sharded EMA of the trained weights (stk.train.trainable.ema)
+    ema_decay: float = 0.0
     ema_every: int = 1  # optimizer steps between EMA updates
     local_cache_dir: str | None = None  # node-local directory for whole S3 shards
     local_cache_bytes: int | None = None

@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 
 from stk import storage
 from stk.buckets import BatchCheck, Bucket, ShortBucket
+from stk.cluster.world import World
 from stk.errors import BatchCheckFailed, CacheIncomplete, InputError, PreflightFailed
 from stk.scan.outputs import BUCKETS
-from stk.train.sampler import BucketKeys, Group
-from stk.world import World
+from stk.train.data.sampler import BucketKeys, Group
 
 __all__ = ["check_buckets", "check_coverage", "check_gpu_layout", "check_shared_output", "scan_repeats"]
 

@@ -2,9 +2,10 @@
 (stk.train.loop) and the finish (stk.train.finish).
 
 Nothing heavy happens before the guards pass: the shared output directory and its lease, the GPU layout, the
-trainable's settings, the DeepSpeed config, the base precision (stk.train.baseprecision), the compiler --compile
-needs, the checkpoint to resume (verified, fitted to this number of ranks, its settings compared), the data plan, the
-loss, reporter and validation options, the LoRA targets and the cache's model, each refused in seconds with one line.
+trainable's settings, the DeepSpeed config, the base precision (stk.train.trainable.baseprecision), the compiler
+--compile needs, the checkpoint to resume (verified, fitted to this number of ranks, its settings compared), the data
+plan, the loss, reporter and validation options, the LoRA targets and the cache's model, each refused in seconds with
+one line.
 """
 
 from __future__ import annotations
@@ -13,29 +14,29 @@ import time
 
 import torch
 
+from stk.cluster.lease import Lease, leased
+from stk.cluster.world import World
 from stk.errors import ExitCode
 from stk.failures import is_out_of_memory, is_peer_failure, out_of_memory, peer_failed
-from stk.lease import Lease, leased
-from stk.train.baseprecision import check as check_base
-from stk.train.cachemodel import check_cache_model, note_latents
-from stk.train.checkpoint import CheckpointDir, Resume
-from stk.train.checkpointer import fit_world_size, loadable
-from stk.train.compiled import check_compiler
-from stk.train.dsconfig import load_deepspeed_config, zero_stage
+from stk.train.checkpoint.checkpointer import fit_world_size, loadable
+from stk.train.checkpoint.store import CheckpointDir, Resume
+from stk.train.data.cachemodel import check_cache_model, note_latents
+from stk.train.data.plan import TrainPlan, plan_training
+from stk.train.deepspeed.config import load_deepspeed_config, zero_stage
 from stk.train.finish import TrainSummary, export_final, summary
-from stk.train.fp8 import check as check_fp8
 from stk.train.loop import Outcome, train
-from stk.train.objectives import objective_for
+from stk.train.objective.objectives import objective_for
 from stk.train.options import TrainOptions
-from stk.train.plan import TrainPlan, plan_training
 from stk.train.preflight import check_gpu_layout, check_shared_output
-from stk.train.reporters import check_reporter
+from stk.train.report.reporters import check_reporter
 from stk.train.setup import Setting, setup
 from stk.train.stopping import StopSignals
-from stk.train.trainable import trainable_for
-from stk.train.validation import ValidationPlan
-from stk.train.validator import planned
-from stk.world import World
+from stk.train.trainable.baseprecision import check as check_base
+from stk.train.trainable.compiled import check_compiler
+from stk.train.trainable.fp8 import check as check_fp8
+from stk.train.trainable.kinds import trainable_for
+from stk.train.validation.plan import ValidationPlan
+from stk.train.validation.validator import planned
 
 __all__ = ["Outcome", "TrainSummary", "run_train"]
 

@@ -14,33 +14,33 @@ from typing import Any
 
 import torch
 
+from stk.cluster.world import World
 from stk.errors import InputError
 from stk.health.breaker import GpuWatch
 from stk.log import get_logger
 from stk.progress import Progress
 from stk.prompts import EMPTY_CAPTION
-from stk.train import fp8
-from stk.train.checkpoint import CheckpointDir, Resume
-from stk.train.checkpointer import Checkpointer
-from stk.train.datasets import caption_dropouts
-from stk.train.distributed import DistEnv, init_distributed, resolve_dist_env
-from stk.train.divergence import NonFiniteSteps
-from stk.train.dsconfig import zero_stage
-from stk.train.embeddings import Embeddings, embed_captions
-from stk.train.engine import build_engine, engine_config
-from stk.train.flatweights import LAYOUT, PER_WEIGHT, layout_for
+from stk.train.checkpoint.checkpointer import Checkpointer
+from stk.train.checkpoint.store import CheckpointDir, Resume
+from stk.train.data.datasets import caption_dropouts
+from stk.train.data.plan import TrainPlan, check_text_encoders_in_train
+from stk.train.data.sampler import BucketSampler
+from stk.train.deepspeed.config import zero_stage
+from stk.train.deepspeed.distributed import DistEnv, init_distributed, resolve_dist_env
+from stk.train.deepspeed.engine import build_engine, engine_config
 from stk.train.hooks import TrainHook, hooks_for
-from stk.train.metrics import MetricsLog
-from stk.train.objectives import objective_for
+from stk.train.objective.objectives import objective_for
 from stk.train.options import TrainOptions
-from stk.train.plan import TrainPlan, check_text_encoders_in_train
-from stk.train.sampler import BucketSampler
+from stk.train.report.divergence import NonFiniteSteps
+from stk.train.report.metrics import MetricsLog
 from stk.train.step import StepModel
 from stk.train.stopping import StopSignals
-from stk.train.trainable import Trainable
-from stk.train.validation import ValidationPlan
-from stk.train.validator import Validator
-from stk.world import World
+from stk.train.trainable import fp8
+from stk.train.trainable.flatweights import LAYOUT, PER_WEIGHT, layout_for
+from stk.train.trainable.kinds import Trainable
+from stk.train.validation.embeddings import Embeddings, embed_captions
+from stk.train.validation.plan import ValidationPlan
+from stk.train.validation.validator import Validator
 
 __all__ = ["Trainer", "setup"]
 
@@ -188,7 +188,7 @@ def _sampler(opts: TrainOptions, plan: TrainPlan, env: DistEnv) -> tuple[BucketS
 
 
 def _layout(setting: Setting, world: World, rank: int) -> str:
-    """How the trainable weights are held (stk.train.flatweights): as the checkpoint resumed holds them."""
+    """How the trainable weights are held (stk.train.trainable.flatweights): as the checkpoint resumed holds them."""
     resume = setting.resume
     resumed = world.root_call(lambda: setting.checkpoints.saved_settings(resume)) if resume is not None else None
     layout = layout_for(zero_stage(setting.deepspeed_config), resumed)

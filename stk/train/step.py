@@ -17,9 +17,9 @@ import torch
 
 from stk.models.interface import StepInputs
 from stk.models.latents import LatentNorm
-from stk.train.batch import Batch, collate_text
-from stk.train.losses import drop_captions
-from stk.train.objectives import Objective
+from stk.train.data.batch import Batch, collate_text
+from stk.train.objective.losses import drop_captions
+from stk.train.objective.objectives import Objective
 
 __all__ = ["StepModel", "StepResult", "batch_digest", "step_generator", "step_inputs", "train_step"]
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from stk.cluster.slurm import STOP_SIGNALS
+from stk.cluster.world import exit_now
 from stk.errors import ExitCode
 from stk.log import get_logger
-from stk.slurm import STOP_SIGNALS
-from stk.world import exit_now
 
 __all__ = ["Agreement", "StopSignals", "agree"]
 

@@ -27,9 +27,9 @@ from support.cache_builds import (
 )
 from support.commands import summary_of
 
+from stk.images.preprocess import CropMode, preprocess
 from stk.models import Family, load_encoders
 from stk.models.families import spec_for
-from stk.preprocess import CropMode, preprocess
 from stk.prompts import EMPTY_CAPTION
 from stk.shards import CacheReader, Manifest
 from stk.shards.jobs import ImageJob, read_jobs

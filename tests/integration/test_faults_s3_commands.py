@@ -20,9 +20,9 @@ from support.commands import cache_command, cache_env, scan_command, scan_env, s
 from support.s3_outages import _outage, _recover
 from support.weed_server import WeedServer, s3_client
 
+from stk.cluster.lease import lease_name
 from stk.datagen import generate_dataset
 from stk.errors import ExitCode
-from stk.lease import lease_name
 from stk.models import Family
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """Every format a trainer can decode, through the real CLIs: stk-scan on one rank and two, stk-cache encoding every
 format, a bad --formats list. The corpus is made by the tests (stk.datagen); header reads:
-tests/unit/test_imageformats.py."""
+tests/unit/images/test_formats.py."""
 
 from __future__ import annotations
 

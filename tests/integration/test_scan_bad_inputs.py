@@ -22,7 +22,7 @@ from support.commands import RunScan, scan_command, scan_env, summary_of
 from support.scan_outputs import BAD_ARGS, GOOD, IS_ROOT, _errors, _no_traceback, _rows, _save_png
 
 from stk.datagen import make_image
-from stk.imageinfo import is_image_name
+from stk.images.info import is_image_name
 
 pytestmark = pytest.mark.integration
 

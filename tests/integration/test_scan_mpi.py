@@ -22,9 +22,9 @@ from PIL import Image
 from support.commands import RunScan, one_error, scan_command, scan_env, summary_of
 from support.processes import mpi_rank_pids, process_ended
 
+from stk.cluster.lease import Holder, lease_name
 from stk.datagen import generate_dataset, make_image
 from stk.errors import ExitCode
-from stk.lease import Holder, lease_name
 
 pytestmark = pytest.mark.integration
 

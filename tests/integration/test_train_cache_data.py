@@ -1,5 +1,5 @@
-"""stk.train.data's CacheData against the cache reader (float32, text padded, --trim-padding, keys), and BatchLoader's
-order and wait metric.
+"""stk.train.data.loader's CacheData against the cache reader (float32, text padded, --trim-padding, keys), and
+BatchLoader's order and wait metric.
 
 On the session's three-shard SDXL cache (support.train_caches)."""
 
@@ -17,8 +17,8 @@ from support.train_caches import Built, assert_same_batch, sampler_batches
 
 from stk.shards import CacheReader, Manifest
 from stk.shards.jobs import read_jobs
-from stk.train.batch import Batch
-from stk.train.data import BatchLoader, CacheData, TrainData
+from stk.train.data.batch import Batch
+from stk.train.data.loader import BatchLoader, CacheData, TrainData
 
 integration = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """Checkpoints that can be trusted, through real 2-rank runs: a damaged checkpoint on one rank resumes from the
 previous one and trains the same steps, no good checkpoint is exit 6 before any model loads, and a disk that fills
 while the EMA is saved is exit 69 on every rank with `latest` where it was. The run they share is the `trained`
-fixture; the checks in this process: tests/unit/train/test_checkpoint.py."""
+fixture; the checks in this process: tests/unit/train/checkpoint/test_store.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from support.checkpoints import MODEL, OPTIM, record, resolve, step_dir
 from support.commands import one_error, run_train, summary_of, train_command, train_env
 from support.train_outputs import metrics
 
-from stk.train.checkpoint import LATEST, Resume
+from stk.train.checkpoint.store import LATEST, Resume
 
 # --- resume: real 2-rank runs -------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from support.commands import FAST, one_error, run_train, summary_of
 from support.train_outputs import metrics
 
 from stk.models import Family
-from stk.train.compiled import CACHE_DIR
+from stk.train.trainable.compiled import CACHE_DIR
 
 pytestmark = [
     pytest.mark.integration,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from support.commands import EXTENSIONS_DIR
 
+from stk.cluster.slurm import free_port
 from stk.errors import InfraError
-from stk.slurm import free_port
-from stk.train import distributed
+from stk.train.deepspeed import distributed
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
@@ -27,8 +27,8 @@ RANK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     import torch
-    from stk.train.distributed import init_distributed, resolve_dist_env
-    from stk.world import get_world
+    from stk.train.deepspeed.distributed import init_distributed, resolve_dist_env
+    from stk.cluster.world import get_world
 
     world = get_world()
     env = resolve_dist_env(world, os.environ)
@@ -92,7 +92,7 @@ TIMEOUT_SCRIPT = textwrap.dedent(
     """
     import datetime, sys
     from stk.errors import InfraError
-    from stk.train.distributed import DistEnv, init_distributed
+    from stk.train.deepspeed.distributed import DistEnv, init_distributed
 
     try:  # rank 0 of 2, and rank 1 never comes
         init_distributed(DistEnv(0, 2, 0, 2, "127.0.0.1", int(sys.argv[1]), "n"), "gloo", datetime.timedelta(seconds=2))

@@ -1,7 +1,7 @@
 """A run that diverges, for real: 2 ranks of the tiny SD model on the CPU under mpiexec, a learning rate of 1e30 held
 at 0 for the first step by the warmup, so steps 1 and 2 are finite (and checkpointed) and from step 3 on the loss is
 nan on every rank and DeepSpeed skips each update. The checks of the pieces in this process:
-tests/unit/train/test_divergence.py."""
+tests/unit/train/report/test_divergence.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""stk.train.data's ImageData against stk.preprocess and the cached latents (on-the-fly == cached), and its errors
-naming the scan or the image.
+"""stk.train.data.loader's ImageData against stk.images.preprocess and the cached latents (on-the-fly == cached), and
+its errors naming the scan or the image.
 
 On the session's three-shard SDXL cache (support.train_caches)."""
 
@@ -16,10 +16,10 @@ import torch
 from support.train_caches import Built
 
 from stk.errors import InputError
+from stk.images.preprocess import CropMode, preprocess
 from stk.models import load_encoders
-from stk.preprocess import CropMode, preprocess
 from stk.scan.reader import read_scan
-from stk.train.data import CacheData, ImageData
+from stk.train.data.loader import CacheData, ImageData
 
 integration = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """stk-train --lora-rank: a LoRA run resumed bitwise under ZeRO-3 on 2 MPI ranks; a LoRA on an int8 base
 (--base-precision) against bf16's loss curve, on one rank in this process. Elsewhere: each family trained
 under another preset and loaded with `pipe.load_lora_weights` (the ZeRO matrix, test_train.py), and the resumes
-refused because they would load other adapter weights (tests/unit/train/test_checkpoint.py)."""
+refused because they would load other adapter weights (tests/unit/train/checkpoint/test_store.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from support.train_outputs import SAMPLING, metrics, sample_pngs, samples_match
 from stk.cli.train import main as train_main
 from stk.errors import ExitCode
 from stk.models import Family
-from stk.train.lora import LORA_WEIGHTS
+from stk.train.trainable.lora import LORA_WEIGHTS
 
 # --- resume -----------------------------------------------------------------------------------------------------
 
@@ -116,7 +116,7 @@ def test_a_lora_on_an_int8_base_follows_the_unquantised_loss_curve_and_resume_ke
     loss curve within INT8_LOSS_RTOL, on the same samples, noise and initial adapter; a resume that changes the base
     precision is refused in one line before any model loads (in this process, through click's runner: DeepSpeed
     keeps its process groups for the process, so each training is a process of its own). The int8-trained file
-    loading into the pipeline: tests/unit/train/test_baseprecision.py."""
+    loading into the pipeline: tests/unit/train/trainable/test_baseprecision.py."""
     model, cache = setups(Family.FLUX)
     args = ["--cache", cache, "--model", model, "--lora-rank", 4, "--no-validation", *FAST]
     for precision in ("bf16", "int8"):

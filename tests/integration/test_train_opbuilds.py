@@ -1,6 +1,6 @@
 """DeepSpeed's op builds, end to end: real stk-train jobs (mpiexec -n 2, DeepSpeed on the CPU) against the session's
 build directory while this process holds the build lock and a torch baton as a build does; and `make install`'s
-build step. The lock itself: tests/unit/train/test_opbuilds.py."""
+build step. The lock itself: tests/unit/train/deepspeed/test_opbuilds.py."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from support.processes import mpi_rank_pids
 
 from stk.errors import ExitCode
 from stk.models import Family
-from stk.train import opbuilds
-from stk.train.opbuilds import (
+from stk.train.deepspeed import opbuilds
+from stk.train.deepspeed.opbuilds import (
     LOCK_NAME,
     WAIT_ENV,
 )
@@ -140,11 +140,11 @@ def test_sigterm_while_waiting_for_a_build_ends_the_run_at_once_for_requeue(setu
 
 @pytest.mark.integration
 def test_make_installs_step_builds_the_ops_stk_uses(tmp_path):
-    """`python -m stk.train.opbuilds` (make install) into the session's directory: the shared-memory op and CPU
-    Adam, where TORCH_EXTENSIONS_DIR says, not in the default directory."""
+    """`python -m stk.train.deepspeed.opbuilds` (make install) into the session's directory: the shared-memory op and
+    CPU Adam, where TORCH_EXTENSIONS_DIR says, not in the default directory."""
     env = {**train_env(), "XDG_CACHE_HOME": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "stk.train.opbuilds"], capture_output=True, text=True, env=env, timeout=540
+        [sys.executable, "-m", "stk.train.deepspeed.opbuilds"], capture_output=True, text=True, env=env, timeout=540
     )
     assert proc.returncode == 0, proc.stderr
     assert f"stk: DeepSpeed's ops {SHM_OP}, cpu_adam ready in {EXTENSIONS_DIR} (" in proc.stdout, proc.stdout

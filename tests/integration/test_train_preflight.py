@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 def test_nodes_with_different_gpu_counts_are_refused(tmp_path):
     code = (
-        "from stk.world import get_world\n"
+        "from stk.cluster.world import get_world\n"
         "from stk.train.preflight import check_gpu_layout\n"
         "from stk.errors import PreflightFailed\n"
         "world = get_world()\n"

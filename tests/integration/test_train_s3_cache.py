@@ -18,8 +18,8 @@ from support.weed_server import S3_ENV, s3_client
 
 from stk import storage
 from stk.shards import Manifest, shard_location
-from stk.train.batch import Batch
-from stk.train.data import BatchLoader, CacheData
+from stk.train.data.batch import Batch
+from stk.train.data.loader import BatchLoader, CacheData
 
 integration = pytest.mark.integration
 

@@ -22,13 +22,13 @@ PARTITIONED = textwrap.dedent(
     """
     import json, os, sys
     import deepspeed, torch
-    from stk.world import get_world
-    from stk.train.distributed import init_distributed, resolve_dist_env
-    from stk.train.engine import engine_config
-    from stk.train.dsconfig import load_deepspeed_config
+    from stk.cluster.world import get_world
+    from stk.train.deepspeed.distributed import init_distributed, resolve_dist_env
+    from stk.train.deepspeed.engine import engine_config
+    from stk.train.deepspeed.config import load_deepspeed_config
     from stk.train.options import TrainOptions
     from stk.models import Family
-    from stk.train.objectives import objective_for
+    from stk.train.objective.objectives import objective_for
 
     family, model, out, precision = sys.argv[1:]
     world = get_world()

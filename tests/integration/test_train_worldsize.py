@@ -16,9 +16,9 @@ from support.commands import FAST, run_train, summary_of
 from support.train_outputs import metrics
 
 from stk.models import Family
-from stk.train.checkpoint import LATEST
-from stk.train.lora import LORA_WEIGHTS
-from stk.train.worldsize import UNIVERSAL, universal_checkpoint
+from stk.train.checkpoint.store import LATEST
+from stk.train.checkpoint.worldsize import UNIVERSAL, universal_checkpoint
+from stk.train.trainable.lora import LORA_WEIGHTS
 
 UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
 

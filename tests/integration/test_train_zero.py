@@ -23,9 +23,9 @@ from support.train_checks import check_final, denoiser_folder, denoiser_weights,
 from support.train_outputs import SAMPLING, board_images, metrics, sample_pngs, wandb_history
 
 from stk.models import Family
-from stk.train.flatweights import unflattened
-from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora
-from stk.train.objectives import objective_for
+from stk.train.objective.objectives import objective_for
+from stk.train.trainable.flatweights import unflattened
+from stk.train.trainable.lora import LORA_WEIGHTS, LoraSettings, add_lora
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def prediction(denoiser: torch.nn.Module, family: Family, model: str) -> torch.T
 def trained_module(model: str, family: Family, settings: LoraSettings, checkpoint: Path) -> torch.nn.Module:
     """The denoiser as training left it, rebuilt without stk's export: the base weights, the same adapter, and the
     adapter's fp32 weights from the DeepSpeed checkpoint (DeepSpeed's own zero_to_fp32 reader; under ZeRO-1/2 the run's
-    flat parameters, cut back into the adapter's weights by stk.train.flatweights)."""
+    flat parameters, cut back into the adapter's weights by stk.train.trainable.flatweights)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     denoiser = objective_for(family, model).load_denoiser(torch.float32)

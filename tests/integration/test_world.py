@@ -1,4 +1,4 @@
-"""stk.world under real MPI ranks: one rank's failure reaches every rank."""
+"""stk.cluster.world under real MPI ranks: one rank's failure reaches every rank."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 from stk.errors import InputError
 from stk.shards.manifest import ManifestDamaged
-from stk.world import get_world
+from stk.cluster.world import get_world
 
 world = get_world()
 FAILURES = [InputError("rank 1 cannot load the model"), ManifestDamaged("cache/manifest.json", "not JSON")]

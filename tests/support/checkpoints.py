@@ -1,4 +1,4 @@
-"""What a checkpoint holds on disk, for the tests of stk.train.checkpoint."""
+"""What a checkpoint holds on disk, for the tests of stk.train.checkpoint.store."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stk.train.checkpoint import CheckpointDir, Resume
-from stk.train.digests import FILES, SETTINGS
-from stk.world import World
+from stk.cluster.world import World
+from stk.train.checkpoint.digests import FILES, SETTINGS
+from stk.train.checkpoint.store import CheckpointDir, Resume
 
 OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stk.lease import lease_name
+from stk.cluster.lease import lease_name
 from support.weed_server import S3_ENV
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: its bin/, etc/, sbatch/ and bench/

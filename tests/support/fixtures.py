@@ -17,6 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
+from stk.cluster.slurm import free_port
 from stk.datagen import (
     FormatSample,
     GeneratedImage,
@@ -24,8 +25,7 @@ from stk.datagen import (
     generate_format_samples,
 )
 from stk.models import Family, build_tiny_model
-from stk.slurm import free_port
-from stk.train.distributed import DistEnv, init_distributed
+from stk.train.deepspeed.distributed import DistEnv, init_distributed
 from support.alert_receiver import Receiver
 from support.commands import (
     EXTENSIONS_DIR,

@@ -12,8 +12,8 @@ from peft.tuners.lora import LoraLayer
 
 from stk.models import Family
 from stk.models.interface import StepInputs
-from stk.train.lora import LoraSettings, add_lora
-from stk.train.objectives import objective_for
+from stk.train.objective.objectives import objective_for
+from stk.train.trainable.lora import LoraSettings, add_lora
 from support.reference_steps import Reference, example_flow_loss
 
 GUIDANCE_SCALE = 3.5  # the examples' --guidance_scale default

@@ -1,4 +1,4 @@
-"""Image files for the tests of stk.imageinfo: written in each format, with an EXIF orientation, and read back as
+"""Image files for the tests of stk.images.info: written in each format, with an EXIF orientation, and read back as
 headers or error kinds."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stk.datagen import FORMATS, make_image, save
-from stk.imageinfo import ImageHeader, read_header
+from stk.images.info import ImageHeader, read_header
 
 
 def read_header_bytes(data: bytes, max_pixels: int | None = None) -> ImageHeader:

@@ -11,8 +11,8 @@ from peft.utils import get_peft_model_state_dict
 
 from stk.models import Family
 from stk.models.families import spec_for
-from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
-from stk.train.objectives import objective_for
+from stk.train.objective.objectives import objective_for
+from stk.train.trainable.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
 from support.tiny_batches import step_inputs
 
 

@@ -1,4 +1,4 @@
-"""A DeepSpeed op build held by this process, for the tests of stk.train.opbuilds."""
+"""A DeepSpeed op build held by this process, for the tests of stk.train.deepspeed.opbuilds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from stk.train.opbuilds import (
+from stk.train.deepspeed.opbuilds import (
     build_lock,
 )
 from support.commands import EXTENSIONS_DIR

@@ -13,7 +13,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from stk.models import Family, build_tiny_model
 from stk.models.interface import StepInputs
-from stk.train.objectives import FlowObjective, Objective, objective_for
+from stk.train.objective.objectives import FlowObjective, Objective, objective_for
 from support.tiny_batches import step_inputs, unused_parameters
 
 SEED = 3

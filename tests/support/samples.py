@@ -13,10 +13,10 @@ from PIL import Image
 from stk.models import Family
 from stk.models.families import spec_for
 from stk.prompts import EMPTY_CAPTION
-from stk.train.embeddings import embed_captions
-from stk.train.objectives import objective_for
-from stk.train.render import ValidationRenderer
-from stk.train.validation import ValidationPlan
+from stk.train.objective.objectives import objective_for
+from stk.train.validation.embeddings import embed_captions
+from stk.train.validation.plan import ValidationPlan
+from stk.train.validation.render import ValidationRenderer
 
 
 def rendered_sample(family: Family, model: str, plan: ValidationPlan) -> np.ndarray:

@@ -10,7 +10,7 @@ from stk.models import Family
 from stk.models.families import spec_for
 from stk.models.interface import StepInputs
 from stk.models.textmask import TEXT_MASK
-from stk.train.batch import Batch
+from stk.train.data.batch import Batch
 
 
 def cached_batch(keys: list[str], seed: int) -> Batch:

@@ -1,4 +1,4 @@
-"""The cache stk.train.data's tests read: one tiny SDXL model; 24 generated images scanned at 64 px and cached by
+"""The cache stk.train.data.loader's tests read: one tiny SDXL model; 24 generated images scanned at 64 px and cached by
 stk-cache (subprocesses, as users run them) in three runs of 8 new images each, so the cache has three shards whose
 contents are known. Built once a session."""
 
@@ -18,9 +18,9 @@ import torch
 from stk.datagen import generate_dataset
 from stk.models import Family, build_tiny_model
 from stk.shards import Manifest
-from stk.train.batch import Batch
-from stk.train.data import CacheData
-from stk.train.sampler import BucketSampler
+from stk.train.data.batch import Batch
+from stk.train.data.loader import CacheData
+from stk.train.data.sampler import BucketSampler
 from support.commands import cache_command, cache_env, scan_command, summary_of
 
 IMAGES, RUNS = 24, 3  # each stk-cache run adds IMAGES // RUNS images in one new shard

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from stk.models import Family
 from stk.models.families import spec_for
-from stk.train.objectives import objective_for
+from stk.train.objective.objectives import objective_for
 from support.tiny_batches import step_inputs
 
 

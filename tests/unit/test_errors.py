@@ -7,22 +7,28 @@ from __future__ import annotations
 import importlib
 import inspect
 import pickle
-import pkgutil
+from pathlib import Path
 
 import pytest
 
 import stk
+from stk.cluster.world import failed_rank, raised_everywhere
 from stk.shards.manifest import ManifestDamaged
-from stk.world import failed_rank, raised_everywhere
 
 
 def _exception_classes() -> list[type[BaseException]]:
-    """Every exception class defined in a module of the stk package."""
+    """Every exception class defined in a module of the stk package (not the family template, which is copied, never
+    imported)."""
     found: dict[str, type[BaseException]] = {}
-    for module in pkgutil.walk_packages(stk.__path__, "stk."):
-        for name, value in vars(importlib.import_module(module.name)).items():
-            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module.name:
-                found[f"{module.name}.{name}"] = value
+    root = Path(stk.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if "_template" in parts:
+            continue
+        for name, value in vars(importlib.import_module(module)).items():
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module:
+                found[f"{module}.{name}"] = value
     return [found[name] for name in sorted(found)]
 
 

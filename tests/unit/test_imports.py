@@ -88,3 +88,23 @@ def test_the_layers_import_downwards_only(lower: str, upper: str) -> None:
     """The packages are layers: the CLI over the commands' libraries (stk.train, stk.cache) over the models and the
     cache's format; no module of a lower layer imports one of a higher, even only for its types."""
     assert not _crossings(import_graph(), lower, upper)
+
+
+LIFECYCLE = ("stk.train.run", "stk.train.setup", "stk.train.loop", "stk.train.step", "stk.train.finish")
+JOBS = ("checkpoint", "data", "validation", "trainable", "deepspeed", "objective", "report")
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_the_trainers_jobs_never_import_its_lifecycle(job: str) -> None:
+    """stk/train/ keeps a run's lifecycle at its top (run, setup, loop, step, finish) over packages grouped by job;
+    a job's modules serve the lifecycle and never import it."""
+    graph = import_graph()
+    assert any(m.startswith(f"stk.train.{job}.") for m in graph), job
+    assert not [crossing for phase in LIFECYCLE for crossing in _crossings(graph, f"stk.train.{job}", phase)]
+
+
+@pytest.mark.parametrize("base", ["stk.images", "stk.cluster"])
+def test_the_image_and_cluster_modules_import_no_command_library(base: str) -> None:
+    graph = import_graph()
+    for upper in ("stk.models", "stk.scan", "stk.shards", "stk.cache", "stk.train", "stk.export", "stk.cli"):
+        assert not _crossings(graph, base, upper)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import click
 
 from stk.cli.common import FiniteFloat, default_of, option_group
-from stk.train.baseprecision import BASE_PRECISIONS
-from stk.train.lora import ADAPTERS, LoraSettings
 from stk.train.options import TrainOptions
+from stk.train.trainable.baseprecision import BASE_PRECISIONS
+from stk.train.trainable.lora import ADAPTERS, LoraSettings
 
 __all__ = ["adapter_options"]
 

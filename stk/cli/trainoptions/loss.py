@@ -6,7 +6,7 @@ import click
 
 from stk.cli.common import FiniteFloat, default_of, option_group
 from stk.cli.trainsettings import flow_shift
-from stk.train.losses import TIMESTEP_SAMPLINGS, LossSettings
+from stk.train.objective.losses import TIMESTEP_SAMPLINGS, LossSettings
 from stk.train.options import TrainOptions
 
 __all__ = ["caption_dropout_option", "guidance_option", "loss_options"]

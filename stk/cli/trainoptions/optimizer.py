@@ -7,8 +7,8 @@ import click
 
 from stk.cli.common import FiniteFloat, default_of, option_group
 from stk.cli.trainsettings import betas
-from stk.train.dsconfig import PRECISIONS, PRESETS
-from stk.train.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
+from stk.train.deepspeed.config import PRECISIONS, PRESETS
+from stk.train.deepspeed.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings
 from stk.train.options import TrainOptions
 
 __all__ = ["batch_options", "optimizer_options"]

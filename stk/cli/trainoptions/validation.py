@@ -10,8 +10,8 @@ import click
 from stk.cli.common import FiniteFloat, default_of, option_group
 from stk.cli.trainsettings import resolution
 from stk.train.options import TrainOptions
-from stk.train.reporters import REPORTERS
-from stk.train.validation import ValidationSettings
+from stk.train.report.reporters import REPORTERS
+from stk.train.validation.plan import ValidationSettings
 
 if TYPE_CHECKING:
     from stk.models.families.spec import FamilySpec

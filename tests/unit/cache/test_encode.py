@@ -13,15 +13,15 @@ from support.combined_scans import CENTER_OFFSET, STYLE, one_source, write_scan
 from stk.cache.inspect import verify_cache
 from stk.cache.options import CacheOptions
 from stk.cache.pipeline import run_cache
+from stk.cluster.world import World
 from stk.datagen import make_image
 from stk.errors import CacheIncomplete
+from stk.images.preprocess import CropMode, preprocess
 from stk.models import Family, build_tiny_model
-from stk.preprocess import CropMode, preprocess
 from stk.shards import CacheReader
 from stk.shards.config import EncodeSettings
 from stk.shards.jobs import ERRORS, expected_columns
 from stk.shards.scanned import CHANGED
-from stk.world import World
 
 
 def test_each_dataset_is_encoded_with_its_own_crop_and_found_by_verify(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ from click.testing import CliRunner, Result
 from support.commands import clean_env
 
 from stk.cli.scan import main as scan_main
+from stk.cluster.lease import Holder, lease_name
 from stk.datagen import generate_dataset, make_image
 from stk.datasets import read_datasets
-from stk.lease import Holder, lease_name
 
 pytestmark = pytest.mark.usefixtures("keep_logging")
 

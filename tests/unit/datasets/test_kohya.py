@@ -11,7 +11,7 @@ from support.dataset_files import refusal
 from stk.buckets import ResolutionType
 from stk.captions import MissingCaption
 from stk.datasets import DatasetSpec, read_datasets
-from stk.preprocess import CropMode
+from stk.images.preprocess import CropMode
 
 # The first example of sd-scripts' docs/config_README-en.md, as written there (Windows paths and all).
 DOCUMENTED = r"""

@@ -12,7 +12,7 @@ from support.dataset_files import refusal
 from stk.buckets import Aspect, ResolutionType
 from stk.captions import CaptionSource, MissingCaption
 from stk.datasets import DatasetSpec, read_datasets
-from stk.preprocess import CropMode
+from stk.images.preprocess import CropMode
 
 # Copied from SimpleTuner's documentation/DATALOADER.md: the first two entries are its "most basic example",
 # "photo-concept-bucket" is its "Parquet caption strategy" example, and the last three its "Local cache with

@@ -11,7 +11,7 @@ from stk.buckets import Aspect, ResolutionType
 from stk.captions import CaptionSource, MissingCaption
 from stk.datasets import DatasetSpec, datasets_toml, read_datasets
 from stk.errors import InputError
-from stk.preprocess import CropMode
+from stk.images.preprocess import CropMode
 
 SPECS = [
     DatasetSpec(

@@ -23,8 +23,8 @@ from stk.errors import CheckpointDamaged, ExitCode, InputError
 from stk.export import ExportOptions, Format, export
 from stk.models import Family, build_tiny_model
 from stk.models.families import spec_for
-from stk.train.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
-from stk.train.objectives import objective_for
+from stk.train.objective.objectives import objective_for
+from stk.train.trainable.lora import LORA_WEIGHTS, LoraSettings, add_lora, save_lora
 
 # FLUX.1's reader (diffusers' _convert_kohya_flux_lora_to_diffusers) splits the single blocks' `linear1` at FLUX.1's
 # published widths (3072, 12288), which a tiny transformer does not have: its LoRA is on the double blocks there.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from stk.cluster.slurm import hostnames
 from stk.errors import InputError
 from stk.launch.allocation import Allocation, read_allocation
-from stk.slurm import hostnames
 
 # --- the allocation ------------------------------------------------------------------------------------------------
 

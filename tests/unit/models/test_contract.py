@@ -29,9 +29,9 @@ from transformers import AutoTokenizer
 from stk.models import Encoders, Family, detect_family, load_encoders
 from stk.models.families import spec_for
 from stk.models.textmask import TEXT_MASK
-from stk.train.export import export_pipeline
-from stk.train.objectives import objective_for
-from stk.train.validation import ValidationPlan
+from stk.train.objective.objectives import objective_for
+from stk.train.trainable.pipeline import export_pipeline
+from stk.train.validation.plan import ValidationPlan
 
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting!", "the " * 100 + "cat"]  # the last overflows CLIP's 77
 families = pytest.mark.parametrize("family", list(Family), ids=lambda f: f.value)

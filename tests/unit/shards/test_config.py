@@ -8,7 +8,7 @@ import json
 import pytest
 
 from stk.errors import InputError
-from stk.preprocess import CropMode
+from stk.images.preprocess import CropMode
 from stk.shards import (
     Manifest,
 )

@@ -12,8 +12,8 @@ import pytest
 from support.combined_scans import PHOTOS, STYLE, one_source, write_scan
 
 from stk.errors import CacheIncomplete
+from stk.images.preprocess import CropMode
 from stk.models.latents import LatentNorm
-from stk.preprocess import CropMode
 from stk.scan.outputs import BUCKETS, METADATA
 from stk.shards.config import CacheConfig, EncodeSettings
 from stk.shards.jobs import ScanRows, expected_columns, expected_keys, read_jobs, read_keys

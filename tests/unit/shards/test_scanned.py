@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stk.datagen import make_image
-from stk.preprocess import CropMode
+from stk.images.preprocess import CropMode
 from stk.shards.scanned import CHANGED, ChangedSinceScan, SeenFile, read_as_scanned
 from stk.storage import FileInfo
 

@@ -20,10 +20,10 @@ from support.commands import MPIEXEC
 from support.weed_server import S3_ENV, WeedServer, s3_client
 
 from stk import storage
+from stk.cluster.world import World
 from stk.errors import ExitCode, InfraError
 from stk.storage import listing
 from stk.storage.listing import file_infos, list_sorted
-from stk.world import World
 
 FLAT = 1100  # more names than one page: the level is cut by the first characters of its names
 
@@ -116,7 +116,7 @@ _RANKS = """
 import json, sys
 from stk import storage
 from stk.storage.listing import file_infos, list_sorted
-from stk.world import get_world
+from stk.cluster.world import get_world
 storage.configure_s3(sys.argv[1])
 world = get_world()
 found = list_sorted(sys.argv[2], world, threads=2)

@@ -26,7 +26,7 @@ from stk.export import ExportOptions, Format, export
 from stk.export.adapters import METADATA
 from stk.models import Family
 from stk.storage.modes import honour_umask, umask
-from stk.train.lora import LORA_WEIGHTS
+from stk.train.trainable.lora import LORA_WEIGHTS
 
 pytestmark = [
     pytest.mark.usefixtures("keep_logging"),

@@ -13,11 +13,11 @@ from support.tiny_batches import cached_batch
 from stk.models import Family, build_tiny_model
 from stk.models.interface import StepInputs
 from stk.models.latents import LatentNorm
-from stk.train.batch import Batch
-from stk.train.dsconfig import load_deepspeed_config
-from stk.train.engine import build_engine, engine_config
-from stk.train.objectives import objective_for
-from stk.train.optim import OptimizerSettings
+from stk.train.data.batch import Batch
+from stk.train.deepspeed.config import load_deepspeed_config
+from stk.train.deepspeed.engine import build_engine, engine_config
+from stk.train.deepspeed.optim import OptimizerSettings
+from stk.train.objective.objectives import objective_for
 from stk.train.options import TrainOptions
 from stk.train.step import StepModel, batch_digest, step_generator, step_inputs, train_step
 

@@ -9,7 +9,7 @@ from stk.train.stopping import StopSignals
 
 def test_stop_signals_in_the_step_loop_are_recorded_not_fatal():
     signals = StopSignals().install()
-    signals.defer()  # the step loop runs (before it a signal ends the run: tests/unit/train/test_opbuilds.py)
+    signals.defer()  # the step loop runs (before it a signal ends the run: tests/unit/train/deepspeed/test_opbuilds.py)
     try:
         signal.raise_signal(signal.SIGUSR2)
         signal.raise_signal(signal.SIGTERM)

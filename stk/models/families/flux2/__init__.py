@@ -127,7 +127,7 @@ def single_file(folder: Path) -> dict[str, torch.Tensor]:
 # The examples' default target_modules: the double blocks' attention projections (`to_q/k/v`, `to_out.0`), the single
 # blocks' fused input projection (`to_qkv_mlp_proj`) and their output projection, which the examples list by index
 # (`single_transformer_blocks.{i}.attn.to_out`, i < 48 for dev, < 24 for klein). `attn.to_out` names those at any
-# depth: in the double blocks it is a list, which stk.train.lora.add_lora leaves out.
+# depth: in the double blocks it is a list, which stk.train.trainable.lora.add_lora leaves out.
 LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj", "attn.to_out")
 
 

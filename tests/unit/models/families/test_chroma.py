@@ -21,9 +21,9 @@ from stk.models.families import spec_for
 from stk.models.families.flux import LORA_TARGETS as FLUX_TARGETS
 from stk.models.interface import StepInputs
 from stk.models.textmask import TEXT_MASK
-from stk.train.batch import collate_text
-from stk.train.lora import LoraSettings, add_lora
-from stk.train.objectives import objective_for
+from stk.train.data.batch import collate_text
+from stk.train.objective.objectives import objective_for
+from stk.train.trainable.lora import LoraSettings, add_lora
 
 SPEC = spec_for(Family.CHROMA)
 # of different lengths, so a batch of them is zero-padded and its mask masks something; "" is the negative prompt
@@ -184,8 +184,8 @@ def test_lora_targets_are_fluxs_and_name_layers_of_chromas_blocks(model: str) ->
 def test_samples_from_cached_embeddings_with_the_empty_caption_as_negative(
     pipeline: ChromaPipeline, cached: list[dict[str, np.ndarray]]
 ) -> None:
-    """What stk.train.render hands the pipeline: the prompt's and the negative's arrays, zero-padded to one length;
-    the boolean mask makes that padding invisible, so the image is the unpadded one."""
+    """What stk.train.validation.render hands the pipeline: the prompt's and the negative's arrays, zero-padded to one
+    length; the boolean mask makes that padding invisible, so the image is the unpadded one."""
     assert SPEC.sampling.negative_prompt and SPEC.sampling.guidance > 1
     prompt, negative = (collate_text([cached[i]]) for i in (0, 2))
     padded = collate_text([cached[0], cached[2]])

@@ -15,8 +15,8 @@ from stk.cli.common import default_of
 from stk.models import Family, build_tiny_model
 from stk.models.families import all_specs, spec_for
 from stk.shards.config import EncodeSettings
-from stk.train.losses import LossSettings
-from stk.train.objectives import FlowObjective, objective_for
+from stk.train.objective.losses import LossSettings
+from stk.train.objective.objectives import FlowObjective, objective_for
 from stk.train.options import TrainOptions
 
 FLOW = [spec.name for spec in all_specs() if spec.denoiser.flow]

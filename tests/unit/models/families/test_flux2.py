@@ -24,8 +24,8 @@ from stk.errors import InputError
 from stk.models import Family
 from stk.models.families import spec_for
 from stk.models.interface import StepInputs
-from stk.train.batch import collate_text
-from stk.train.objectives import objective_for
+from stk.train.data.batch import collate_text
+from stk.train.objective.objectives import objective_for
 
 SPEC = spec_for(Family.FLUX2)
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting with a blue man!"]

@@ -18,8 +18,8 @@ from support.reference_steps import assert_matches_reference
 from stk.models import Family
 from stk.models.families import spec_for
 from stk.models.interface import StepInputs
-from stk.train.batch import collate_text
-from stk.train.objectives import objective_for
+from stk.train.data.batch import collate_text
+from stk.train.objective.objectives import objective_for
 
 SPEC = spec_for(Family.FLUX2_KLEIN)
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting with a blue man!"]

@@ -19,8 +19,8 @@ from stk.models.families import spec_for
 from stk.models.families.qwenimage import DROPPED_TOKENS, MAX_SEQUENCE_LENGTH, PROMPT_TEMPLATE
 from stk.models.interface import StepInputs
 from stk.models.textmask import TEXT_MASK
-from stk.train.batch import collate_text
-from stk.train.objectives import objective_for
+from stk.train.data.batch import collate_text
+from stk.train.objective.objectives import objective_for
 
 SPEC = spec_for(Family.QWENIMAGE)
 CAPTIONS = ["a photo of a cat", "A red dog, on the painting with a blue man!"]  # two lengths: the mask matters

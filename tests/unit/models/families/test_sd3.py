@@ -22,8 +22,8 @@ from transformers import AutoTokenizer
 from stk.models import Family
 from stk.models.families import spec_for
 from stk.models.interface import StepInputs
-from stk.train.losses import flow_shift
-from stk.train.objectives import FlowObjective, objective_for
+from stk.train.objective.losses import flow_shift
+from stk.train.objective.objectives import FlowObjective, objective_for
 
 SPEC = spec_for(Family.SD3)
 CAPTIONS = ["a photo of a cat", "", "the " * 100 + "cat"]  # the empty caption (the negative); the last overflows CLIP
@@ -143,8 +143,8 @@ def test_a_trained_lora_loads_with_the_pipelines_load_lora_weights(model: str, t
 
 
 def test_samples_come_from_cached_embeddings_with_the_empty_caption_as_negative(model: str) -> None:
-    """As stk-train's sample images are made (stk.train.render): no text encoder, the stored embeddings given, the
-    empty caption's as the negative, the family's guidance."""
+    """As stk-train's sample images are made (stk.train.validation.render): no text encoder, the stored embeddings
+    given, the empty caption's as the negative, the family's guidance."""
     assert SPEC.sampling.negative_prompt and (SPEC.sampling.steps, SPEC.sampling.guidance) == (28, 3.5)
     encoders = SPEC.text.encoders.load(model, torch.device("cpu"), torch.float32)
     prompt, empty = encoders.encode_text(["a photo of a cat", ""])

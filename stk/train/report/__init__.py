@@ -1,0 +1,1 @@
+"""What a run reports: metrics.jsonl, TensorBoard or W&B, and the steps that came out non-finite."""
