@@ -13,12 +13,14 @@ import errno
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import types
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -55,6 +57,31 @@ def test_every_file_of_a_checkpoint_is_listed_with_its_size_digest_and_writer(tr
         assert files[OPTIM.format(1)]["rank"] == 1 and files["ema/rank-00001.pt"]["rank"] == 1
         assert files[MODEL]["size"] == (step_dir(out, step) / MODEL).stat().st_size
     assert (out / "checkpoints" / LATEST).read_text() == "step-00000004"
+
+
+class _Globals(pickle.Unpickler):
+    """Records every class or function a pickle names, loading nothing of its own."""
+
+    named: ClassVar[set[str]] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        _Globals.named.add(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def test_a_checkpoint_names_no_stk_module_so_moving_one_keeps_old_checkpoints_loading(trained):
+    """What a checkpoint pickles (DeepSpeed's model and optimizer states, the EMA's shares) names torch's, numpy's
+    and DeepSpeed's classes only, never one of stk's: stk's modules can move between releases and a run made before
+    still resumes. The record and the run's settings are JSON."""
+    _, out = trained
+    pickles = sorted(p for p in step_dir(out, 4).rglob("*.pt"))
+    assert {MODEL, OPTIM.format(0), "ema/rank-00000.pt"} <= {str(p.relative_to(step_dir(out, 4))) for p in pickles}
+    _Globals.named.clear()
+    shim = types.SimpleNamespace(Unpickler=_Globals, load=pickle.load, __name__="pickle")
+    for path in pickles:
+        torch.load(path, map_location="cpu", weights_only=False, pickle_module=shim)
+    assert any(name.startswith("torch.") for name in _Globals.named)  # the recording works
+    assert not [name for name in _Globals.named if name.startswith("stk.")]
 
 
 # --- resume: damaged checkpoints, in this process ----------------------------------------------------------------
