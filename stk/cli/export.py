@@ -7,6 +7,7 @@ import click
 from stk.cli.common import CONTEXT, default_of, run_command, run_process, verbosity_options
 from stk.cluster.world import World
 from stk.export import FORMATS, ExportOptions, Format, export
+from stk.export.adapters import kohya_families
 from stk.export.single import single_file_families
 from stk.models.families import Family, family_names
 
@@ -21,11 +22,11 @@ Examples:
 SOURCE is stk-train's OUTPUT/final, or one of its checkpoints (a full fine-tune's holds the
 denoiser alone, as DeepSpeed's shards: --model names the pipeline for the rest). Formats:
   diffusers    the diffusers/peft LoRA file (`pipe.load_lora_weights`), as stk-train writes it
-  kohya        a LoRA under kohya/ComfyUI's keys: lora_unet_... (SD, SDXL, Z-Image); diffusion_model....
-               with the model's own layer names (FLUX.1, SD3.5, Chroma, FLUX.2, Qwen-Image)
+  kohya        a LoRA under kohya/ComfyUI's keys (lora_unet_..., or diffusion_model.... with the model's own
+               layer names); families: {", ".join(kohya_families())}
   single-file  a full fine-tune as one .safetensors in the original layout, read back by
                from_single_file; families: {", ".join(single_file_families())}
-               (SD, SDXL: the LDM checkpoint, UNet, VAE and text encoders; the others: the transformer)
+               (a UNet family's: the LDM checkpoint, UNet, VAE and text encoders; a transformer's: itself)
 Adapters and formats: {"; ".join(f"{kind}: {', '.join(f.value for f in fits)}" for kind, fits in FORMATS.items())}.
 
 \b

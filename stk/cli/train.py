@@ -72,8 +72,7 @@ the first step: stopped at once), requeue the job to continue; 76 GPU fault (cir
 @fault_options
 @common_options
 def main(verbose: int, quiet: bool, s3_endpoint_url: str | None, s3_retry_seconds: float, **options: Any) -> None:
-    """Fine-tune a diffusion model (any --family: SD, SDXL, FLUX.1 and .2, SD3.5, Chroma, Z-Image, Qwen-Image) with
-    DeepSpeed from an stk-cache cache.
+    """Fine-tune a diffusion model of any family stk knows (--family) with DeepSpeed from an stk-cache cache.
 
     Run it under mpiexec, srun --mpi=pmi2|pmix, or stk-launch: it finds its rank and rendezvous
     itself. Rerunning the same command continues from the latest checkpoint.

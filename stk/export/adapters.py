@@ -20,7 +20,7 @@ from stk.models.families import all_specs, spec_for
 from stk.models.families.spec import FamilySpec
 from stk.models.layouts import LoraLayer
 
-__all__ = ["Adapter", "lora_layers", "read_adapter", "write_adapter"]
+__all__ = ["Adapter", "kohya_families", "lora_layers", "read_adapter", "write_adapter"]
 
 METADATA = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 # a tensor name's mark -> the adapter type (peft's names): LoHa and LoKr are added by naming their tensors here
@@ -34,6 +34,11 @@ class Adapter:
     kind: str  # "lora", "dora", "loha" or "lokr", from the tensor names peft gives each type
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
+
+
+def kohya_families() -> list[str]:
+    """The families whose LoRA stk-export writes under kohya/ComfyUI's keys (`ExportSpec.kohya_lora`)."""
+    return [spec.name.value for spec in all_specs() if spec.export.kohya_lora is not None]
 
 
 def read_adapter(file: Path) -> Adapter:
@@ -115,7 +120,7 @@ def write_adapter(adapter: Adapter, family: str, fmt: Format, out: Path) -> None
         shutil.copyfile(adapter.file, out)
         return
     if spec.export.kohya_lora is None:
-        have = ", ".join(s.name.value for s in all_specs() if s.export.kohya_lora is not None)
+        have = ", ".join(kohya_families())
         raise InputError(f"--format kohya: no kohya layout for {spec.title}; families that have one: {have}")
     from safetensors.torch import save_file
 
