@@ -14,7 +14,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from stk.models import Family, build_tiny_model
 from stk.models.interface import StepInputs
 from stk.train.objective.objectives import FlowObjective, Objective, objective_for
-from support.tiny_batches import step_inputs, unused_parameters
+from support.tiny_batches import step_inputs
 
 SEED = 3
 # (the denoiser, the batch, the noise, the timesteps or sigmas the objective drew) -> the example's loss
@@ -69,7 +69,7 @@ def assert_matches_reference(
     ours.backward()
     theirs.backward()
     grads = dict(theirs_model.named_parameters())
-    unused = unused_parameters(objective.family, denoiser)
+    unused = objective.spec.denoiser.unreached(denoiser)
     for name, p in denoiser.named_parameters():
         if name in unused:
             assert p.grad is None and grads[name].grad is None, name

@@ -28,15 +28,6 @@ def cached_batch(keys: list[str], seed: int) -> Batch:
     )
 
 
-def unused_parameters(family: Family, denoiser: torch.nn.Module) -> set[str]:
-    """The denoiser's parameters that no forward pass reaches, so no gradient: Qwen-Image's last block's text stream
-    (its transformer returns the image stream only; diffusers' model and the published weights have them)."""
-    if family is not Family.QWENIMAGE:
-        return set()
-    last = f"transformer_blocks.{len(denoiser.transformer_blocks) - 1}."
-    return {n for n, _ in denoiser.named_parameters() if n.startswith((last + "attn.to_add_out.", last + "txt_mlp."))}
-
-
 def step_inputs(family: Family, size: tuple[int, int] = (8, 8), batch: int = 2, seed: int = 0) -> StepInputs:
     """A random training micro-batch shaped for the tiny model of `family` (its spec's `tiny`)."""
     g = torch.Generator().manual_seed(seed)

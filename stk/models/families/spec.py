@@ -36,6 +36,7 @@ __all__ = [
     "TextSpec",
     "TinyBuilder",
     "TinySpec",
+    "all_reached",
     "as_given",
     "config_mu",
     "unpacked",
@@ -61,6 +62,11 @@ def as_given(embeddings: dict[str, torch.Tensor]) -> dict[str, Any]:
 def unpacked(latents: torch.Tensor) -> torch.Tensor:
     """The target of a denoiser that predicts in the latents' own layout."""
     return latents
+
+
+def all_reached(denoiser: torch.nn.Module) -> set[str]:
+    """A denoiser whose every parameter the training forward reaches."""
+    return set()
 
 
 def config_mu(config: Mapping[str, Any], image_seq_len: int) -> float:
@@ -138,6 +144,8 @@ class DenoiserSpec:
     blocks: Mapping[str, str] = field(default_factory=dict)
     # the fewest blocks per key that hold one block of each kind (SD3's last block differs from the others)
     measured_blocks: int = 1
+    # the denoiser's parameters that no training forward reaches, so that get no gradient (the model has them)
+    unreached: Callable[[torch.nn.Module], set[str]] = all_reached
 
 
 @dataclass(frozen=True)

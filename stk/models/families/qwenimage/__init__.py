@@ -120,6 +120,15 @@ def _sample_inputs(embeddings: dict[str, torch.Tensor]) -> dict[str, Any]:
     return masked_sample_inputs(embeddings, "prompt_embeds_mask")
 
 
+def _unreached(denoiser: torch.nn.Module) -> set[str]:
+    """The last block's text stream: QwenImageTransformer2DModel returns the image stream only, so its last
+    block's text projection and feed-forward never reach the loss (diffusers' model and the published weights have
+    them)."""
+    blocks: Any = denoiser.transformer_blocks
+    last = f"transformer_blocks.{len(blocks) - 1}."
+    return {n for n, _ in denoiser.named_parameters() if n.startswith((last + "attn.to_add_out.", last + "txt_mlp."))}
+
+
 SPEC = FamilySpec(
     name=family_of(__name__),
     title="Qwen-Image",
@@ -145,6 +154,7 @@ SPEC = FamilySpec(
         lora_targets=ATTENTION_TARGETS,  # the example's default target_modules (no --lora_layers)
         example=Example("examples/dreambooth/train_dreambooth_lora_qwen_image.py"),
         blocks={"num_layers": "transformer_blocks"},
+        unreached=_unreached,
     ),
     sampling=SamplingSpec(  # Qwen/Qwen-Image's card
         steps=50,
