@@ -208,3 +208,11 @@ def test_the_template_is_not_a_family_and_names_every_part_of_a_spec() -> None:
         "ExportSpec",
     }
     assert {(HOME / "_template" / name).is_file() for name in ("tiny.py", "README.md")} == {True}
+
+
+def test_the_readmes_family_table_lists_every_family_and_no_other() -> None:
+    """The front page's short table is written by hand: it names each registered family once."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    table = readme.split("## Model families", 1)[1].split("\n## ", 1)[0]
+    listed = [line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")]
+    assert sorted(listed) == sorted(family_names())
