@@ -91,7 +91,9 @@ def forward_backward_flops(config: str) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default=",".join(flow_configs()), help="published configs (stk/models/configs)")
+    parser.add_argument(
+        "--configs", default=",".join(flow_configs()), help="published configs (stk/models/families/*/configs)"
+    )
     parser.add_argument("--mfu", type=float, default=0.4, help="the fraction of the peak a step is assumed to reach")
     parser.add_argument("--batch", type=int, default=8, help="samples per GPU and step")
     parser.add_argument("--gpus", type=int, default=32)

@@ -142,7 +142,8 @@ def families_expected() -> list[str]:
 
 def test_families_train_each_published_config_and_project_it(kit):
     rows = kit.rows["families"]
-    assert [row["config"] for row in rows] == families_expected() == ["qwen-image"]
+    (expected,) = families_expected()
+    assert [row["config"] for row in rows] == [expected] and expected != "flux-dev"
     denoisers = load_kit_module("denoisers")
     for row in rows:
         assert row["variant"] == "lora-ckpt" and row["batch"] == 2 and row["samples_per_s"] > 0

@@ -46,6 +46,8 @@ PARTITIONED = textwrap.dedent(
         torch.save(weights, os.path.join(out, "gathered.pt"))
     with open(os.path.join(out, f"rank{world.rank}.json"), "w") as f:
         json.dump({"held": held, "total": total, "dtypes": sorted({str(p.dtype) for p in denoiser.parameters()})}, f)
+    # no rank leaves before every rank has written: a rank that exits first can make mpiexec end the others
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     # What is tested here is written and closed. The interpreter's teardown after a ZeRO-3 load aborted once in
     # CI ("terminate called without an active exception", mpiexec exit 6); how stk-train ends is tested through it.
