@@ -156,8 +156,6 @@ def test_families_train_each_published_config_and_project_it(kit):
         assert projection["s_per_step"] == pytest.approx(projection["compute_s"] + projection["comm_s"], abs=2e-3)
         # the full depth costs more than the measured one: the projection scales the FLOPs up
         assert projection["compute_s"] > row["step_s"] * 8 / 2
-    (qwen,) = rows
-    assert qwen["blocks"] == {"num_layers": 1}
 
 
 def test_the_breaker_polls_while_the_workload_runs(kit):
