@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from support.exported import files, perturbed
 from support.family_tests import family_tests
 from support.lora_files import assert_pipeline_loads_it, saved_lora
 from support.samples import rendered_sample
@@ -202,10 +203,6 @@ def test_its_sample_images_are_the_ones_its_pipeline_makes(family: Family, tiny_
     assert not np.array_equal(np.asarray(own), np.asarray(other)), "the guidance reached the pipeline"
 
 
-def _files(folder: Path, skip: str) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.parts[-2] != skip)
-
-
 @families
 def test_a_fine_tuned_model_exports_as_a_pipeline_that_loads_and_runs(
     family: Family, tiny_model: Callable[[Family], str], tmp_path: Path
@@ -216,14 +213,13 @@ def test_a_fine_tuned_model_exports_as_a_pipeline_that_loads_and_runs(
     objective = objective_for(family, str(source))
     sub = objective.denoiser_subfolder
     denoiser = objective.load_denoiser(torch.float32)
-    g = torch.Generator().manual_seed(1)
-    state = {k: v.detach() + 0.01 * torch.randn(v.shape, generator=g) for k, v in denoiser.state_dict().items()}
+    state = perturbed(denoiser, 1)
     out = tmp_path / "final"
     config = dict(getattr(denoiser, "config", {}))
     assert export_pipeline(str(source), sub, objective.denoiser_class, config, state, str(out)) == str(out)
 
-    assert _files(out, sub) == _files(source, sub)
-    assert all(filecmp.cmp(source / f, out / f, shallow=False) for f in _files(source, sub))
+    assert files(out, sub) == files(source, sub)
+    assert all(filecmp.cmp(source / f, out / f, shallow=False) for f in files(source, sub))
     assert (out / sub / "diffusion_pytorch_model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no temp folder left
 

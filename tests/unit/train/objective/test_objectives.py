@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, DiffusionPipeline, FluxPipeline, FluxTransformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+from support.exported import files, perturbed
 from support.tiny_batches import Recorder, step_inputs
 
 from stk.errors import InputError
@@ -247,15 +248,6 @@ def test_missing_scheduler_or_unsupported_prediction_type(models: dict[str, str]
 
 
 # --- export -------------------------------------------------------------------------------
-
-
-def files(root: Path, skip: str) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.parts[len(root.parts)] != skip)
-
-
-def perturbed(denoiser: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    g = seeded(seed)
-    return {k: v.detach() + 0.01 * torch.randn(v.shape, generator=g) for k, v in denoiser.state_dict().items()}
 
 
 def test_export_replaces_the_old_model_only_when_complete(models: dict[str, str], tmp_path: Path) -> None:
